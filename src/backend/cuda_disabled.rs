@@ -1,0 +1,25 @@
+//! Stand-in for the CUDA backend when spex is built without the `cuda` feature.
+
+use crate::backend::{Backend, FrameInput, Progress};
+use crate::error::{Error, Result};
+use crate::extract::PatchResult;
+use crate::plan::Patch;
+
+/// Never constructed: [`CudaBackend::new`] always fails.
+pub struct CudaBackend(());
+
+impl CudaBackend {
+    pub fn new(_device: usize) -> Result<Self> {
+        Err(Error::Gpu("this spex was built without the `cuda` feature".into()))
+    }
+}
+
+impl Backend for CudaBackend {
+    fn describe(&self) -> String {
+        unreachable!("CudaBackend cannot be constructed without the cuda feature")
+    }
+
+    fn extract(&mut self, _: FrameInput<'_>, _: &[Patch], _: &Progress) -> Result<Vec<PatchResult>> {
+        unreachable!("CudaBackend cannot be constructed without the cuda feature")
+    }
+}

@@ -1,0 +1,82 @@
+//! Backends solve batches of patches. The CPU backend is the reference and always present;
+//! the CUDA backend is compiled with the `cuda` feature and otherwise replaced by a module of
+//! the same name whose constructor reports that it is missing, so callers carry no `cfg`.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::error::Result;
+use crate::extract::{PatchResult, SolveOptions};
+use crate::image::Image;
+use crate::plan::{Patch, Plan};
+use crate::psf::GaussHermitePsf;
+
+pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+#[cfg(not(feature = "cuda"))]
+#[path = "cuda_disabled.rs"]
+pub mod cuda;
+
+/// Everything a backend needs to solve patches of one frame.
+#[derive(Clone, Copy)]
+pub struct FrameInput<'a> {
+    pub plan: &'a Plan,
+    pub psf: &'a GaussHermitePsf,
+    pub image: &'a Image,
+    pub options: &'a SolveOptions,
+}
+
+/// A thread-safe counter of solved patches that drives the progress display.
+pub struct Progress {
+    done: AtomicUsize,
+    callback: Box<dyn Fn(usize) + Send + Sync>,
+}
+
+impl Progress {
+    /// A counter that calls `callback` with the number of patches just finished.
+    pub fn new(callback: impl Fn(usize) + Send + Sync + 'static) -> Self {
+        Progress {
+            done: AtomicUsize::new(0),
+            callback: Box::new(callback),
+        }
+    }
+
+    /// A counter that reports nowhere.
+    pub fn silent() -> Self {
+        Progress::new(|_| {})
+    }
+
+    pub fn add(&self, n: usize) {
+        self.done.fetch_add(n, Ordering::Relaxed);
+        (self.callback)(n);
+    }
+
+    pub fn done(&self) -> usize {
+        self.done.load(Ordering::Relaxed)
+    }
+}
+
+/// A device that solves patches.
+pub trait Backend {
+    /// A short description for logs ("cpu (8 threads)", "cuda:0 NVIDIA H100").
+    fn describe(&self) -> String;
+
+    /// Solves `patches` (any subset of the plan, in any order) and returns one result per
+    /// patch, in the same order.
+    fn extract(&mut self, input: FrameInput<'_>, patches: &[Patch], progress: &Progress) -> Result<Vec<PatchResult>>;
+}
+
+/// Which backend to build.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendKind {
+    Cpu,
+    Cuda,
+}
+
+/// Builds a backend: `threads` CPU threads, or the CUDA device `device`.
+pub fn create(kind: BackendKind, threads: usize, device: usize) -> Result<Box<dyn Backend>> {
+    match kind {
+        BackendKind::Cpu => Ok(Box::new(cpu::CpuBackend::new(threads)?)),
+        BackendKind::Cuda => Ok(Box::new(cuda::CudaBackend::new(device)?)),
+    }
+}

@@ -1,0 +1,60 @@
+//! The library's error type: every failure names the file, HDU, patch or device it concerns.
+
+use std::path::PathBuf;
+
+/// Errors of the spex library. The binary adds context with `anyhow` at the edge.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A FITS file could not be opened, read or written (cfitsio's message included).
+    #[error("{path}: {what}: {message}")]
+    Fits {
+        path: PathBuf,
+        what: String,
+        message: String,
+    },
+
+    /// A PSF file that opened but does not describe a usable Gauss-Hermite PSF.
+    #[error("{path}: invalid PSF: {message}")]
+    Psf { path: PathBuf, message: String },
+
+    /// A preproc image whose HDUs are inconsistent (shapes, types).
+    #[error("{path}: invalid image: {message}")]
+    Image { path: PathBuf, message: String },
+
+    /// Extraction options that cannot work with the given inputs.
+    #[error("invalid options: {0}")]
+    Config(String),
+
+    /// A numerical failure that the fallbacks could not recover.
+    #[error("patch (fibers {fibers:?}, output bins {waves:?}): {message}")]
+    Patch {
+        fibers: std::ops::Range<usize>,
+        waves: std::ops::Range<usize>,
+        message: String,
+    },
+
+    /// The GPU backend: driver, NVRTC, cuBLAS/cuSOLVER or device memory.
+    #[error("GPU: {0}")]
+    Gpu(String),
+
+    /// MPI communication or rank coordination.
+    #[error("MPI: {0}")]
+    Mpi(String),
+
+    /// Plain I/O outside cfitsio (renames, list files).
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Result alias of the library.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub(crate) fn config(message: impl Into<String>) -> Self {
+        Error::Config(message.into())
+    }
+}

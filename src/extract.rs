@@ -1,0 +1,194 @@
+//! What every backend shares about a patch: the options of the solve, the pixel box a patch
+//! covers on the CCD, the order of its unknowns and the shape of its results.
+//!
+//! The solve itself (B&S eq. 4 and 17-19) is stated in DESIGN terms in [`crate::backend::cpu`],
+//! the reference implementation; other backends must reproduce its results.
+
+use std::ops::Range;
+
+use crate::plan::{Patch, Plan};
+use crate::psf::Spots;
+
+/// Options of the patch solve that do not change the plan.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SolveOptions {
+    /// Extra diagonal regularisation `alpha` of icov (`-r`), applied where a bin is well
+    /// constrained; poorly constrained bins get `minweight - fluxweight`.
+    pub regularize: f64,
+    /// Fractional PSF model error used by chi2pix.
+    pub psferr: f64,
+    /// Whether to return model images of the patches (`-m`).
+    pub model: bool,
+}
+
+/// How a patch was solved, for logs and statistics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PatchStatus {
+    /// Cholesky route as planned.
+    Ok,
+    /// Cholesky failed and succeeded again with `regularize = 1e-4`.
+    Regularized,
+    /// Cholesky failed twice; the clipped eigendecomposition was used.
+    EigenFallback,
+    /// No usable pixel: flux 0, ivar 0.
+    Masked,
+    /// The patch is off the CCD: flux 0, ivar 0.
+    OffImage,
+    /// The solve produced NaN or infinity: flux 0, ivar 0.
+    NonFinite,
+}
+
+impl PatchStatus {
+    pub fn code(self) -> u8 {
+        self as u8
+    }
+
+    pub fn from_code(code: u8) -> Option<Self> {
+        use PatchStatus::*;
+        [Ok, Regularized, EigenFallback, Masked, OffImage, NonFinite]
+            .into_iter()
+            .find(|s| *s as u8 == code)
+    }
+}
+
+/// A model image of one patch: `A_core flux_core` on its pixel box.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelPatch {
+    pub rows: Range<usize>,
+    pub cols: Range<usize>,
+    /// `[row][col]` over the box.
+    pub data: Vec<f64>,
+}
+
+/// Core results of one patch: `nfiber` core fibers by `nwave` kept output bins, in photons
+/// per bin (the frame converts to per Angstrom).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PatchResult {
+    /// Index of the patch in the plan.
+    pub patch: usize,
+    pub nfiber: usize,
+    pub nwave: usize,
+    /// Number of resolution diagonals on each side (`HSIZEY`).
+    pub ndiag: usize,
+    pub status: PatchStatus,
+    /// `[fiber][wave]`.
+    pub flux: Vec<f64>,
+    pub ivar: Vec<f64>,
+    /// `[fiber][2 ndiag + 1][wave]`, `Rdiags[k][j] = R[j - ndiag + k][j]`.
+    pub resolution: Vec<f64>,
+    pub pixmask_fraction: Vec<f64>,
+    pub chi2pix: Vec<f64>,
+    pub model: Option<ModelPatch>,
+}
+
+impl PatchResult {
+    /// An all-zero result (flux 0, ivar 0) for a patch that could not be solved.
+    pub fn empty(patch: &Patch, ndiag: usize, status: PatchStatus) -> Self {
+        let (nf, nw) = (patch.fibers.len(), patch.waves.len());
+        PatchResult {
+            patch: patch.index,
+            nfiber: nf,
+            nwave: nw,
+            ndiag,
+            status,
+            flux: vec![0.0; nf * nw],
+            ivar: vec![0.0; nf * nw],
+            resolution: vec![0.0; nf * (2 * ndiag + 1) * nw],
+            pixmask_fraction: vec![0.0; nf * nw],
+            chi2pix: vec![0.0; nf * nw],
+            model: None,
+        }
+    }
+
+    /// Whether every output value is finite.
+    pub fn is_finite(&self) -> bool {
+        [&self.flux, &self.ivar, &self.resolution, &self.chi2pix, &self.pixmask_fraction]
+            .iter()
+            .all(|v| v.iter().all(|x| x.is_finite()))
+    }
+}
+
+/// The CCD pixels a patch uses and the order of its unknowns.
+///
+/// Unknowns are ordered fiber block by fiber block, each block `nwavetot` bins long, with the
+/// padding fibers first and the core fibers last: the core blocks of `icov^-1` then depend
+/// only on the trailing block of the Cholesky factor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PatchGeometry {
+    /// CCD rows kept (pixpad trimmed, clipped to the CCD); may be empty.
+    pub rows: Range<usize>,
+    /// CCD columns covered by any spot of the patch (clipped to the CCD).
+    pub cols: Range<usize>,
+    /// Fibers of each block relative to the spots' first fiber: padding fibers, then core.
+    pub block_fibers: Vec<usize>,
+    /// Number of leading padding blocks.
+    pub npad: usize,
+    /// First padded-grid wavelength index of the patch.
+    pub wave0: usize,
+    pub nwavetot: usize,
+}
+
+impl PatchGeometry {
+    /// Lays out a patch on the CCD from its spots' corners (DESIGN "Pixels of a patch").
+    pub fn new(plan: &Plan, patch: &Patch, spots: &Spots, ccd: (usize, usize)) -> Self {
+        let f0 = spots.fibers.start;
+        let waves = plan.patch_waves(patch);
+        let core_waves = waves.start + plan.wavepad..waves.start + plan.wavepad + plan.options.nwavestep;
+        let (ny, nx) = (spots.ny as i64, spots.nx as i64);
+
+        let mut x = (i64::MAX, i64::MIN);
+        let mut ypad = (i64::MAX, i64::MIN);
+        let mut ycore = (i64::MAX, i64::MIN);
+        for f in patch.padded_fibers.clone() {
+            for w in waves.clone() {
+                let (xc, yc) = spots.corner(f - f0, w);
+                let (xc, yc) = (xc as i64, yc as i64);
+                x = (x.0.min(xc), x.1.max(xc + nx));
+                ypad = (ypad.0.min(yc), ypad.1.max(yc + ny));
+                if core_waves.contains(&w) {
+                    ycore = (ycore.0.min(yc), ycore.1.max(yc + ny));
+                }
+            }
+        }
+        let frac = plan.options.pixpad_frac;
+        let lo = ((ycore.0 - ypad.0) as f64 * (1.0 - frac)).floor() as i64;
+        let hi = ((ycore.1 - ypad.0) as f64 + (ypad.1 - ycore.1) as f64 * frac).floor() as i64;
+        let clip = |a: i64, b: i64, n: usize| -> Range<usize> {
+            let a = a.clamp(0, n as i64) as usize;
+            let b = b.clamp(0, n as i64) as usize;
+            a..b.max(a)
+        };
+        let rows = clip(ypad.0 + lo, ypad.0 + hi, ccd.0);
+        let cols = clip(x.0, x.1, ccd.1);
+
+        let core = patch.fibers.start - f0..patch.fibers.end - f0;
+        let mut block_fibers: Vec<usize> = (patch.padded_fibers.start - f0..patch.padded_fibers.end - f0)
+            .filter(|f| !core.contains(f))
+            .collect();
+        let npad = block_fibers.len();
+        block_fibers.extend(core);
+        PatchGeometry {
+            rows,
+            cols,
+            block_fibers,
+            npad,
+            wave0: waves.start,
+            nwavetot: plan.nwavetot,
+        }
+    }
+
+    /// Number of unknowns.
+    pub fn nunknowns(&self) -> usize {
+        self.block_fibers.len() * self.nwavetot
+    }
+
+    /// Number of core fibers.
+    pub fn ncore(&self) -> usize {
+        self.block_fibers.len() - self.npad
+    }
+
+    /// Whether the box has no pixel.
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty() || self.cols.is_empty()
+    }
+}

@@ -1,0 +1,108 @@
+//! The preproc image: pixels, inverse variance and mask of one CCD frame (desispec's
+//! `preproc-*.fits`), with the IMAGE header that is carried into the output frame.
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+use crate::fits::Fits;
+
+/// Which MASK bits make a pixel unusable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MaskRule {
+    /// Any nonzero MASK value (gpu_specter's rule, the default).
+    AnyBit,
+    /// Only these bits (desispec production uses 767, which keeps BADREADNOISE pixels).
+    Bits(u32),
+}
+
+impl MaskRule {
+    fn is_bad(self, mask: i32) -> bool {
+        match self {
+            MaskRule::AnyBit => mask != 0,
+            MaskRule::Bits(bits) => (mask as u32) & bits != 0,
+        }
+    }
+}
+
+/// A CCD frame ready for extraction: `ivar` is zero wherever the pixel must not be used.
+#[derive(Clone, Debug)]
+pub struct Image {
+    pub path: PathBuf,
+    pub nrows: usize,
+    pub ncols: usize,
+    /// Pixel values, row-major `[row][col]`.
+    pub pix: Vec<f32>,
+    /// Inverse variance, zero for masked pixels.
+    pub ivar: Vec<f32>,
+    /// Header cards of the IMAGE HDU (structural cards removed).
+    pub header: Vec<String>,
+    /// Whether the file has a FIBERMAP table to pass through.
+    pub has_fibermap: bool,
+    /// Pixels whose MASK rejected them.
+    pub nmasked: usize,
+    /// Pixels rejected because IMAGE or IVAR was NaN, infinite or (IVAR) negative.
+    pub nnonfinite: usize,
+}
+
+impl Image {
+    /// Reads IMAGE, IVAR and MASK (plain or tile-compressed) and applies the mask rule.
+    pub fn read(path: &Path, rule: MaskRule) -> Result<Self> {
+        let mut fits = Fits::open(path)?;
+        fits.move_to("IMAGE")?;
+        let header = fits
+            .cards()?
+            .into_iter()
+            .filter(|c| !crate::fits::is_structural_card(c))
+            .collect();
+        let (shape, pix) = fits.read_image::<f32>()?;
+        if shape.len() != 2 || shape[0] == 0 || shape[1] == 0 {
+            return Err(Error::Image {
+                path: path.into(),
+                message: format!("IMAGE has shape {shape:?}, expected a 2-D image"),
+            });
+        }
+        fits.move_to("IVAR")?;
+        let (ivar_shape, mut ivar) = fits.read_image::<f32>()?;
+        fits.move_to("MASK")?;
+        let (mask_shape, mask) = fits.read_image::<i32>()?;
+        for (name, s) in [("IVAR", &ivar_shape), ("MASK", &mask_shape)] {
+            if *s != shape {
+                return Err(Error::Image {
+                    path: path.into(),
+                    message: format!("{name} has shape {s:?} but IMAGE has {shape:?}"),
+                });
+            }
+        }
+        let has_fibermap = fits.has_hdu("FIBERMAP");
+
+        let mut pix = pix;
+        let (mut nmasked, mut nnonfinite) = (0, 0);
+        for ((p, v), &m) in pix.iter_mut().zip(ivar.iter_mut()).zip(&mask) {
+            if !p.is_finite() || !v.is_finite() || *v < 0.0 {
+                *p = 0.0;
+                *v = 0.0;
+                nnonfinite += 1;
+            } else if rule.is_bad(m) {
+                *v = 0.0;
+                nmasked += 1;
+            }
+        }
+        if nnonfinite > 0 {
+            tracing::warn!(
+                "{}: {nnonfinite} pixels with non-finite IMAGE/IVAR or negative IVAR treated as masked",
+                path.display()
+            );
+        }
+        Ok(Image {
+            path: path.into(),
+            nrows: shape[0],
+            ncols: shape[1],
+            pix,
+            ivar,
+            header,
+            has_fibermap,
+            nmasked,
+            nnonfinite,
+        })
+    }
+}

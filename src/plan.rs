@@ -1,0 +1,286 @@
+//! The divide-and-conquer plan of a frame: the output wavelength grid, its padded version,
+//! bundles, sub-bundles and the patches (one sub-bundle by `nwavestep` output bins) that are
+//! solved independently. Nothing here depends on pixels or on the backend.
+
+use std::ops::Range;
+
+use crate::error::{Error, Result};
+
+/// User-level choices that shape the plan (gpu_specter / desispec option names).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlanOptions {
+    /// Output grid `wmin, wmax, dw` (inclusive of wmax within half a bin).
+    pub wmin: f64,
+    pub wmax: f64,
+    pub dw: f64,
+    pub specmin: usize,
+    pub nspec: usize,
+    pub bundlesize: usize,
+    pub nsubbundles: usize,
+    pub nwavestep: usize,
+    pub wavepad: usize,
+    pub wavepad_frac: f64,
+    pub pixpad_frac: f64,
+}
+
+impl PlanOptions {
+    /// The defaults of gpu_specter and desispec for everything but the wavelength grid and the
+    /// fiber range.
+    pub fn new(wmin: f64, wmax: f64, dw: f64, specmin: usize, nspec: usize) -> Self {
+        PlanOptions {
+            wmin,
+            wmax,
+            dw,
+            specmin,
+            nspec,
+            bundlesize: 25,
+            nsubbundles: 5,
+            nwavestep: 50,
+            wavepad: 10,
+            wavepad_frac: 0.2,
+            pixpad_frac: 0.8,
+        }
+    }
+}
+
+/// One patch: a sub-bundle of fibers by `nwavestep` output bins, with its padding.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Patch {
+    /// Index of this patch in the plan (stable across ranks and backends).
+    pub index: usize,
+    /// First fiber of the bundle the patch belongs to (absolute fiber number).
+    pub bundle_start: usize,
+    /// Core fibers (absolute).
+    pub fibers: Range<usize>,
+    /// Fibers solved together: the core plus one neighbour on each side inside the bundle.
+    pub padded_fibers: Range<usize>,
+    /// Output bins written by this patch (indices of the output grid); the last patch of a
+    /// row is narrower when `nwave` is not a multiple of `nwavestep`.
+    pub waves: Range<usize>,
+    /// First bin of the padded wavelength window, as an index of the padded grid.
+    pub padded_wave_start: usize,
+}
+
+impl Patch {
+    /// Number of fibers solved together.
+    pub fn nspecpad(&self) -> usize {
+        self.padded_fibers.len()
+    }
+
+    /// Offset of the first core fiber within the padded fibers.
+    pub fn core_fiber_offset(&self) -> usize {
+        self.fibers.start - self.padded_fibers.start
+    }
+}
+
+/// The plan of a frame extraction.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub options: PlanOptions,
+    /// Output wavelength grid.
+    pub wave: Vec<f64>,
+    /// Padded grid: `wavepad` bins before `wave`, `wave`, then `wavepad + nwavestep` bins.
+    pub fullwave: Vec<f64>,
+    /// Effective wavelength padding `P = wavepad + floor(wavepad * wavepad_frac)`.
+    pub wavepad: usize,
+    /// Bins solved per patch: `nwavestep + 2 P`.
+    pub nwavetot: usize,
+    pub patches: Vec<Patch>,
+}
+
+impl Plan {
+    /// Validates the options and lays out every patch of the frame.
+    pub fn new(options: PlanOptions) -> Result<Self> {
+        let o = &options;
+        if !(o.dw > 0.0) || !o.dw.is_finite() {
+            return Err(Error::config(format!("wavelength step dw = {} must be positive", o.dw)));
+        }
+        if !(o.wmax >= o.wmin) || !o.wmin.is_finite() || !o.wmax.is_finite() {
+            return Err(Error::config(format!("wavelength range {}..{} is empty", o.wmin, o.wmax)));
+        }
+        if o.bundlesize == 0 || o.nsubbundles == 0 || o.nwavestep == 0 {
+            return Err(Error::config("bundlesize, nsubbundles and nwavestep must be positive"));
+        }
+        if o.bundlesize % o.nsubbundles != 0 {
+            return Err(Error::config(format!(
+                "bundlesize ({}) must be divisible by nsubbundles ({})",
+                o.bundlesize, o.nsubbundles
+            )));
+        }
+        if o.specmin % o.bundlesize != 0 {
+            return Err(Error::config(format!(
+                "specmin ({}) must be a multiple of bundlesize ({})",
+                o.specmin, o.bundlesize
+            )));
+        }
+        if o.nspec == 0 || o.nspec % o.bundlesize != 0 {
+            return Err(Error::config(format!(
+                "nspec ({}) must be a positive multiple of bundlesize ({})",
+                o.nspec, o.bundlesize
+            )));
+        }
+        if !(0.0..=1.0).contains(&o.pixpad_frac) || !(o.wavepad_frac >= 0.0) {
+            return Err(Error::config(format!(
+                "pixpad-frac ({}) must be in [0, 1] and wavepad-frac ({}) non-negative",
+                o.pixpad_frac, o.wavepad_frac
+            )));
+        }
+        let nbins = ((o.wmax - o.wmin) / o.dw + 0.5).floor() as usize + 1;
+        if nbins > 1_000_000 {
+            return Err(Error::config(format!("{nbins} wavelength bins is too many")));
+        }
+        let wave = output_grid(o.wmin, o.wmax, o.dw);
+        let wavepad = o.wavepad + (o.wavepad as f64 * o.wavepad_frac).floor() as usize;
+        let fullwave = padded_grid(&wave, o.dw, wavepad, o.nwavestep);
+        let nwave = wave.len();
+
+        let nper = o.bundlesize / o.nsubbundles;
+        let mut patches = Vec::new();
+        for bundle_start in (o.specmin..o.specmin + o.nspec).step_by(o.bundlesize) {
+            let bundle_end = bundle_start + o.bundlesize;
+            for sub in (bundle_start..bundle_end).step_by(nper) {
+                let fibers = sub..sub + nper;
+                let lo = if sub == bundle_start { sub } else { sub - 1 };
+                let hi = if fibers.end == bundle_end { fibers.end } else { fibers.end + 1 };
+                for start in (0..nwave).step_by(o.nwavestep) {
+                    patches.push(Patch {
+                        index: patches.len(),
+                        bundle_start,
+                        fibers: fibers.clone(),
+                        padded_fibers: lo..hi,
+                        waves: start..(start + o.nwavestep).min(nwave),
+                        padded_wave_start: start,
+                    });
+                }
+            }
+        }
+        Ok(Plan {
+            nwavetot: o.nwavestep + 2 * wavepad,
+            wavepad,
+            wave,
+            fullwave,
+            patches,
+            options,
+        })
+    }
+
+    /// Number of output bins.
+    pub fn nwave(&self) -> usize {
+        self.wave.len()
+    }
+
+    /// Fibers of the frame.
+    pub fn fibers(&self) -> Range<usize> {
+        self.options.specmin..self.options.specmin + self.options.nspec
+    }
+
+    /// Bundles of the frame, as absolute fiber ranges.
+    pub fn bundles(&self) -> Vec<Range<usize>> {
+        let o = &self.options;
+        (o.specmin..o.specmin + o.nspec)
+            .step_by(o.bundlesize)
+            .map(|s| s..s + o.bundlesize)
+            .collect()
+    }
+
+    /// The padded-grid wavelengths solved by a patch.
+    pub fn patch_waves(&self, patch: &Patch) -> Range<usize> {
+        patch.padded_wave_start..patch.padded_wave_start + self.nwavetot
+    }
+}
+
+/// `wmin, wmin + dw, ...` up to `wmax` inclusive (numpy's `arange(wmin, wmax + dw/2, dw)`).
+pub fn output_grid(wmin: f64, wmax: f64, dw: f64) -> Vec<f64> {
+    let n = ((wmax + 0.5 * dw - wmin) / dw).ceil().max(0.0) as usize;
+    (0..n).map(|i| wmin + i as f64 * dw).collect()
+}
+
+/// The output grid with `pad` bins before it and `pad + nwavestep` bins after it, so that the
+/// last, partial patch of a row still has a full padded window.
+pub fn padded_grid(wave: &[f64], dw: f64, pad: usize, nwavestep: usize) -> Vec<f64> {
+    let wmin = wave[0];
+    let wlast = wave[wave.len() - 1];
+    let mut full = Vec::with_capacity(wave.len() + 2 * pad + nwavestep);
+    full.extend((0..pad).map(|i| wmin - (pad - i) as f64 * dw));
+    full.extend_from_slice(wave);
+    full.extend((0..pad + nwavestep).map(|i| wlast + (i + 1) as f64 * dw));
+    full
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(nwave_end: f64) -> Plan {
+        Plan::new(PlanOptions::new(6000.0, nwave_end, 0.8, 25, 50)).unwrap()
+    }
+
+    #[test]
+    fn grid_matches_numpy_arange() {
+        let w = output_grid(6000.0, 6400.0, 0.8);
+        assert_eq!(w.len(), 501);
+        assert!((w[500] - 6400.0).abs() < 1e-9);
+        let w = output_grid(5760.0, 7620.0, 0.8);
+        assert_eq!(w.len(), 2326);
+    }
+
+    #[test]
+    fn padded_grid_is_uniform() {
+        let p = plan(6400.0);
+        assert_eq!(p.wavepad, 12);
+        assert_eq!(p.fullwave.len(), 501 + 12 + 12 + 50);
+        for pair in p.fullwave.windows(2) {
+            assert!((pair[1] - pair[0] - 0.8).abs() < 1e-9);
+        }
+        assert!((p.fullwave[12] - 6000.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn patches_pad_fibers_inside_bundles_only() {
+        let p = plan(6400.0);
+        // 2 bundles x 5 sub-bundles x 11 wave steps (501 bins / 50)
+        assert_eq!(p.patches.len(), 2 * 5 * 11);
+        let first = &p.patches[0];
+        assert_eq!(first.fibers, 25..30);
+        assert_eq!(first.padded_fibers, 25..31);
+        let middle = p.patches.iter().find(|q| q.fibers.start == 35).unwrap();
+        assert_eq!(middle.padded_fibers, 34..41);
+        let last_sub = p.patches.iter().find(|q| q.fibers.start == 45).unwrap();
+        assert_eq!(last_sub.padded_fibers, 44..50);
+        let second_bundle = p.patches.iter().find(|q| q.fibers.start == 50).unwrap();
+        assert_eq!(second_bundle.padded_fibers, 50..56);
+    }
+
+    #[test]
+    fn last_patch_of_a_row_is_partial() {
+        let p = plan(6400.0);
+        let row: Vec<_> = p.patches.iter().filter(|q| q.fibers.start == 25).collect();
+        assert_eq!(row.len(), 11);
+        assert_eq!(row[10].waves, 500..501);
+        assert_eq!(p.patch_waves(row[10]), 500..574);
+        assert!(p.patch_waves(row[10]).end <= p.fullwave.len());
+        // bins are covered exactly once
+        let covered: usize = row.iter().map(|q| q.waves.len()).sum();
+        assert_eq!(covered, 501);
+    }
+
+    #[test]
+    fn invalid_options_are_rejected() {
+        let base = PlanOptions::new(6000.0, 6400.0, 0.8, 0, 25);
+        let mut o = base.clone();
+        o.dw = 0.0;
+        assert!(Plan::new(o).is_err());
+        let mut o = base.clone();
+        o.specmin = 3;
+        assert!(Plan::new(o).is_err());
+        let mut o = base.clone();
+        o.nspec = 30;
+        assert!(Plan::new(o).is_err());
+        let mut o = base.clone();
+        o.nsubbundles = 4;
+        assert!(Plan::new(o).is_err());
+        let mut o = base;
+        o.wmax = 5000.0;
+        assert!(Plan::new(o).is_err());
+    }
+}

@@ -1,0 +1,422 @@
+//! The Gauss-Hermite PSF of DESI (specex `PSFTYPE = GAUSS-HERMITE`, `PSFVER = 3`): reading
+//! and validating the file, evaluating its Legendre-parameterised traces and shape
+//! parameters, and pixel-integrated spots.
+//!
+//! A spot of fiber `f` at wavelength `w` is `ny = 2 HSIZEY + 1` rows by `nx = 2 HSIZEX + 1`
+//! columns whose lower-left pixel on the CCD is `(floor(X - HSIZEX + 0.5), floor(Y - HSIZEY +
+//! 0.5))`. Its value is `sum_ij GH-i-j pGHy[j][iy] pGHx[i][ix]`, clipped at zero and normalised
+//! to unit sum, where `pGH` are Gauss-Hermite functions integrated over each pixel. The TAIL*
+//! parameters are not used (as in gpu_specter).
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+use crate::fits::Fits;
+
+/// Default fractional PSF error for chi2pix when the PSF does not give `PSFERR`.
+pub const DEFAULT_PSFERR: f64 = 0.01;
+
+/// A set of Legendre series, one per fiber, over a wavelength domain.
+#[derive(Clone, Debug)]
+pub struct Legendre {
+    pub wavemin: f64,
+    pub wavemax: f64,
+    /// Number of coefficients per fiber (degree + 1).
+    pub ncoef: usize,
+    /// Coefficients `[fiber][k]`.
+    pub coeff: Vec<f64>,
+}
+
+impl Legendre {
+    /// Evaluates the series of `fiber` at wavelength `w`:
+    /// `sum_k c[fiber][k] P_k(u)`, `u = 2 (w - wavemin) / (wavemax - wavemin) - 1`.
+    pub fn eval(&self, fiber: usize, w: f64) -> f64 {
+        let u = (w - self.wavemin) * (2.0 / (self.wavemax - self.wavemin)) - 1.0;
+        let c = &self.coeff[fiber * self.ncoef..(fiber + 1) * self.ncoef];
+        let (mut p0, mut p1) = (1.0, u);
+        let mut sum = c[0];
+        if self.ncoef > 1 {
+            sum += c[1] * u;
+        }
+        for (k, &ck) in c.iter().enumerate().skip(2) {
+            // (k) P_k = (2k - 1) u P_{k-1} - (k - 1) P_{k-2}
+            let kf = k as f64;
+            let p2 = ((2.0 * kf - 1.0) * u * p1 - (kf - 1.0) * p0) / kf;
+            sum += ck * p2;
+            p0 = p1;
+            p1 = p2;
+        }
+        sum
+    }
+}
+
+/// Legendre polynomials `P_0..P_deg` at `u`.
+pub fn legendre_values(u: f64, deg: usize, out: &mut [f64]) {
+    out[0] = 1.0;
+    if deg >= 1 {
+        out[1] = u;
+    }
+    for k in 2..=deg {
+        let kf = k as f64;
+        out[k] = ((2.0 * kf - 1.0) * u * out[k - 1] - (kf - 1.0) * out[k - 2]) / kf;
+    }
+}
+
+/// Probabilists' Hermite polynomials `He_0..He_deg` at `t`.
+pub fn hermite_values(t: f64, deg: usize, out: &mut [f64]) {
+    out[0] = 1.0;
+    if deg >= 1 {
+        out[1] = t;
+    }
+    for k in 2..=deg {
+        out[k] = t * out[k - 1] - (k - 1) as f64 * out[k - 2];
+    }
+}
+
+/// The shape parameters of one spot: centre, Gaussian widths and the Gauss-Hermite
+/// coefficients `gh[i * (ghdegy + 1) + j]` of `GH-i-j`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SpotParams {
+    pub x: f64,
+    pub y: f64,
+    pub sigx: f64,
+    pub sigy: f64,
+    pub gh: Vec<f64>,
+}
+
+/// A Gauss-Hermite PSF as read from a specex file.
+#[derive(Clone, Debug)]
+pub struct GaussHermitePsf {
+    pub path: PathBuf,
+    /// Number of fibers described (FIBERMAX - FIBERMIN + 1).
+    pub nfiber: usize,
+    pub hsizex: usize,
+    pub hsizey: usize,
+    pub ghdegx: usize,
+    pub ghdegy: usize,
+    pub legdeg: usize,
+    /// CCD size (columns, rows) the PSF was fitted on.
+    pub npix_x: usize,
+    pub npix_y: usize,
+    /// `PSFERR` of the file, if any.
+    pub psferr: Option<f64>,
+    pub xtrace: Legendre,
+    pub ytrace: Legendre,
+    /// `GHSIGX`, `GHSIGY` and the `GH-i-j`, on the PSF table's wavelength domain.
+    pub ghsigx: Legendre,
+    pub ghsigy: Legendre,
+    pub gh: Vec<Legendre>,
+}
+
+impl GaussHermitePsf {
+    /// Reads and validates a PSF file.
+    pub fn read(path: &Path) -> Result<Self> {
+        let mut fits = Fits::open(path)?;
+        let bad = |message: String| Error::Psf {
+            path: path.into(),
+            message,
+        };
+
+        fits.move_to("PSF")?;
+        if let Some(kind) = fits.key_str("PSFTYPE")? {
+            if kind.trim() != "GAUSS-HERMITE" {
+                return Err(bad(format!("PSFTYPE is {kind:?}; spex reads GAUSS-HERMITE PSFs")));
+            }
+        }
+        let wavemin = fits.require_f64("WAVEMIN")?;
+        let wavemax = fits.require_f64("WAVEMAX")?;
+        let key = |fits: &mut Fits, k: &str| -> Result<usize> {
+            let v = fits.require_i64(k)?;
+            usize::try_from(v).map_err(|_| bad(format!("{k} = {v} is negative")))
+        };
+        let legdeg = key(&mut fits, "LEGDEG")?;
+        let ghdegx = key(&mut fits, "GHDEGX")?;
+        let ghdegy = key(&mut fits, "GHDEGY")?;
+        let hsizex = key(&mut fits, "HSIZEX")?;
+        let hsizey = key(&mut fits, "HSIZEY")?;
+        let npix_x = key(&mut fits, "NPIX_X")?;
+        let npix_y = key(&mut fits, "NPIX_Y")?;
+        let psferr = fits.key_f64("PSFERR")?;
+        if wavemax <= wavemin {
+            return Err(bad(format!("WAVEMAX {wavemax} <= WAVEMIN {wavemin}")));
+        }
+        if hsizex == 0 || hsizey == 0 || hsizex > 64 || hsizey > 64 {
+            return Err(bad(format!("spot half sizes HSIZEX {hsizex}, HSIZEY {hsizey} out of range 1..64")));
+        }
+        if ghdegx > 20 || ghdegy > 20 {
+            return Err(bad(format!("Gauss-Hermite degrees {ghdegx}, {ghdegy} above 20")));
+        }
+
+        let names = fits.column_str("PARAM")?;
+        let (repeat, coeff) = fits.column::<f64>("COEFF")?;
+        let ncoef = legdeg + 1;
+        if repeat == 0 || repeat % ncoef != 0 {
+            return Err(bad(format!("COEFF has {repeat} values per row, not a multiple of LEGDEG+1 = {ncoef}")));
+        }
+        let nfiber = repeat / ncoef;
+        let param = |name: &str| -> Result<Legendre> {
+            let row = names
+                .iter()
+                .position(|n| n.trim() == name)
+                .ok_or_else(|| bad(format!("parameter {name} missing from the PSF table")))?;
+            let c = coeff[row * repeat..(row + 1) * repeat].to_vec();
+            if c.iter().any(|v| !v.is_finite()) {
+                return Err(bad(format!("parameter {name} has non-finite coefficients")));
+            }
+            Ok(Legendre {
+                wavemin,
+                wavemax,
+                ncoef,
+                coeff: c,
+            })
+        };
+        let ghsigx = param("GHSIGX")?;
+        let ghsigy = param("GHSIGY")?;
+        let mut gh = Vec::with_capacity((ghdegx + 1) * (ghdegy + 1));
+        for i in 0..=ghdegx {
+            for j in 0..=ghdegy {
+                gh.push(param(&format!("GH-{i}-{j}"))?);
+            }
+        }
+
+        let mut trace = |name: &str| -> Result<Legendre> {
+            fits.move_to(name)?;
+            let wmin = fits.require_f64("WAVEMIN")?;
+            let wmax = fits.require_f64("WAVEMAX")?;
+            let (shape, data) = fits.read_image::<f64>()?;
+            if shape.len() != 2 || shape[0] != nfiber || shape[1] == 0 {
+                return Err(bad(format!("{name} has shape {shape:?}, expected [{nfiber}, ncoef]")));
+            }
+            if wmax <= wmin {
+                return Err(bad(format!("{name} WAVEMAX {wmax} <= WAVEMIN {wmin}")));
+            }
+            if data.iter().any(|v| !v.is_finite()) {
+                return Err(bad(format!("{name} has non-finite coefficients")));
+            }
+            Ok(Legendre {
+                wavemin: wmin,
+                wavemax: wmax,
+                ncoef: shape[1],
+                coeff: data,
+            })
+        };
+        let xtrace = trace("XTRACE")?;
+        let ytrace = trace("YTRACE")?;
+
+        Ok(GaussHermitePsf {
+            path: path.into(),
+            nfiber,
+            hsizex,
+            hsizey,
+            ghdegx,
+            ghdegy,
+            legdeg,
+            npix_x,
+            npix_y,
+            psferr,
+            xtrace,
+            ytrace,
+            ghsigx,
+            ghsigy,
+            gh,
+        })
+    }
+
+    /// Spot size (ny, nx).
+    pub fn spot_shape(&self) -> (usize, usize) {
+        (2 * self.hsizey + 1, 2 * self.hsizex + 1)
+    }
+
+    /// Number of Gauss-Hermite coefficients per spot.
+    pub fn ngh(&self) -> usize {
+        (self.ghdegx + 1) * (self.ghdegy + 1)
+    }
+
+    /// Wavelength domain on which every parameter (traces included) is defined.
+    pub fn wave_domain(&self) -> (f64, f64) {
+        let lo = self.ghsigx.wavemin.max(self.xtrace.wavemin).max(self.ytrace.wavemin);
+        let hi = self.ghsigx.wavemax.min(self.xtrace.wavemax).min(self.ytrace.wavemax);
+        (lo, hi)
+    }
+
+    /// The PSF table's own wavelength domain (WAVEMIN, WAVEMAX of the PSF HDU).
+    pub fn param_domain(&self) -> (f64, f64) {
+        (self.ghsigx.wavemin, self.ghsigx.wavemax)
+    }
+
+    /// CCD position (x, y) of fiber `fiber` at wavelength `w`.
+    pub fn xy(&self, fiber: usize, w: f64) -> (f64, f64) {
+        (self.xtrace.eval(fiber, w), self.ytrace.eval(fiber, w))
+    }
+
+    /// The spot parameters of fiber `fiber` at wavelength `w`.
+    pub fn params(&self, fiber: usize, w: f64) -> SpotParams {
+        let (x, y) = self.xy(fiber, w);
+        SpotParams {
+            x,
+            y,
+            sigx: self.ghsigx.eval(fiber, w),
+            sigy: self.ghsigy.eval(fiber, w),
+            gh: self.gh.iter().map(|l| l.eval(fiber, w)).collect(),
+        }
+    }
+
+    /// Evaluates the spots of `fibers` at every wavelength of `waves`.
+    pub fn spots(&self, fibers: Range<usize>, waves: &[f64]) -> Spots {
+        let (ny, nx) = self.spot_shape();
+        let nfiber = fibers.len();
+        let nwave = waves.len();
+        let size = ny * nx;
+        let mut data = vec![0.0; nfiber * nwave * size];
+        let mut xc = vec![0i32; nfiber * nwave];
+        let mut yc = vec![0i32; nfiber * nwave];
+        data.par_chunks_mut(nwave * size)
+            .zip(xc.par_chunks_mut(nwave).zip(yc.par_chunks_mut(nwave)))
+            .enumerate()
+            .for_each(|(i, (spots, (xc, yc)))| {
+                let fiber = fibers.start + i;
+                let mut work = SpotWork::new(self);
+                for (iw, &w) in waves.iter().enumerate() {
+                    let p = self.params(fiber, w);
+                    let (cx, cy) = work.eval(self, &p, &mut spots[iw * size..(iw + 1) * size]);
+                    xc[iw] = cx;
+                    yc[iw] = cy;
+                }
+            });
+        Spots {
+            fibers,
+            nwave,
+            ny,
+            nx,
+            data,
+            xc,
+            yc,
+        }
+    }
+}
+
+/// Scratch space for evaluating one spot at a time.
+struct SpotWork {
+    pghx: Vec<f64>,
+    pghy: Vec<f64>,
+    tmp: Vec<f64>,
+    herm: Vec<f64>,
+}
+
+impl SpotWork {
+    fn new(psf: &GaussHermitePsf) -> Self {
+        let (ny, nx) = psf.spot_shape();
+        SpotWork {
+            pghx: vec![0.0; (psf.ghdegx + 1) * nx],
+            pghy: vec![0.0; (psf.ghdegy + 1) * ny],
+            tmp: vec![0.0; (psf.ghdegx + 1) * ny],
+            herm: vec![0.0; psf.ghdegx.max(psf.ghdegy) + 1],
+        }
+    }
+
+    /// Writes the normalised spot into `out` (`ny * nx`, row-major) and returns its corner.
+    fn eval(&mut self, psf: &GaussHermitePsf, p: &SpotParams, out: &mut [f64]) -> (i32, i32) {
+        let (ny, nx) = psf.spot_shape();
+        let (ngx, ngy) = (psf.ghdegx + 1, psf.ghdegy + 1);
+        pixel_gauss_hermite(p.x, p.sigx, psf.ghdegx, nx, &mut self.herm, &mut self.pghx);
+        pixel_gauss_hermite(p.y, p.sigy, psf.ghdegy, ny, &mut self.herm, &mut self.pghy);
+        // tmp[i][iy] = sum_j GH-i-j pGHy[j][iy]
+        for i in 0..ngx {
+            for iy in 0..ny {
+                let mut s = 0.0;
+                for j in 0..ngy {
+                    s += p.gh[i * ngy + j] * self.pghy[j * ny + iy];
+                }
+                self.tmp[i * ny + iy] = s;
+            }
+        }
+        let mut total = 0.0;
+        for iy in 0..ny {
+            for ix in 0..nx {
+                let mut s = 0.0;
+                for i in 0..ngx {
+                    s += self.tmp[i * ny + iy] * self.pghx[i * nx + ix];
+                }
+                let v = s.max(0.0);
+                out[iy * nx + ix] = v;
+                total += v;
+            }
+        }
+        if total > 0.0 {
+            let inv = 1.0 / total;
+            out.iter_mut().for_each(|v| *v *= inv);
+        }
+        let xc = (p.x - psf.hsizex as f64 + 0.5).floor() as i32;
+        let yc = (p.y - psf.hsizey as f64 + 0.5).floor() as i32;
+        (xc, yc)
+    }
+}
+
+/// Pixel-integrated Gauss-Hermite functions of degrees `0..=deg` over the `n` pixels of a spot
+/// centred at `center` with width `sigma`, written as `out[k * n + i]`.
+///
+/// Degree 0 is the Gaussian's integral over the pixel (a difference of erf); for `k >= 1` the
+/// integral of `He_k(t) phi(t)` is `-He_{k-1}(t) phi(t)`, so the pixel value is the difference
+/// of that antiderivative at the pixel edges.
+pub fn pixel_gauss_hermite(center: f64, sigma: f64, deg: usize, n: usize, herm: &mut [f64], out: &mut [f64]) {
+    let frac = (center + 0.5).rem_euclid(1.0) - 0.5;
+    let half = (n / 2) as f64;
+    let inv_sqrt2 = std::f64::consts::FRAC_1_SQRT_2;
+    let norm = 1.0 / (2.0 * std::f64::consts::PI).sqrt();
+    let mut prev_erf = 0.0;
+    let mut prev_gh = [0.0f64; 24];
+    for e in 0..=n {
+        let t = (e as f64 - half - 0.5 - frac) / sigma;
+        let erf = libm::erf(t * inv_sqrt2);
+        let phi = (-0.5 * t * t).exp() * norm;
+        hermite_values(t, deg, herm);
+        let mut gh = [0.0f64; 24];
+        for k in 0..deg {
+            gh[k] = herm[k] * phi;
+        }
+        if e > 0 {
+            let i = e - 1;
+            out[i] = 0.5 * (erf - prev_erf);
+            for k in 1..=deg {
+                out[k * n + i] = prev_gh[k - 1] - gh[k - 1];
+            }
+        }
+        prev_erf = erf;
+        prev_gh = gh;
+    }
+}
+
+/// Spots of a block of fibers on a wavelength grid, with their CCD corners.
+#[derive(Clone, Debug)]
+pub struct Spots {
+    /// Absolute fiber numbers covered.
+    pub fibers: Range<usize>,
+    pub nwave: usize,
+    pub ny: usize,
+    pub nx: usize,
+    /// `[fiber][wave][ny][nx]`, fiber relative to `fibers.start`.
+    pub data: Vec<f64>,
+    /// Lower-left corner column and row of each spot, `[fiber][wave]`.
+    pub xc: Vec<i32>,
+    pub yc: Vec<i32>,
+}
+
+impl Spots {
+    /// The spot of relative fiber `f` at wavelength index `w`.
+    #[inline]
+    pub fn spot(&self, f: usize, w: usize) -> &[f64] {
+        let size = self.ny * self.nx;
+        let i = f * self.nwave + w;
+        &self.data[i * size..(i + 1) * size]
+    }
+
+    /// Lower-left corner (column, row) of that spot.
+    #[inline]
+    pub fn corner(&self, f: usize, w: usize) -> (i32, i32) {
+        let i = f * self.nwave + w;
+        (self.xc[i], self.yc[i])
+    }
+}
