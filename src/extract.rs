@@ -7,7 +7,7 @@
 use std::ops::Range;
 
 use crate::plan::{Patch, Plan};
-use crate::psf::Spots;
+use crate::psf::Corners;
 
 /// Options of the patch solve that do not change the plan.
 #[derive(Clone, Debug, PartialEq)]
@@ -130,7 +130,7 @@ pub struct PatchGeometry {
 
 impl PatchGeometry {
     /// Lays out a patch on the CCD from its spots' corners (DESIGN "Pixels of a patch").
-    pub fn new(plan: &Plan, patch: &Patch, spots: &Spots, ccd: (usize, usize)) -> Self {
+    pub fn new(plan: &Plan, patch: &Patch, spots: &Corners, ccd: (usize, usize)) -> Self {
         let f0 = spots.fibers.start;
         let waves = plan.patch_waves(patch);
         let core_waves = waves.start + plan.wavepad..waves.start + plan.wavepad + plan.options.nwavestep;

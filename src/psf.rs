@@ -264,6 +264,55 @@ impl GaussHermitePsf {
         }
     }
 
+    /// Lower-left CCD corners of the spots of `fibers` at every wavelength of `waves`, without
+    /// evaluating the spots (enough to lay out patches).
+    pub fn corners(&self, fibers: Range<usize>, waves: &[f64]) -> Corners {
+        let (ny, nx) = self.spot_shape();
+        let mut xc = Vec::with_capacity(fibers.len() * waves.len());
+        let mut yc = Vec::with_capacity(fibers.len() * waves.len());
+        for fiber in fibers.clone() {
+            for &w in waves {
+                let (x, y) = self.xy(fiber, w);
+                let (cx, cy) = self.corner_of(x, y);
+                xc.push(cx);
+                yc.push(cy);
+            }
+        }
+        Corners {
+            fibers,
+            nwave: waves.len(),
+            ny,
+            nx,
+            xc,
+            yc,
+        }
+    }
+
+    /// Lower-left corner of a spot centred at (x, y): the extra 0.5 is because x, y refer to
+    /// pixel centres.
+    pub fn corner_of(&self, x: f64, y: f64) -> (i32, i32) {
+        (
+            (x - self.hsizex as f64 + 0.5).floor() as i32,
+            (y - self.hsizey as f64 + 0.5).floor() as i32,
+        )
+    }
+
+    /// Spot parameters of `fibers` at every wavelength of `waves`, flattened as
+    /// `[fiber][wave][x, y, sigx, sigy, gh...]` (`4 + ngh` values each): the input of device
+    /// spot evaluation.
+    pub fn params_flat(&self, fibers: Range<usize>, waves: &[f64]) -> Vec<f64> {
+        let stride = 4 + self.ngh();
+        let mut out = Vec::with_capacity(fibers.len() * waves.len() * stride);
+        for fiber in fibers {
+            for &w in waves {
+                let p = self.params(fiber, w);
+                out.extend_from_slice(&[p.x, p.y, p.sigx, p.sigy]);
+                out.extend_from_slice(&p.gh);
+            }
+        }
+        out
+    }
+
     /// Evaluates the spots of `fibers` at every wavelength of `waves`.
     pub fn spots(&self, fibers: Range<usize>, waves: &[f64]) -> Spots {
         let (ny, nx) = self.spot_shape();
@@ -281,19 +330,20 @@ impl GaussHermitePsf {
                 let mut work = SpotWork::new(self);
                 for (iw, &w) in waves.iter().enumerate() {
                     let p = self.params(fiber, w);
-                    let (cx, cy) = work.eval(self, &p, &mut spots[iw * size..(iw + 1) * size]);
-                    xc[iw] = cx;
-                    yc[iw] = cy;
+                    work.eval(self, &p, &mut spots[iw * size..(iw + 1) * size]);
+                    (xc[iw], yc[iw]) = self.corner_of(p.x, p.y);
                 }
             });
         Spots {
-            fibers,
-            nwave,
-            ny,
-            nx,
+            corners: Corners {
+                fibers,
+                nwave,
+                ny,
+                nx,
+                xc,
+                yc,
+            },
             data,
-            xc,
-            yc,
         }
     }
 }
@@ -317,8 +367,8 @@ impl SpotWork {
         }
     }
 
-    /// Writes the normalised spot into `out` (`ny * nx`, row-major) and returns its corner.
-    fn eval(&mut self, psf: &GaussHermitePsf, p: &SpotParams, out: &mut [f64]) -> (i32, i32) {
+    /// Writes the normalised spot into `out` (`ny * nx`, row-major).
+    fn eval(&mut self, psf: &GaussHermitePsf, p: &SpotParams, out: &mut [f64]) {
         let (ny, nx) = psf.spot_shape();
         let (ngx, ngy) = (psf.ghdegx + 1, psf.ghdegy + 1);
         pixel_gauss_hermite(p.x, p.sigx, psf.ghdegx, nx, &mut self.herm, &mut self.pghx);
@@ -349,9 +399,6 @@ impl SpotWork {
             let inv = 1.0 / total;
             out.iter_mut().for_each(|v| *v *= inv);
         }
-        let xc = (p.x - psf.hsizex as f64 + 0.5).floor() as i32;
-        let yc = (p.y - psf.hsizey as f64 + 0.5).floor() as i32;
-        (xc, yc)
     }
 }
 
@@ -389,34 +436,45 @@ pub fn pixel_gauss_hermite(center: f64, sigma: f64, deg: usize, n: usize, herm: 
     }
 }
 
-/// Spots of a block of fibers on a wavelength grid, with their CCD corners.
-#[derive(Clone, Debug)]
-pub struct Spots {
+/// CCD corners of the spots of a block of fibers on a wavelength grid.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Corners {
     /// Absolute fiber numbers covered.
     pub fibers: Range<usize>,
     pub nwave: usize,
+    /// Spot size.
     pub ny: usize,
     pub nx: usize,
-    /// `[fiber][wave][ny][nx]`, fiber relative to `fibers.start`.
-    pub data: Vec<f64>,
-    /// Lower-left corner column and row of each spot, `[fiber][wave]`.
+    /// Lower-left corner column and row of each spot, `[fiber][wave]`, fiber relative to
+    /// `fibers.start`.
     pub xc: Vec<i32>,
     pub yc: Vec<i32>,
+}
+
+impl Corners {
+    /// Lower-left corner (column, row) of the spot of relative fiber `f` at wavelength index `w`.
+    #[inline]
+    pub fn corner(&self, f: usize, w: usize) -> (i32, i32) {
+        let i = f * self.nwave + w;
+        (self.xc[i], self.yc[i])
+    }
+}
+
+/// Spots of a block of fibers on a wavelength grid, with their CCD corners.
+#[derive(Clone, Debug)]
+pub struct Spots {
+    pub corners: Corners,
+    /// `[fiber][wave][ny][nx]`, fiber relative to `corners.fibers.start`.
+    pub data: Vec<f64>,
 }
 
 impl Spots {
     /// The spot of relative fiber `f` at wavelength index `w`.
     #[inline]
     pub fn spot(&self, f: usize, w: usize) -> &[f64] {
-        let size = self.ny * self.nx;
-        let i = f * self.nwave + w;
+        let c = &self.corners;
+        let size = c.ny * c.nx;
+        let i = f * c.nwave + w;
         &self.data[i * size..(i + 1) * size]
-    }
-
-    /// Lower-left corner (column, row) of that spot.
-    #[inline]
-    pub fn corner(&self, f: usize, w: usize) -> (i32, i32) {
-        let i = f * self.nwave + w;
-        (self.xc[i], self.yc[i])
     }
 }

@@ -112,7 +112,7 @@ struct PatchSystem<'a> {
 
 impl<'a> PatchSystem<'a> {
     fn new(geom: PatchGeometry, spots: &Spots, image: &'a Image) -> Self {
-        let (ny, nx) = (spots.ny, spots.nx);
+        let (ny, nx) = (spots.corners.ny, spots.corners.nx);
         let size = ny * nx;
         let m = geom.nunknowns();
         let (r0, r1) = (geom.rows.start as i64, geom.rows.end as i64);
@@ -122,7 +122,7 @@ impl<'a> PatchSystem<'a> {
         for (b, &f) in geom.block_fibers.iter().enumerate() {
             for w in 0..geom.nwavetot {
                 let j = b * geom.nwavetot + w;
-                let (xc, yc) = spots.corner(f, geom.wave0 + w);
+                let (xc, yc) = spots.corners.corner(f, geom.wave0 + w);
                 let (xc, yc) = (xc as i64, yc as i64);
                 corner.push((xc, yc));
                 let spot = spots.spot(f, geom.wave0 + w);
@@ -411,8 +411,8 @@ fn solve_normal_equations(
 
 /// Solves one patch completely; numerical trouble is reported in the result's status.
 pub fn solve_patch(plan: &Plan, patch: &Patch, spots: &Spots, image: &Image, options: &SolveOptions) -> PatchResult {
-    let ndiag = spots.ny / 2;
-    let geom = PatchGeometry::new(plan, patch, spots, (image.nrows, image.ncols));
+    let ndiag = spots.corners.ny / 2;
+    let geom = PatchGeometry::new(plan, patch, &spots.corners, (image.nrows, image.ncols));
     if geom.is_empty() {
         return PatchResult::empty(patch, ndiag, PatchStatus::OffImage);
     }
