@@ -7,10 +7,14 @@
 //! against each other or against the truth.
 
 pub mod backend;
+pub mod cli;
+pub mod compare;
 pub mod error;
 pub mod extract;
 pub mod fits;
+pub mod frame;
 pub mod image;
+pub mod pipeline;
 pub mod plan;
 pub mod psf;
 
