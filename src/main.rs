@@ -6,14 +6,15 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Parser;
-use spex::backend::{self, BackendKind, Progress};
+use spex::backend::Progress;
 use spex::cli::{with_default_subcommand, Cli, Command, CompareArgs, ExtractArgs};
 use spex::compare::{self, ParityLimits, PullLimits, Truth};
 use spex::frame::Frame;
-use spex::pipeline;
-
-/// Exit status of a comparison that ran but fell outside its limits.
-const EXIT_COMPARISON_FAILED: u8 = 3;
+use spex::parallel::exposure::{self, EXIT_COMPARISON_FAILED};
+use spex::parallel::{Layout, Roles, Universe};
+use tracing_subscriber::fmt::format::{self, FormatEvent, FormatFields};
+use tracing_subscriber::fmt::FmtContext;
+use tracing_subscriber::registry::LookupSpan;
 
 fn main() -> ExitCode {
     let args = with_default_subcommand(std::env::args_os().collect());
@@ -28,24 +29,52 @@ fn main() -> ExitCode {
             };
         }
     };
-    let loglevel = match &cli.command {
-        Command::Extract(a) => a.loglevel.as_str(),
-        Command::Compare(_) => "info",
-    };
-    init_logging(loglevel);
-    match run(cli) {
-        Ok(code) => code,
-        Err(e) => {
-            eprintln!("spex: error: {e:#}");
-            ExitCode::FAILURE
+    match cli.command {
+        Command::Extract(args) => extract(&args),
+        Command::Compare(args) => {
+            init_logging("info", None, true);
+            match run_compare(&args) {
+                Ok(code) => code,
+                Err(e) => {
+                    eprintln!("spex: error: {e:#}");
+                    ExitCode::FAILURE
+                }
+            }
         }
     }
 }
 
-fn init_logging(level: &str) {
+/// `spex extract`: one process, or one rank of an MPI job when a launcher started it.
+fn extract(args: &ExtractArgs) -> ExitCode {
+    let universe = Universe::init();
+    let code = {
+        let world = universe.world();
+        let layout = Layout::discover(&world, universe.is_mpi(), args.threads);
+        universe.abort_on_panic(layout.rank);
+        // Per-frame information comes from the ranks that read and write; the workers log
+        // only warnings unless asked for debug output.
+        let roles = Roles::new(layout.size, args.async_io);
+        let io_rank = layout.rank == roles.reader || layout.rank == roles.writer;
+        init_logging(
+            &args.loglevel,
+            layout.launched.then_some(layout.rank),
+            io_rank,
+        );
+        exposure::run(&world, &layout, args, &progress)
+    };
+    // MPI is finalised here, after every communicator is gone.
+    drop(universe);
+    ExitCode::from(code)
+}
+
+/// Logs to stderr at `level` (`SPEX_LOG` overrides), each line prefixed with the rank under
+/// MPI. Ranks that are not `verbose` log warnings and errors only, unless `level` is debug or
+/// trace.
+fn init_logging(level: &str, rank: Option<usize>, verbose: bool) {
     let level = match level {
         "warning" => "warn",
         "critical" => "error",
+        "info" if !verbose => "warn",
         l => l,
     };
     let filter = tracing_subscriber::EnvFilter::try_from_env("SPEX_LOG")
@@ -53,14 +82,36 @@ fn init_logging(level: &str) {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
-        .with_target(false)
+        .event_format(RankFormat {
+            rank,
+            inner: tracing_subscriber::fmt::format().with_target(false),
+        })
         .init();
 }
 
-fn run(cli: Cli) -> anyhow::Result<ExitCode> {
-    match cli.command {
-        Command::Extract(args) => run_extract(&args),
-        Command::Compare(args) => run_compare(&args),
+/// The default log format behind a `[rank R]` prefix, so that the interleaved output of many
+/// ranks stays readable.
+struct RankFormat<F> {
+    rank: Option<usize>,
+    inner: F,
+}
+
+impl<S, N, F> FormatEvent<S, N> for RankFormat<F>
+where
+    S: tracing::Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+    F: FormatEvent<S, N>,
+{
+    fn format_event(
+        &self,
+        ctx: &FmtContext<'_, S, N>,
+        mut writer: format::Writer<'_>,
+        event: &tracing::Event<'_>,
+    ) -> std::fmt::Result {
+        if let Some(rank) = self.rank {
+            write!(writer, "[rank {rank}] ")?;
+        }
+        self.inner.format_event(ctx, writer, event)
     }
 }
 
@@ -82,64 +133,6 @@ fn progress() -> Progress {
         if done >= total {
             bar.finish_and_clear();
         }
-    })
-}
-
-fn run_extract(args: &ExtractArgs) -> anyhow::Result<ExitCode> {
-    let requests = args.requests()?;
-    let kind = if args.use_gpu() {
-        BackendKind::Cuda
-    } else {
-        BackendKind::Cpu
-    };
-    let mut backend = backend::create(kind, args.threads, args.device.unwrap_or(0))
-        .context("cannot start the backend")?;
-    let mut failed = 0usize;
-    let mut comparison_failed = false;
-    let nframes = requests.len();
-    for request in &requests {
-        if args.skip_existing && request.output.exists() {
-            tracing::info!("{} exists, skipped", request.output.display());
-            continue;
-        }
-        let outcome = pipeline::extract_frame(request, backend.as_mut(), &progress())
-            .with_context(|| format!("frame {}", request.input.display()));
-        match outcome {
-            Ok(report) => {
-                if let Some(reference) = &args.test {
-                    let other = Frame::read(reference)?;
-                    let parity = compare::parity(
-                        &report.frame,
-                        &other,
-                        ParityLimits::default().rel_tolerance,
-                    )?;
-                    println!(
-                        "{} vs {}:\n{parity}",
-                        request.output.display(),
-                        reference.display()
-                    );
-                    let failures = parity.failures(&ParityLimits::default());
-                    for f in &failures {
-                        eprintln!("spex: test failed: {f}");
-                    }
-                    comparison_failed |= !failures.is_empty();
-                }
-            }
-            Err(e) if nframes > 1 => {
-                eprintln!("spex: error: {e:#}");
-                failed += 1;
-            }
-            Err(e) => return Err(e),
-        }
-    }
-    if failed > 0 {
-        eprintln!("spex: {failed} of {nframes} frames failed");
-        return Ok(ExitCode::from(failed.min(100) as u8));
-    }
-    Ok(if comparison_failed {
-        ExitCode::from(EXIT_COMPARISON_FAILED)
-    } else {
-        ExitCode::SUCCESS
     })
 }
 

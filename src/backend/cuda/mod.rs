@@ -5,6 +5,11 @@ use crate::error::{Error, Result};
 use crate::extract::PatchResult;
 use crate::plan::Patch;
 
+/// Number of CUDA devices this process sees: none without the `cuda` feature.
+pub fn device_count() -> Result<usize> {
+    Ok(0)
+}
+
 /// Never constructed: [`CudaBackend::new`] always fails.
 pub struct CudaBackend(());
 

@@ -1,0 +1,82 @@
+//! Stand-in for `comm_mpi.rs` when spex is built without the `mpi` feature: one process,
+//! whose collectives are identities, behind the same API.
+
+use crate::error::Result;
+
+/// Always false: without MPI every run is a single process.
+pub fn launched() -> bool {
+    false
+}
+
+/// A world of one rank.
+pub struct Universe(());
+
+impl Universe {
+    pub fn init() -> Self {
+        Universe(())
+    }
+
+    pub fn is_mpi(&self) -> bool {
+        false
+    }
+
+    pub fn world(&self) -> Comm {
+        Comm(())
+    }
+
+    /// Nothing to do: a panic ends the only process.
+    pub fn abort_on_panic(&self, _rank: usize) {}
+}
+
+/// A group of one rank.
+pub struct Comm(());
+
+impl Comm {
+    pub fn rank(&self) -> usize {
+        0
+    }
+
+    pub fn size(&self) -> usize {
+        1
+    }
+
+    pub fn split(&self, color: Option<u32>) -> Option<Comm> {
+        color.map(|_| Comm(()))
+    }
+
+    pub fn split_shared(&self) -> Comm {
+        Comm(())
+    }
+
+    pub fn broadcast_words(&self, _root: usize, _words: &mut Vec<u64>) -> Result<()> {
+        Ok(())
+    }
+
+    pub fn broadcast_f32(&self, _root: usize, _buf: &mut [f32]) {}
+
+    pub fn broadcast_u64(&self, _root: usize, value: u64) -> u64 {
+        value
+    }
+
+    pub fn gather_words(&self, _root: usize, words: &[u64]) -> Result<Option<Vec<Vec<u64>>>> {
+        Ok(Some(vec![words.to_vec()]))
+    }
+
+    pub fn wait_quietly(&self) {}
+
+    pub fn all_max(&self, value: u64) -> u64 {
+        value
+    }
+
+    pub fn all_sum(&self, value: u64) -> u64 {
+        value
+    }
+
+    pub fn all_gather(&self, value: u64) -> Vec<u64> {
+        vec![value]
+    }
+
+    pub fn abort(&self, code: i32) -> ! {
+        std::process::exit(code)
+    }
+}

@@ -1,0 +1,28 @@
+//! The SPMD layer: the same binary runs as every rank of an MPI job (`srun`, `mpiexec`) or as
+//! one process, and this module decides what each rank does.
+//!
+//! - [`layout`]: ranks, nodes, node-local ranks, threads per rank, the roles of the ranks
+//!   (reader, writer, workers), the split of a frame's patches and the rank-to-GPU mapping;
+//! - [`exchange`]: the flat word buffers that carry headers and patch results between ranks;
+//! - [`exposure`]: the loop over frames (one or a whole exposure) with its error protocol;
+//! - `Comm`/`Universe`: the communication primitives, through MPI when a launcher started
+//!   the process (the only user of the `mpi` crate), otherwise a world of one rank. Built
+//!   without the `mpi` feature a serial stand-in with the same API takes their place, so
+//!   nothing else carries a `cfg`.
+//!
+//! Rank 0 reads each frame and broadcasts host buffers; results come back to one writer rank
+//! by patch index, so the output is the same for any number of ranks and threads.
+
+pub mod exchange;
+pub mod exposure;
+pub mod layout;
+
+#[cfg(feature = "mpi")]
+#[path = "comm_mpi.rs"]
+mod comm;
+#[cfg(not(feature = "mpi"))]
+#[path = "comm_serial.rs"]
+mod comm;
+
+pub use comm::{launched, Comm, Universe};
+pub use layout::{device_for, Layout, Roles};
