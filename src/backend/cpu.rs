@@ -83,8 +83,16 @@ impl Backend for CpuBackend {
             for (&start, members) in &by_bundle {
                 let _span = tracing::debug_span!("bundle", start).entered();
                 // Only the fibers these patches solve: a rank may hold part of a bundle.
-                let lo = members.iter().map(|&i| patches[i].padded_fibers.start).min().unwrap_or(start);
-                let hi = members.iter().map(|&i| patches[i].padded_fibers.end).max().unwrap_or(start);
+                let lo = members
+                    .iter()
+                    .map(|&i| patches[i].padded_fibers.start)
+                    .min()
+                    .unwrap_or(start);
+                let hi = members
+                    .iter()
+                    .map(|&i| patches[i].padded_fibers.end)
+                    .max()
+                    .unwrap_or(start);
                 let fibers = lo..hi;
                 let spots = {
                     let _s = tracing::trace_span!("spots").entered();
