@@ -140,13 +140,13 @@ impl Frame {
                 plan.patches[missing].fibers, plan.patches[missing].waves
             )));
         }
-        frame.to_per_angstrom();
+        frame.convert_to_per_angstrom();
         frame.set_mask();
         Ok((frame, counts))
     }
 
     /// flux /= dw, ivar *= dw^2 with dw the gradient of the output grid.
-    fn to_per_angstrom(&mut self) {
+    fn convert_to_per_angstrom(&mut self) {
         let dw = gradient(&self.wave);
         let nwave = self.nwave();
         for f in 0..self.nspec {

@@ -20,3 +20,8 @@ pub mod plan;
 pub mod psf;
 
 pub use error::{Error, Result};
+
+// Patch solves allocate and free megabyte-sized matrices at a high rate; mimalloc keeps those
+// pages mapped instead of returning them to the kernel after every patch.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;

@@ -82,6 +82,7 @@ fn init_logging(level: &str, rank: Option<usize>, verbose: bool) {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .event_format(RankFormat {
             rank,
             inner: tracing_subscriber::fmt::format().with_target(false),

@@ -161,10 +161,12 @@ pub struct Timings {
 }
 
 impl Timings {
-    /// Runs `f` inside a span named `name` and records its duration.
+    /// Runs `f` inside a tracing span and an NVTX range named `name` (what `nsys` shows) and
+    /// records its duration.
     pub fn time<T>(&mut self, name: &'static str, f: impl FnOnce() -> T) -> T {
         let span = tracing::info_span!("phase", name);
         let _entered = span.enter();
+        let _range = nvtx::LocalRange::new(nvtx::Str::from_str_lossy(name));
         let t0 = Instant::now();
         let out = f();
         self.phases.push((name, t0.elapsed()));

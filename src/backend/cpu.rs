@@ -16,6 +16,7 @@
 //! `(icov^-1)_core = L_22^-T L_22^-1`.
 
 use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
 
 use faer::diag::Diag;
 use faer::dyn_stack::{MemBuffer, MemStack};
@@ -79,17 +80,30 @@ impl Backend for CpuBackend {
             by_bundle.entry(p.bundle_start).or_default().push(i);
         }
         let mut results: Vec<Option<PatchResult>> = vec![None; patches.len()];
+        let (mut spot_time, mut solve_time) = (Duration::ZERO, Duration::ZERO);
         self.pool.install(|| {
             for (&start, members) in &by_bundle {
                 let _span = tracing::debug_span!("bundle", start).entered();
                 // Only the fibers these patches solve: a rank may hold part of a bundle.
-                let lo = members.iter().map(|&i| patches[i].padded_fibers.start).min().unwrap_or(start);
-                let hi = members.iter().map(|&i| patches[i].padded_fibers.end).max().unwrap_or(start);
+                let lo = members
+                    .iter()
+                    .map(|&i| patches[i].padded_fibers.start)
+                    .min()
+                    .unwrap_or(start);
+                let hi = members
+                    .iter()
+                    .map(|&i| patches[i].padded_fibers.end)
+                    .max()
+                    .unwrap_or(start);
                 let fibers = lo..hi;
+                let t0 = Instant::now();
                 let spots = {
-                    let _s = tracing::trace_span!("spots").entered();
+                    let _range = nvtx::LocalRange::new(c"spots");
                     input.psf.spots(fibers, &input.plan.fullwave)
                 };
+                let t1 = Instant::now();
+                spot_time += t1 - t0;
+                let _range = nvtx::LocalRange::new(c"solve patches");
                 let solved: Vec<(usize, PatchResult)> = members
                     .par_iter()
                     .map(|&i| {
@@ -104,11 +118,18 @@ impl Backend for CpuBackend {
                         (i, r)
                     })
                     .collect();
+                solve_time += t1.elapsed();
                 for (i, r) in solved {
                     results[i] = Some(r);
                 }
             }
         });
+        tracing::info!(
+            "cpu: {} patches, spots {:.3} s, patch solves {:.3} s",
+            patches.len(),
+            spot_time.as_secs_f64(),
+            solve_time.as_secs_f64()
+        );
         Ok(results
             .into_iter()
             .map(|r| r.expect("every patch solved"))

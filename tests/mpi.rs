@@ -1,0 +1,348 @@
+//! Multi-rank runs of the `spex` binary under a real `mpiexec` (Open MPI) on the reference
+//! data: the output is the same array for array for any number of ranks, with and without
+//! dedicated I/O ranks, and failures end the job quickly, non-zero, with no output file.
+//!
+//! These tests need `mpiexec` on the PATH (Debian: `openmpi-bin`); without it they fail and
+//! say so rather than pass silently.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use spex::frame::Frame;
+
+/// Longest a run may take: a reference extraction takes a few seconds even on two busy cores;
+/// a hang is what this catches.
+const TIMEOUT: Duration = Duration::from_secs(120);
+/// Longest a failing run may take before it exits.
+const FAIL_FAST: Duration = Duration::from_secs(30);
+
+fn data(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(name)
+}
+
+/// The reference case of the tests: bundle 0, 25 fibers, 6000-6400 A, one thread per rank.
+fn options() -> Vec<String> {
+    ["-w", "6000,6400,0.8", "-s", "0", "-n", "25", "--threads", "1"]
+        .map(String::from)
+        .to_vec()
+}
+
+fn single(input: &str, output: &Path) -> Vec<String> {
+    let mut a = vec![
+        "-i".to_string(),
+        data(input).display().to_string(),
+        "-p".into(),
+        data("psf-r0-00067784.fits").display().to_string(),
+        "-o".into(),
+        output.display().to_string(),
+    ];
+    a.extend(options());
+    a
+}
+
+fn mpiexec_path() -> PathBuf {
+    let found = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|p| p.join("mpiexec"))
+            .find(|p| p.is_file())
+    });
+    found.unwrap_or_else(|| {
+        panic!(
+            "mpiexec not found on PATH: the multi-rank tests need an MPI launcher \
+             (Debian/Ubuntu: apt-get install openmpi-bin libopenmpi-dev)"
+        )
+    })
+}
+
+/// How a run ended.
+struct Run {
+    code: Option<i32>,
+    stderr: String,
+    elapsed: Duration,
+}
+
+impl Run {
+    fn ok(&self) -> bool {
+        self.code == Some(0)
+    }
+}
+
+/// Runs `spex` with `args` on `ranks` ranks under mpiexec (`None`: alone, without a launcher)
+/// and kills it after `timeout`.
+fn spex(ranks: Option<usize>, args: &[String], env: &[(&str, &str)], timeout: Duration) -> Run {
+    let exe = env!("CARGO_BIN_EXE_spex");
+    let mut cmd = match ranks {
+        None => Command::new(exe),
+        Some(n) => {
+            let mut c = Command::new(mpiexec_path());
+            c.args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none"])
+                // Shared-memory transfers without ptrace rights (containers).
+                .args(["--mca", "btl_vader_single_copy_mechanism", "none"])
+                .args(["-n", &n.to_string(), exe]);
+            c
+        }
+    };
+    cmd.args(args)
+        .envs(env.iter().copied())
+        .env_remove("SPEX_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let t0 = Instant::now();
+    let mut child = cmd.spawn().expect("cannot start spex");
+    let mut pipe = child.stderr.take().expect("stderr");
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = pipe.read_to_string(&mut s);
+        s
+    });
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        if t0.elapsed() > timeout {
+            // SIGTERM lets mpiexec take its ranks down with it.
+            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+            std::thread::sleep(Duration::from_secs(2));
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "spex {args:?} on {ranks:?} ranks did not finish within {timeout:?}:\n{}",
+                reader.join().unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Run {
+        code: status.code(),
+        stderr: reader.join().unwrap_or_default(),
+        elapsed: t0.elapsed(),
+    }
+}
+
+fn assert_same_frames(a: &Path, b: &Path) {
+    let fa = Frame::read(a).unwrap_or_else(|e| panic!("{}: {e}", a.display()));
+    let fb = Frame::read(b).unwrap_or_else(|e| panic!("{}: {e}", b.display()));
+    assert_eq!(fa.wave, fb.wave, "{} vs {}: WAVELENGTH", a.display(), b.display());
+    for (name, x, y) in [
+        ("FLUX", &fa.flux, &fb.flux),
+        ("IVAR", &fa.ivar, &fb.ivar),
+        ("RESOLUTION", &fa.resolution, &fb.resolution),
+        ("CHI2PIX", &fa.chi2pix, &fb.chi2pix),
+    ] {
+        let differ = x
+            .iter()
+            .zip(y)
+            .filter(|(p, q)| p.to_bits() != q.to_bits())
+            .count();
+        assert!(
+            x.len() == y.len() && differ == 0,
+            "{} vs {}: {name} differs in {differ} of {} values",
+            a.display(),
+            b.display(),
+            x.len()
+        );
+    }
+    assert_eq!(fa.mask, fb.mask, "{} vs {}: MASK", a.display(), b.display());
+    assert_eq!(fa, fb);
+}
+
+/// Files left in a directory (temporary files included).
+fn files_in(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .expect("read_dir")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn one_to_four_ranks_and_any_threads_give_identical_frames() {
+    let dir = tempfile::tempdir().unwrap();
+    let serial = dir.path().join("serial.fits");
+    let run = spex(None, &single("preproc-bundle0.fits", &serial), &[], TIMEOUT);
+    assert!(run.ok(), "serial run failed:\n{}", run.stderr);
+    for ranks in 1..=4 {
+        let out = dir.path().join(format!("ranks{ranks}.fits"));
+        let run = spex(Some(ranks), &single("preproc-bundle0.fits", &out), &[], TIMEOUT);
+        assert!(run.ok(), "{ranks} ranks failed:\n{}", run.stderr);
+        if ranks > 1 {
+            assert!(
+                run.stderr.contains(&format!("MPI: {ranks} ranks on 1 node")),
+                "no layout line:\n{}",
+                run.stderr
+            );
+        }
+        assert_same_frames(&serial, &out);
+    }
+    // Two ranks of two threads each.
+    let out = dir.path().join("threads.fits");
+    let mut args = single("preproc-bundle0.fits", &out);
+    let n = args.len();
+    args[n - 1] = "2".into();
+    let run = spex(Some(2), &args, &[], TIMEOUT);
+    assert!(run.ok(), "2 ranks x 2 threads failed:\n{}", run.stderr);
+    assert_same_frames(&serial, &out);
+}
+
+/// Writes a list of frames into `dir/<name>.txt` with outputs in `dir/<name>/`.
+fn frame_list(dir: &Path, name: &str, inputs: &[&str]) -> (Vec<String>, Vec<PathBuf>) {
+    let out = dir.join(name);
+    std::fs::create_dir_all(&out).unwrap();
+    let psf = data("psf-r0-00067784.fits");
+    let mut text = String::from("# input psf output\n");
+    let mut outputs = Vec::new();
+    for (k, input) in inputs.iter().enumerate() {
+        let o = out.join(format!("frame-{k}.fits"));
+        let i = if input.starts_with('/') {
+            PathBuf::from(input)
+        } else {
+            data(input)
+        };
+        text += &format!("{} {} {}\n", i.display(), psf.display(), o.display());
+        outputs.push(o);
+    }
+    let list = dir.join(format!("{name}.txt"));
+    std::fs::write(&list, text).unwrap();
+    let mut args = vec!["--list".to_string(), list.display().to_string()];
+    args.extend(options());
+    (args, outputs)
+}
+
+#[test]
+fn async_io_gives_the_frames_of_a_serial_run() {
+    let dir = tempfile::tempdir().unwrap();
+    // Bundle 1 holds fibers 25-49: with -s 0 its frame is fully masked, a cheap distinct frame.
+    let inputs = [
+        "preproc-bundle0.fits",
+        "preproc-bundle1.fits",
+        "preproc-bundle0.fits",
+    ];
+    let (args, serial) = frame_list(dir.path(), "serial", &inputs);
+    let run = spex(None, &args, &[], TIMEOUT);
+    assert!(run.ok(), "serial run failed:\n{}", run.stderr);
+    for ranks in [3, 4] {
+        let (mut args, outputs) = frame_list(dir.path(), &format!("async{ranks}"), &inputs);
+        args.push("--async-io".into());
+        let run = spex(Some(ranks), &args, &[], TIMEOUT);
+        assert!(run.ok(), "--async-io on {ranks} ranks failed:\n{}", run.stderr);
+        assert!(
+            run.stderr.contains("rank 0 reads, rank 1 writes"),
+            "no dedicated I/O ranks:\n{}",
+            run.stderr
+        );
+        for (a, b) in serial.iter().zip(&outputs) {
+            assert_same_frames(a, b);
+        }
+    }
+}
+
+/// A failing run: non-zero within seconds, one error line naming `rank`, no output left.
+fn assert_fails_cleanly(run: &Run, dir: &Path, rank: usize, cause: &str) {
+    assert!(!run.ok(), "the run succeeded:\n{}", run.stderr);
+    assert!(
+        run.elapsed < FAIL_FAST,
+        "the run took {:?} to fail:\n{}",
+        run.elapsed,
+        run.stderr
+    );
+    let line = format!("spex: rank {rank}: error:");
+    let lines: Vec<&str> = run.stderr.lines().filter(|l| l.contains(&line)).collect();
+    assert!(
+        lines.len() == 1 && lines[0].contains(cause),
+        "expected one line '{line} ...{cause}...':\n{}",
+        run.stderr
+    );
+    let left = files_in(dir);
+    assert!(left.is_empty(), "files left behind: {left:?}");
+}
+
+#[test]
+fn missing_input_fails_fast_on_every_layout() {
+    for (ranks, async_io) in [(1, false), (3, false), (4, true)] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("frame.fits");
+        let mut args = single("no-such-preproc.fits", &out);
+        if async_io {
+            args.push("--async-io".into());
+        }
+        let run = spex(Some(ranks), &args, &[], FAIL_FAST);
+        assert_fails_cleanly(&run, dir.path(), 0, "no-such-preproc.fits");
+    }
+}
+
+#[test]
+fn an_error_on_one_rank_fails_the_job_without_output() {
+    for (ranks, async_io, rank) in [(3, false, 2), (4, true, 3)] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("frame.fits");
+        let mut args = single("preproc-bundle0.fits", &out);
+        if async_io {
+            args.push("--async-io".into());
+        }
+        let fault = format!("error@{rank}");
+        let run = spex(Some(ranks), &args, &[("SPEX_TEST_FAULT", &fault)], FAIL_FAST);
+        assert_eq!(run.code, Some(1), "{}", run.stderr);
+        assert_fails_cleanly(&run, dir.path(), rank, "fault injected");
+    }
+}
+
+#[test]
+fn a_rank_that_panics_or_dies_aborts_the_job() {
+    for (kind, rank) in [("panic", 1), ("abort", 2)] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("frame.fits");
+        let fault = format!("{kind}@{rank}");
+        let run = spex(
+            Some(3),
+            &single("preproc-bundle0.fits", &out),
+            &[("SPEX_TEST_FAULT", &fault)],
+            FAIL_FAST,
+        );
+        assert!(!run.ok(), "{kind}: the run succeeded:\n{}", run.stderr);
+        assert!(run.elapsed < FAIL_FAST, "{kind}: took {:?}", run.elapsed);
+        if kind == "panic" {
+            assert!(
+                run.stderr
+                    .contains(&format!("spex: rank {rank}: error: fault injected")),
+                "{}",
+                run.stderr
+            );
+        }
+        let left = files_in(dir.path());
+        assert!(left.is_empty(), "{kind}: files left behind: {left:?}");
+    }
+}
+
+#[test]
+fn failed_frames_are_counted_and_the_others_complete() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing-preproc.fits");
+    let missing = missing.display().to_string();
+    let inputs = [
+        "preproc-bundle1.fits",
+        missing.as_str(),
+        "preproc-bundle1.fits",
+        "preproc-bundle1.fits",
+    ];
+    for (ranks, async_io) in [(2, false), (4, true)] {
+        let name = format!("run{ranks}");
+        let (mut args, outputs) = frame_list(dir.path(), &name, &inputs);
+        if async_io {
+            args.push("--async-io".into());
+        }
+        // Frame 1 cannot be read; frame 3 fails on the last rank only.
+        let fault = format!("error@{}:3", ranks - 1);
+        let run = spex(Some(ranks), &args, &[("SPEX_TEST_FAULT", &fault)], TIMEOUT);
+        assert_eq!(run.code, Some(2), "{}", run.stderr);
+        assert!(run.stderr.contains("spex: 2 of 4 frames failed"), "{}", run.stderr);
+        assert!(outputs[0].is_file() && outputs[2].is_file(), "{}", run.stderr);
+        assert!(!outputs[1].exists() && !outputs[3].exists(), "{}", run.stderr);
+        assert_eq!(files_in(&dir.path().join(&name)).len(), 2);
+    }
+}
