@@ -26,9 +26,18 @@ fn data(name: &str) -> PathBuf {
 
 /// The reference case of the tests: bundle 0, 25 fibers, 6000-6400 A, one thread per rank.
 fn options() -> Vec<String> {
-    ["-w", "6000,6400,0.8", "-s", "0", "-n", "25", "--threads", "1"]
-        .map(String::from)
-        .to_vec()
+    [
+        "-w",
+        "6000,6400,0.8",
+        "-s",
+        "0",
+        "-n",
+        "25",
+        "--threads",
+        "1",
+    ]
+    .map(String::from)
+    .to_vec()
 }
 
 fn single(input: &str, output: &Path) -> Vec<String> {
@@ -79,10 +88,15 @@ fn spex(ranks: Option<usize>, args: &[String], env: &[(&str, &str)], timeout: Du
         None => Command::new(exe),
         Some(n) => {
             let mut c = Command::new(mpiexec_path());
-            c.args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none"])
-                // Shared-memory transfers without ptrace rights (containers).
-                .args(["--mca", "btl_vader_single_copy_mechanism", "none"])
-                .args(["-n", &n.to_string(), exe]);
+            c.args([
+                "--allow-run-as-root",
+                "--oversubscribe",
+                "--bind-to",
+                "none",
+            ])
+            // Shared-memory transfers without ptrace rights (containers).
+            .args(["--mca", "btl_vader_single_copy_mechanism", "none"])
+            .args(["-n", &n.to_string(), exe]);
             c
         }
     };
@@ -127,7 +141,13 @@ fn spex(ranks: Option<usize>, args: &[String], env: &[(&str, &str)], timeout: Du
 fn assert_same_frames(a: &Path, b: &Path) {
     let fa = Frame::read(a).unwrap_or_else(|e| panic!("{}: {e}", a.display()));
     let fb = Frame::read(b).unwrap_or_else(|e| panic!("{}: {e}", b.display()));
-    assert_eq!(fa.wave, fb.wave, "{} vs {}: WAVELENGTH", a.display(), b.display());
+    assert_eq!(
+        fa.wave,
+        fb.wave,
+        "{} vs {}: WAVELENGTH",
+        a.display(),
+        b.display()
+    );
     for (name, x, y) in [
         ("FLUX", &fa.flux, &fb.flux),
         ("IVAR", &fa.ivar, &fb.ivar),
@@ -169,11 +189,17 @@ fn one_to_four_ranks_and_any_threads_give_identical_frames() {
     assert!(run.ok(), "serial run failed:\n{}", run.stderr);
     for ranks in 1..=4 {
         let out = dir.path().join(format!("ranks{ranks}.fits"));
-        let run = spex(Some(ranks), &single("preproc-bundle0.fits", &out), &[], TIMEOUT);
+        let run = spex(
+            Some(ranks),
+            &single("preproc-bundle0.fits", &out),
+            &[],
+            TIMEOUT,
+        );
         assert!(run.ok(), "{ranks} ranks failed:\n{}", run.stderr);
         if ranks > 1 {
             assert!(
-                run.stderr.contains(&format!("MPI: {ranks} ranks on 1 node")),
+                run.stderr
+                    .contains(&format!("MPI: {ranks} ranks on 1 node")),
                 "no layout line:\n{}",
                 run.stderr
             );
@@ -230,7 +256,11 @@ fn async_io_gives_the_frames_of_a_serial_run() {
         let (mut args, outputs) = frame_list(dir.path(), &format!("async{ranks}"), &inputs);
         args.push("--async-io".into());
         let run = spex(Some(ranks), &args, &[], TIMEOUT);
-        assert!(run.ok(), "--async-io on {ranks} ranks failed:\n{}", run.stderr);
+        assert!(
+            run.ok(),
+            "--async-io on {ranks} ranks failed:\n{}",
+            run.stderr
+        );
         assert!(
             run.stderr.contains("rank 0 reads, rank 1 writes"),
             "no dedicated I/O ranks:\n{}",
@@ -286,7 +316,12 @@ fn an_error_on_one_rank_fails_the_job_without_output() {
             args.push("--async-io".into());
         }
         let fault = format!("error@{rank}");
-        let run = spex(Some(ranks), &args, &[("SPEX_TEST_FAULT", &fault)], FAIL_FAST);
+        let run = spex(
+            Some(ranks),
+            &args,
+            &[("SPEX_TEST_FAULT", &fault)],
+            FAIL_FAST,
+        );
         assert_eq!(run.code, Some(1), "{}", run.stderr);
         assert_fails_cleanly(&run, dir.path(), rank, "fault injected");
     }
@@ -340,9 +375,21 @@ fn failed_frames_are_counted_and_the_others_complete() {
         let fault = format!("error@{}:3", ranks - 1);
         let run = spex(Some(ranks), &args, &[("SPEX_TEST_FAULT", &fault)], TIMEOUT);
         assert_eq!(run.code, Some(2), "{}", run.stderr);
-        assert!(run.stderr.contains("spex: 2 of 4 frames failed"), "{}", run.stderr);
-        assert!(outputs[0].is_file() && outputs[2].is_file(), "{}", run.stderr);
-        assert!(!outputs[1].exists() && !outputs[3].exists(), "{}", run.stderr);
+        assert!(
+            run.stderr.contains("spex: 2 of 4 frames failed"),
+            "{}",
+            run.stderr
+        );
+        assert!(
+            outputs[0].is_file() && outputs[2].is_file(),
+            "{}",
+            run.stderr
+        );
+        assert!(
+            !outputs[1].exists() && !outputs[3].exists(),
+            "{}",
+            run.stderr
+        );
         assert_eq!(files_in(&dir.path().join(&name)).len(), 2);
     }
 }

@@ -192,7 +192,10 @@ impl Comm {
             };
             let mine = &words[piece(words.len())];
             if me == root {
-                let counts: Vec<i32> = lens.iter().map(|&l| piece(l as usize).len() as i32).collect();
+                let counts: Vec<i32> = lens
+                    .iter()
+                    .map(|&l| piece(l as usize).len() as i32)
+                    .collect();
                 let displs: Vec<i32> = counts
                     .iter()
                     .scan(0i32, |acc, &n| {

@@ -253,13 +253,7 @@ fn legendre_from_words(r: &mut WordReader<'_>) -> Result<Legendre> {
 pub fn psf_to_words(psf: &GaussHermitePsf, w: &mut Words) {
     w.str(&psf.path.to_string_lossy());
     for v in [
-        psf.nfiber,
-        psf.hsizex,
-        psf.hsizey,
-        psf.ghdegx,
-        psf.ghdegy,
-        psf.legdeg,
-        psf.npix_x,
+        psf.nfiber, psf.hsizex, psf.hsizey, psf.ghdegx, psf.ghdegy, psf.legdeg, psf.npix_x,
         psf.npix_y,
     ] {
         w.usize(v);
@@ -416,7 +410,13 @@ pub fn pack_box(image: &[f32], ncols: usize, rows: &Range<usize>, cols: &Range<u
 }
 
 /// Copies a dense box buffer back into a row-major image of width `ncols`.
-pub fn unpack_box(packed: &[f32], image: &mut [f32], ncols: usize, rows: &Range<usize>, cols: &Range<usize>) {
+pub fn unpack_box(
+    packed: &[f32],
+    image: &mut [f32],
+    ncols: usize,
+    rows: &Range<usize>,
+    cols: &Range<usize>,
+) {
     let w = cols.len();
     for (i, r) in rows.clone().enumerate() {
         image[r * ncols + cols.start..r * ncols + cols.end]
@@ -500,7 +500,11 @@ impl Contribution {
             }
             FAILED => Contribution::Failed,
             SKIPPED => Contribution::Skipped,
-            k => return Err(Error::Mpi(format!("malformed message: contribution kind {k}"))),
+            k => {
+                return Err(Error::Mpi(format!(
+                    "malformed message: contribution kind {k}"
+                )))
+            }
         };
         r.finish()?;
         Ok(c)
@@ -556,9 +560,7 @@ mod tests {
             status: PatchStatus::Regularized,
             flux: ramp(1.5),
             ivar: ramp(0.1),
-            resolution: (0..n * (2 * ndiag + 1))
-                .map(|i| (i as f64).sin())
-                .collect(),
+            resolution: (0..n * (2 * ndiag + 1)).map(|i| (i as f64).sin()).collect(),
             pixmask_fraction: ramp(0.01),
             chi2pix: ramp(1e-300),
             model: model.then(|| ModelPatch {
@@ -648,7 +650,12 @@ mod tests {
                 PathBuf::from("out/frame-r0-00001234.fits"),
                 None,
             ),
-            ("a".into(), "".into(), "12345678".into(), Some("m.fits".into())),
+            (
+                "a".into(),
+                "".into(),
+                "12345678".into(),
+                Some("m.fits".into()),
+            ),
         ];
         assert_eq!(
             frames_from_words(&frames_to_words(&frames)).unwrap(),

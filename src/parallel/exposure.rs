@@ -38,7 +38,12 @@ pub const EXIT_COMPARISON_FAILED: u8 = 3;
 
 /// Runs every frame `args` asks for on the ranks of `world` and returns the exit status, the
 /// same on every rank. `progress` makes the progress display of rank 0's own patches.
-pub fn run(world: &Comm, layout: &Layout, args: &ExtractArgs, progress: &dyn Fn() -> Progress) -> u8 {
+pub fn run(
+    world: &Comm,
+    layout: &Layout,
+    args: &ExtractArgs,
+    progress: &dyn Fn() -> Progress,
+) -> u8 {
     let roles = Roles::new(layout.size, args.async_io);
     let me = layout.rank;
     let prefix = layout.error_prefix();
@@ -141,7 +146,8 @@ pub fn run(world: &Comm, layout: &Layout, args: &ExtractArgs, progress: &dyn Fn(
             }
             if header.first() == Some(&1) {
                 header.remove(0);
-                let received = distribute_pixels(rc, me == roles.reader, &header, inputs.take(), request);
+                let received =
+                    distribute_pixels(rc, me == roles.reader, &header, inputs.take(), request);
                 inputs = Some(received.unwrap_or_else(|e| fatal(&e)));
             }
         }
@@ -153,7 +159,11 @@ pub fn run(world: &Comm, layout: &Layout, args: &ExtractArgs, progress: &dyn Fn(
             own = Some(match &inputs {
                 None => Contribution::Skipped,
                 Some(inputs) => {
-                    let shown = if me == 0 { progress() } else { Progress::silent() };
+                    let shown = if me == 0 {
+                        progress()
+                    } else {
+                        Progress::silent()
+                    };
                     let t0 = Instant::now();
                     let share = Share {
                         worker: wi,
@@ -180,7 +190,11 @@ pub fn run(world: &Comm, layout: &Layout, args: &ExtractArgs, progress: &dyn Fn(
         }
         // The reader needs nothing more of this frame: with --async-io it reads the next one
         // while the workers solve this one.
-        drop(if me == roles.writer { None } else { inputs.take() });
+        drop(if me == roles.writer {
+            None
+        } else {
+            inputs.take()
+        });
 
         // 3. Gather on the writer, which stitches and writes only once every worker delivered.
         let Some(wc) = &write_comm else { continue };
@@ -288,7 +302,10 @@ fn start_backend(args: &ExtractArgs, layout: &Layout) -> Result<(Box<dyn Backend
                 .ok_or_else(|| Error::Gpu("no CUDA device is visible to this rank".into()))?
         }
     };
-    Ok((backend::create(BackendKind::Cuda, layout.threads, device)?, Some(device)))
+    Ok((
+        backend::create(BackendKind::Cuda, layout.threads, device)?,
+        Some(device),
+    ))
 }
 
 /// Logs the layout once, on rank 0: ranks, nodes, ranks per node, threads, roles and, for the
@@ -343,7 +360,10 @@ fn log_layout(
             .filter(|(_, &d)| d != u64::MAX)
             .map(|(r, d)| format!("{r}:cuda:{d}"))
             .collect();
-        tracing::info!("rank to GPU (node-local rank mod devices): {}", map.join(" "));
+        tracing::info!(
+            "rank to GPU (node-local rank mod devices): {}",
+            map.join(" ")
+        );
     }
 }
 
@@ -496,7 +516,10 @@ fn write_frame(
         }
     }
     if !failed.is_empty() {
-        tracing::debug!("{}: failed on ranks {failed:?}, not written", request.input.display());
+        tracing::debug!(
+            "{}: failed on ranks {failed:?}, not written",
+            request.input.display()
+        );
         return Ok(false);
     }
     let (inputs, read_s) = match (local, header) {
@@ -514,7 +537,9 @@ fn write_frame(
     let secs = Duration::from_secs_f64;
     let mut timings = Timings::default();
     timings.phases.push(("read", secs(read_s)));
-    timings.phases.push(("receive", secs(recv_s.unwrap_or(0.0))));
+    timings
+        .phases
+        .push(("receive", secs(recv_s.unwrap_or(0.0))));
     timings.phases.push(("solve", secs(solve_max)));
     timings.phases.push(("gather", gather));
     let plan = request.plan(&inputs.psf)?;
@@ -574,7 +599,9 @@ mod fault {
             return Ok(());
         }
         match kind {
-            "error" => Err(Error::Mpi(format!("fault injected by SPEX_TEST_FAULT={spec}"))),
+            "error" => Err(Error::Mpi(format!(
+                "fault injected by SPEX_TEST_FAULT={spec}"
+            ))),
             "panic" => panic!("fault injected by SPEX_TEST_FAULT={spec}"),
             "abort" => std::process::abort(),
             _ => Ok(()),

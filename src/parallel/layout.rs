@@ -139,7 +139,10 @@ impl Roles {
             )
         };
         if self.is_async() {
-            format!("rank {} reads, rank {} writes, {w}", self.reader, self.writer)
+            format!(
+                "rank {} reads, rank {} writes, {w}",
+                self.reader, self.writer
+            )
         } else {
             format!("rank {} reads and writes, {w}", self.reader)
         }
