@@ -46,25 +46,21 @@ fn main() -> ExitCode {
 
 /// `spex extract`: one process, or one rank of an MPI job when a launcher started it.
 fn extract(args: &ExtractArgs) -> ExitCode {
+    // Locals drop in reverse order: every communicator goes before the universe finalises MPI.
     let universe = Universe::init();
-    let code = {
-        let world = universe.world();
-        let layout = Layout::discover(&world, universe.is_mpi(), args.threads);
-        universe.abort_on_panic(layout.rank);
-        // Per-frame information comes from the ranks that read and write; the workers log
-        // only warnings unless asked for debug output.
-        let roles = Roles::new(layout.size, args.async_io);
-        let io_rank = layout.rank == roles.reader || layout.rank == roles.writer;
-        init_logging(
-            &args.loglevel,
-            layout.launched.then_some(layout.rank),
-            io_rank,
-        );
-        exposure::run(&world, &layout, args, &progress)
-    };
-    // MPI is finalised here, after every communicator is gone.
-    drop(universe);
-    ExitCode::from(code)
+    let world = universe.world();
+    let layout = Layout::discover(&world, universe.is_mpi(), args.threads);
+    universe.abort_on_panic(layout.rank);
+    // Per-frame information comes from the ranks that read and write; the workers log only
+    // warnings unless asked for debug output.
+    let roles = Roles::new(layout.size, args.async_io);
+    let io_rank = layout.rank == roles.reader || layout.rank == roles.writer;
+    init_logging(
+        &args.loglevel,
+        layout.launched.then_some(layout.rank),
+        io_rank,
+    );
+    ExitCode::from(exposure::run(&world, &layout, args, &progress))
 }
 
 /// Logs to stderr at `level` (`SPEX_LOG` overrides), each line prefixed with the rank under

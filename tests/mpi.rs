@@ -3,7 +3,9 @@
 //! dedicated I/O ranks, and failures end the job quickly, non-zero, with no output file.
 //!
 //! These tests need `mpiexec` on the PATH (Debian: `openmpi-bin`); without it they fail and
-//! say so rather than pass silently.
+//! say so rather than pass silently. A spex built without the `mpi` feature has no multi-rank
+//! runs to test.
+#![cfg(feature = "mpi")]
 
 use std::io::Read;
 use std::path::{Path, PathBuf};

@@ -12,7 +12,21 @@ pub fn launched() -> bool {
 pub struct Universe(());
 
 impl Universe {
+    /// The single process; exits with an error if a launcher started it as one of several
+    /// ranks, which without MPI would each extract every frame and overwrite each other.
     pub fn init() -> Self {
+        let ranks = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"]
+            .iter()
+            .filter_map(|v| std::env::var(v).ok()?.parse::<usize>().ok())
+            .max()
+            .unwrap_or(1);
+        if ranks > 1 {
+            eprintln!(
+                "spex: error: started as one of {ranks} ranks, but this spex was built without \
+                 the `mpi` feature"
+            );
+            std::process::exit(1);
+        }
         Universe(())
     }
 

@@ -511,8 +511,11 @@ impl Contribution {
     }
 }
 
-/// Encodes a list of frames (`input psf output [model]`) for the broadcast of the run's work.
-pub fn frames_to_words(frames: &[(PathBuf, PathBuf, PathBuf, Option<PathBuf>)]) -> Vec<u64> {
+/// The files of one frame: input image, PSF, output frame and optional model image.
+pub type FrameFiles = (PathBuf, PathBuf, PathBuf, Option<PathBuf>);
+
+/// Encodes a list of frames for the broadcast of the run's work.
+pub fn frames_to_words(frames: &[FrameFiles]) -> Vec<u64> {
     let mut w = Words::new();
     w.usize(frames.len());
     for (i, p, o, m) in frames {
@@ -526,9 +529,7 @@ pub fn frames_to_words(frames: &[(PathBuf, PathBuf, PathBuf, Option<PathBuf>)]) 
 }
 
 /// Decodes [`frames_to_words`].
-pub fn frames_from_words(
-    words: &[u64],
-) -> Result<Vec<(PathBuf, PathBuf, PathBuf, Option<PathBuf>)>> {
+pub fn frames_from_words(words: &[u64]) -> Result<Vec<FrameFiles>> {
     let mut r = WordReader::new(words);
     let n = r.usize()?;
     let mut frames = Vec::with_capacity(n.min(words.len()));

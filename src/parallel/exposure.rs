@@ -16,11 +16,10 @@
 //! the writer: the number of failed frames (capped at 100), 3 for a failed `--test`.
 
 use std::ops::Range;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use super::exchange::{
-    frames_from_words, frames_to_words, pack_box, unpack_box, Contribution, FrameHeader,
+    frames_from_words, frames_to_words, pack_box, unpack_box, Contribution, FrameFiles, FrameHeader,
 };
 use super::layout::{device_for, patch_block, Layout, Roles};
 use super::Comm;
@@ -276,7 +275,7 @@ struct Outcome {
 
 /// The frames of the run: `(input, psf, output, model)`, without those that exist already
 /// under `--skip-existing`.
-fn frames_of(args: &ExtractArgs) -> Result<Vec<(PathBuf, PathBuf, PathBuf, Option<PathBuf>)>> {
+fn frames_of(args: &ExtractArgs) -> Result<Vec<FrameFiles>> {
     let mut frames = Vec::new();
     for r in args.requests()? {
         if args.skip_existing && r.output.exists() {
