@@ -323,7 +323,7 @@ fn log_layout(
         return;
     }
     if let Some(b) = backend {
-        tracing::debug!("rank 0 backend: {}", b.describe());
+        tracing::info!("rank 0 extracts on {}", b.describe());
     }
     if !layout.launched {
         return;
