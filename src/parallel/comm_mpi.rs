@@ -80,7 +80,7 @@ impl Universe {
                 .location()
                 .map(|l| format!(" ({}:{})", l.file(), l.line()))
                 .unwrap_or_default();
-            eprintln!("spex: rank {rank}: error: {message}{place}");
+            super::print_line(&format!("spex: rank {rank}: error: {message}{place}"));
             SimpleCommunicator::world().abort(1)
         }));
     }

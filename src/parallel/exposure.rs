@@ -22,7 +22,7 @@ use super::exchange::{
     frames_from_words, frames_to_words, pack_box, unpack_box, Contribution, FrameFiles, FrameHeader,
 };
 use super::layout::{device_for, patch_block, Layout, Roles};
-use super::Comm;
+use super::{print_line, Comm};
 use crate::backend::{self, Backend, BackendKind, FrameInput, Progress};
 use crate::cli::ExtractArgs;
 use crate::compare::{self, ParityLimits};
@@ -53,7 +53,7 @@ pub fn run(
         );
     }
     let fatal = |e: &dyn std::fmt::Display| -> ! {
-        eprintln!("{prefix} {e}");
+        print_line(&format!("{prefix} {e}"));
         world.abort(1)
     };
 
@@ -67,7 +67,7 @@ pub fn run(
                 m
             }
             Err(e) => {
-                eprintln!("{prefix} {e}");
+                print_line(&format!("{prefix} {e}"));
                 vec![0]
             }
         };
@@ -89,15 +89,19 @@ pub fn run(
     // Backends on the workers only, checked together: one rank that cannot start its device
     // stops the job before any frame is read.
     let worker = roles.worker_index(me);
+    // GPUs go round robin over the extracting ranks of each node: with --async-io the reader
+    // and writer ranks hold no device.
+    let workers_comm = world.split(worker.map(|_| 0));
+    let local_worker = workers_comm.as_ref().map(|c| c.split_shared().rank());
     let mut device = None;
     let mut backend: Option<Box<dyn Backend>> = None;
-    if worker.is_some() {
-        match start_backend(args, layout) {
+    if let Some(local_worker) = local_worker {
+        match start_backend(args, layout, local_worker) {
             Ok((b, d)) => {
                 backend = Some(b);
                 device = d;
             }
-            Err(e) => eprintln!("{prefix} cannot start the backend: {e}"),
+            Err(e) => print_line(&format!("{prefix} cannot start the backend: {e}")),
         }
     }
     if world.all_max((worker.is_some() && backend.is_none()) as u64) > 0 {
@@ -134,7 +138,7 @@ pub fn run(
                         inputs = Some(i);
                     }
                     Err(e) => {
-                        eprintln!("{prefix} frame {frame_name}: {e}");
+                        print_line(&format!("{prefix} frame {frame_name}: {e}"));
                         header = vec![0];
                     }
                 }
@@ -180,7 +184,7 @@ pub fn run(
                             solve_s: t0.elapsed().as_secs_f64(),
                         },
                         Err(e) => {
-                            eprintln!("{prefix} frame {frame_name}: {e}");
+                            print_line(&format!("{prefix} frame {frame_name}: {e}"));
                             Contribution::Failed
                         }
                     }
@@ -233,7 +237,7 @@ pub fn run(
             Ok(true) => outcome.written += 1,
             Ok(false) => outcome.failed += 1,
             Err(e) => {
-                eprintln!("{prefix} frame {frame_name}: {e}");
+                print_line(&format!("{prefix} frame {frame_name}: {e}"));
                 outcome.failed += 1;
             }
         }
@@ -250,7 +254,7 @@ pub fn run(
             );
         }
         if outcome.failed > 0 && n > 1 {
-            eprintln!("spex: {} of {n} frames failed", outcome.failed);
+            print_line(&format!("spex: {} of {n} frames failed", outcome.failed));
         }
         if outcome.failed > 0 {
             outcome.failed.min(100) as u8
@@ -287,9 +291,14 @@ fn frames_of(args: &ExtractArgs) -> Result<Vec<FrameFiles>> {
     Ok(frames)
 }
 
-/// The backend of a worker and, for the GPU, its device: `--device`, else the node-local rank
-/// modulo the visible devices.
-fn start_backend(args: &ExtractArgs, layout: &Layout) -> Result<(Box<dyn Backend>, Option<usize>)> {
+/// The backend of a worker and, for the GPU, its device: `--device`, else the worker's rank
+/// among the node's workers (its node-local rank without dedicated I/O ranks) modulo the
+/// devices it sees.
+fn start_backend(
+    args: &ExtractArgs,
+    layout: &Layout,
+    local_worker: usize,
+) -> Result<(Box<dyn Backend>, Option<usize>)> {
     if !args.use_gpu() {
         return Ok((backend::create(BackendKind::Cpu, layout.threads, 0)?, None));
     }
@@ -297,7 +306,7 @@ fn start_backend(args: &ExtractArgs, layout: &Layout) -> Result<(Box<dyn Backend
         Some(d) => d,
         None => {
             let n = backend::cuda::device_count()?;
-            device_for(layout.local_rank, n)
+            device_for(local_worker, n)
                 .ok_or_else(|| Error::Gpu("no CUDA device is visible to this rank".into()))?
         }
     };
@@ -360,7 +369,7 @@ fn log_layout(
             .map(|(r, d)| format!("{r}:cuda:{d}"))
             .collect();
         tracing::info!(
-            "rank to GPU (node-local rank mod devices): {}",
+            "rank to GPU (node-local worker rank mod devices): {}",
             map.join(" ")
         );
     }
@@ -569,7 +578,7 @@ fn write_frame(
         );
         let failures = parity.failures(&ParityLimits::default());
         for f in &failures {
-            eprintln!("spex: test failed: {f}");
+            print_line(&format!("spex: test failed: {f}"));
         }
         outcome.comparison_failed |= !failures.is_empty();
     }

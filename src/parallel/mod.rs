@@ -26,3 +26,13 @@ mod comm;
 
 pub use comm::{launched, Comm, Universe};
 pub use layout::{device_for, Layout, Roles};
+
+/// Prints one line on stderr in a single write, so that lines of several ranks sharing the
+/// launcher's stderr never interleave within a line (`eprintln!` may write in pieces).
+pub fn print_line(line: &str) {
+    use std::io::Write;
+    let mut text = String::with_capacity(line.len() + 1);
+    text.push_str(line);
+    text.push('\n');
+    let _ = std::io::stderr().write_all(text.as_bytes());
+}
