@@ -71,7 +71,8 @@ fn synthetic(psf: &GaussHermitePsf, plan: &Plan, seed: u64) -> Image {
     let waves = &plan.fullwave;
     let (ny, nx) = psf.spot_shape();
     // model, one bundle of fibers at a time, summed into per-thread images by row bands
-    let per_fiber: Vec<(Vec<f64>, Vec<(i32, i32)>)> = fibers
+    type FiberSpots = (Vec<f64>, Vec<(i32, i32)>);
+    let per_fiber: Vec<FiberSpots> = fibers
         .clone()
         .into_par_iter()
         .map(|f| {

@@ -71,26 +71,40 @@ extern "C" __global__ void assemble_f64(
         if (c >= 0 && j >= 0 && j < nwavestep) pixmask[((size_t)p * ncore + c) * nwavestep + j] = smask;
     }
 
+    // Each warp screens 32 columns at once (a ballot of the overlapping ones), then computes
+    // the overlaps one column at a time with all lanes.
     int lane = threadIdx.x % SPEX_WARP, warp = threadIdx.x / SPEX_WARP;
     int nwarp = blockDim.x / SPEX_WARP;
-    for (int j2 = warp; j2 < m; j2 += nwarp) {
-        int sid2 = cs[j2];
-        double sum = 0.0;
+    for (int g = warp * SPEX_WARP; g < m; g += nwarp * SPEX_WARP) {
+        int j2 = g + lane;
+        int sid2 = j2 < m ? cs[j2] : -1;
+        int dx = 0, dy = 0;
+        bool hit = false;
         if (sid2 >= 0) {
-            int dx = corners[2 * sid2] - x1, dy = corners[2 * sid2 + 1] - y1;
-            if (dx < nx && dx > -nx && dy < ny && dy > -ny) {
-                const double* a2 = spots + (size_t)sid2 * size;
-                int ylo = max(dy, 0), yhi = min(ny + dy, ny);
-                int xlo = max(dx, 0), xhi = min(nx + dx, nx);
-                int ow = xhi - xlo, n = (yhi - ylo) * ow;
-                for (int t = lane; t < n; t += SPEX_WARP) {
-                    int iy = ylo + t / ow, ix = xlo + t % ow;
-                    sum += w1[iy * nx + ix] * a2[(iy - dy) * nx + ix - dx];
-                }
-                sum = warp_sum(sum);
-            }
+            dx = corners[2 * sid2] - x1;
+            dy = corners[2 * sid2 + 1] - y1;
+            hit = dx < nx && dx > -nx && dy < ny && dy > -ny;
         }
-        if (lane == 0) row[j2] = sum;
+        if (j2 < m && !hit) row[j2] = 0.0;
+        unsigned mask = __ballot_sync(0xffffffffu, hit);
+        while (mask) {
+            int b = __ffs(mask) - 1;
+            mask &= mask - 1;
+            int s2 = __shfl_sync(0xffffffffu, sid2, b);
+            int ddx = __shfl_sync(0xffffffffu, dx, b);
+            int ddy = __shfl_sync(0xffffffffu, dy, b);
+            const double* a2 = spots + (size_t)s2 * size;
+            int ylo = max(ddy, 0), yhi = min(ny + ddy, ny);
+            int xlo = max(ddx, 0), xhi = min(nx + ddx, nx);
+            int ow = xhi - xlo, nn = (yhi - ylo) * ow;
+            double sum = 0.0;
+            for (int t = lane; t < nn; t += SPEX_WARP) {
+                int iy = ylo + t / ow, ix = xlo + t % ow;
+                sum += w1[iy * nx + ix] * a2[(iy - ddy) * nx + ix - ddx];
+            }
+            sum = warp_sum(sum);
+            if (lane == 0) row[g + b] = sum;
+        }
     }
     __syncthreads();
     for (int j2 = threadIdx.x; j2 < m; j2 += blockDim.x) icol[j2] = row[j2];

@@ -10,6 +10,8 @@
 
 #pragma once
 
+// The block reductions below assume 1-D blocks of a whole number of warps.
+
 #define SPEX_WARP 32
 
 // Sum of `v` over the block; every thread gets the result. `scratch` holds one double per warp.

@@ -13,19 +13,27 @@
 
 #define SPEX_JACOBI_MAX_SWEEPS 20
 
+// Rotations are skipped where |a_pq| <= tol sqrt(a_pp a_qq): that leaves a relative
+// perturbation of C near tol.
+//
 // `qout`, when not null, receives Q itself (for the residual checks of the tests).
 //
-// Shared memory (dynamic): A[n n], V[n n], cs[2 npair], pq[2 npair] (as ints in doubles'
-// room), d[n], rowsum[n], red[32], flags.
+// Shared memory (dynamic): A[n n], V[n n], cos and sin [npair each], d[n], rowsum[n],
+// red[32], then ints: pairs [2 npair], flag [2], triangle table [npair (npair + 1)] shorts.
 extern "C" __global__ void decorrelate_f64(
     const double* __restrict__ cblocks, const double* __restrict__ xflux,
     const int* __restrict__ nkeep, int n, int m, int ncore, int wavepad, int nwavestep, int ndiag,
-    double eigen_clip, double* __restrict__ flux, double* __restrict__ ivar,
+    double eigen_clip, double tol, double* __restrict__ flux, double* __restrict__ ivar,
     double* __restrict__ resolution, double* __restrict__ fluxcol, int* __restrict__ sweeps_out,
     double* __restrict__ qout) {
     extern __shared__ double sm[];
+    // Threads form a (npair, ny) grid: x picks a pair (a column pair of A, a column pair of
+    // V), y strides over rows; no integer division in the inner loops.
     int n2 = n + (n & 1);
     int npair = n2 / 2;
+    int ntri = npair * (npair + 1) / 2;
+    int tid = threadIdx.y * blockDim.x + threadIdx.x;
+    int nthreads = blockDim.x * blockDim.y;
     double* A = sm;
     double* V = A + n * n;
     double* rc = V + n * n;        // cos
@@ -36,37 +44,49 @@ extern "C" __global__ void decorrelate_f64(
     int* rp = (int*)(red + 32);
     int* rq = rp + npair;
     int* flag = rq + npair;
+    unsigned short* tri = (unsigned short*)(flag + 2);  // (kr, kc), kr <= kc
 
     int blk = blockIdx.x;  // patch * ncore + core fiber
     int p = blk / ncore, c = blk % ncore;
     const double* C = cblocks + (size_t)blk * n * n;
-    for (int i = threadIdx.x; i < n * n; i += blockDim.x) {
+    for (int i = tid; i < n * n; i += nthreads) {
         A[i] = C[i];
         V[i] = (i / n == i % n) ? 1.0 : 0.0;
+    }
+    if (tid == 0) {
+        int t = 0;
+        for (int kr = 0; kr < npair; ++kr)
+            for (int kc = kr; kc < npair; ++kc) {
+                tri[2 * t] = (unsigned short)kr;
+                tri[2 * t + 1] = (unsigned short)kc;
+                ++t;
+            }
     }
     __syncthreads();
 
     int sweep = 0;
     for (; sweep < SPEX_JACOBI_MAX_SWEEPS; ++sweep) {
-        if (threadIdx.x == 0) *flag = 0;
+        if (tid == 0) *flag = 0;
         __syncthreads();
         for (int r = 0; r < n2 - 1; ++r) {
-            // the pairs of this round and their rotations
-            for (int k = threadIdx.x; k < npair; k += blockDim.x) {
-                int a, b;
+            // the pairs of this round (a round-robin tournament) and their rotations
+            if (tid < npair) {
+                int k = tid, a, b;
                 if (k == 0) {
                     a = r;
                     b = n2 - 1;
                 } else {
-                    a = (r + k) % (n2 - 1);
-                    b = (r - k + n2 - 1) % (n2 - 1);
+                    a = r + k;
+                    if (a >= n2 - 1) a -= n2 - 1;
+                    b = r - k;
+                    if (b < 0) b += n2 - 1;
                 }
                 int pp = min(a, b), qq = max(a, b);
                 double cc = 1.0, ss = 0.0;
                 if (qq < n) {
                     double apq = A[pp * n + qq];
                     double app = A[pp * n + pp], aqq = A[qq * n + qq];
-                    if (fabs(apq) > 1e-300 && fabs(apq) > 1e-16 * sqrt(fabs(app * aqq))) {
+                    if (fabs(apq) > tol * sqrt(fabs(app * aqq)) && fabs(apq) > 1e-300) {
                         double theta = (aqq - app) / (2.0 * apq);
                         double t = 1.0 / (fabs(theta) + sqrt(theta * theta + 1.0));
                         if (theta < 0.0) t = -t;
@@ -81,42 +101,59 @@ extern "C" __global__ void decorrelate_f64(
                 rs[k] = ss;
             }
             __syncthreads();
-            // A <- J^T A J in independent 2x2 blocks (pair kr of rows, pair kc of columns)
-            for (int idx = threadIdx.x; idx < npair * npair; idx += blockDim.x) {
-                int kr = idx / npair, kc = idx % npair;
-                int pr = rp[kr], qr = rq[kr], pc = rp[kc], qc = rq[kc];
-                double cr = rc[kr], sr = rs[kr], ccl = rc[kc], scl = rs[kc];
+            // A <- J^T A J on the upper triangle of 2x2 blocks, mirrored into the lower one
+            for (int t = tid; t < ntri; t += nthreads) {
+                int kr = tri[2 * t], kc = tri[2 * t + 1];
+                double sr = rs[kr], scl = rs[kc];
                 if (sr == 0.0 && scl == 0.0) continue;
+                int pr = rp[kr], qr = rq[kr], pc = rp[kc], qc = rq[kc];
+                double cr = rc[kr], ccl = rc[kc];
                 bool vq_r = qr < n, vq_c = qc < n;
                 double app = A[pr * n + pc];
                 double apq = vq_c ? A[pr * n + qc] : 0.0;
                 double aqp = vq_r ? A[qr * n + pc] : 0.0;
                 double aqq = (vq_r && vq_c) ? A[qr * n + qc] : 0.0;
-                // rows
                 double tpp = cr * app - sr * aqp, tpq = cr * apq - sr * aqq;
                 double tqp = sr * app + cr * aqp, tqq = sr * apq + cr * aqq;
-                // columns
                 double npp = ccl * tpp - scl * tpq, npq = scl * tpp + ccl * tpq;
                 double nqp = ccl * tqp - scl * tqq, nqq = scl * tqp + ccl * tqq;
                 if (kr == kc) {
-                    npq = 0.0;
-                    nqp = 0.0;
+                    A[pr * n + pr] = npp;
+                    if (vq_r) {
+                        A[qr * n + qr] = nqq;
+                        A[pr * n + qr] = 0.0;
+                        A[qr * n + pr] = 0.0;
+                    }
+                } else {
+                    A[pr * n + pc] = npp;
+                    A[pc * n + pr] = npp;
+                    if (vq_c) {
+                        A[pr * n + qc] = npq;
+                        A[qc * n + pr] = npq;
+                    }
+                    if (vq_r) {
+                        A[qr * n + pc] = nqp;
+                        A[pc * n + qr] = nqp;
+                    }
+                    if (vq_r && vq_c) {
+                        A[qr * n + qc] = nqq;
+                        A[qc * n + qr] = nqq;
+                    }
                 }
-                A[pr * n + pc] = npp;
-                if (vq_c) A[pr * n + qc] = npq;
-                if (vq_r) A[qr * n + pc] = nqp;
-                if (vq_r && vq_c) A[qr * n + qc] = nqq;
             }
             // V <- V J
-            for (int idx = threadIdx.x; idx < n * npair; idx += blockDim.x) {
-                int i = idx / npair, k = idx % npair;
+            if (threadIdx.x < npair) {
+                int k = threadIdx.x;
                 double s = rs[k];
-                if (s == 0.0) continue;
-                int pp = rp[k], qq = rq[k];
-                double cc = rc[k];
-                double vp = V[i * n + pp], vq = V[i * n + qq];
-                V[i * n + pp] = cc * vp - s * vq;
-                V[i * n + qq] = s * vp + cc * vq;
+                if (s != 0.0) {
+                    int pp = rp[k], qq = rq[k];
+                    double cc = rc[k];
+                    for (int i = threadIdx.y; i < n; i += blockDim.y) {
+                        double vp = V[i * n + pp], vq = V[i * n + qq];
+                        V[i * n + pp] = cc * vp - s * vq;
+                        V[i * n + qq] = s * vp + cc * vq;
+                    }
+                }
             }
             __syncthreads();
         }
@@ -125,14 +162,18 @@ extern "C" __global__ void decorrelate_f64(
     }
 
     // eigenvalues clipped at eigen_clip of the largest, then their inverse square roots
-    double mx = -1e308;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) mx = fmax(mx, A[i * n + i]);
-    mx = block_max(mx, red);
-    double floor_v = mx * eigen_clip;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) d[i] = 1.0 / sqrt(fmax(A[i * n + i], floor_v));
+    // (a serial maximum: the block need not be a whole number of warps)
+    if (tid == 0) {
+        double mx = A[0];
+        for (int i = 1; i < n; ++i) mx = fmax(mx, A[i * n + i]);
+        red[0] = mx;
+    }
+    __syncthreads();
+    double floor_v = red[0] * eigen_clip;
+    for (int i = tid; i < n; i += nthreads) d[i] = 1.0 / sqrt(fmax(A[i * n + i], floor_v));
     __syncthreads();
     // Q = V diag(d) V^T into A
-    for (int idx = threadIdx.x; idx < n * n; idx += blockDim.x) {
+    for (int idx = tid; idx < n * n; idx += nthreads) {
         int i = idx / n, k = idx % n;
         double s = 0.0;
         for (int l = 0; l < n; ++l) s += V[i * n + l] * d[l] * V[k * n + l];
@@ -140,9 +181,9 @@ extern "C" __global__ void decorrelate_f64(
     }
     __syncthreads();
     if (qout) {
-        for (int idx = threadIdx.x; idx < n * n; idx += blockDim.x) qout[(size_t)blk * n * n + idx] = A[idx];
+        for (int idx = tid; idx < n * n; idx += nthreads) qout[(size_t)blk * n * n + idx] = A[idx];
     }
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    for (int i = tid; i < n; i += nthreads) {
         double s = 0.0;
         for (int k = 0; k < n; ++k) s += A[i * n + k];
         rowsum[i] = s;
@@ -155,7 +196,7 @@ extern "C" __global__ void decorrelate_f64(
     int nk = nkeep[p];
     int nd = 2 * ndiag + 1;
     size_t o = ((size_t)p * ncore + c) * nwavestep;
-    for (int j = threadIdx.x; j < nwavestep; j += blockDim.x) {
+    for (int j = tid; j < nwavestep; j += nthreads) {
         int row = wavepad + j;
         double norm = rowsum[row];
         double f = 0.0;
@@ -171,5 +212,5 @@ extern "C" __global__ void decorrelate_f64(
             resolution[(((size_t)p * ncore + c) * nd + k) * nwavestep + j] = v;
         }
     }
-    if (threadIdx.x == 0 && sweeps_out) sweeps_out[blk] = sweep;
+    if (tid == 0 && sweeps_out) sweeps_out[blk] = sweep;
 }

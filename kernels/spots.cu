@@ -1,5 +1,5 @@
-// Spot evaluation: pixel-integrated Gauss-Hermite spots from per-spot parameters
-// `[x, y, sigx, sigy, GH-i-j...]` (the host evaluates the Legendre series). Same arithmetic as
+// Spot evaluation: pixel-integrated Gauss-Hermite spots of every (fiber, wavelength) of a
+// chunk. Same arithmetic as
 // `psf::pixel_gauss_hermite` and `SpotWork::eval`: clipped at zero, normalised to unit sum.
 
 #include "common.cuh"
@@ -37,14 +37,35 @@ __device__ void axis_pgh(double center, double sigma, int deg, int n, double* er
     }
 }
 
-// One block per spot. Dynamic shared memory: see `spots_smem_doubles` on the host.
-extern "C" __global__ void spots_f64(const double* __restrict__ params, int nspot, int stride,
-                                     int ghdegx, int ghdegy, int nx, int ny,
-                                     double* __restrict__ out) {
+// Legendre series sum_k c[k] P_k(u) (same recurrence as `psf::Legendre::eval`).
+__device__ double legendre(const double* c, int ncoef, double u) {
+    double p0 = 1.0, p1 = u;
+    double sum = c[0];
+    if (ncoef > 1) sum += c[1] * u;
+    for (int k = 2; k < ncoef; ++k) {
+        double kf = (double)k;
+        double p2 = ((2.0 * kf - 1.0) * u * p1 - (kf - 1.0) * p0) / kf;
+        sum += c[k] * p2;
+        p0 = p1;
+        p1 = p2;
+    }
+    return sum;
+}
+
+// One block per spot `sid = fiber slot * nwave + wave index`. The trace position comes from
+// the host (`xy`, so that the host's corners and the spot agree to the bit); GHSIGX, GHSIGY
+// and the GH-i-j are evaluated here from their Legendre coefficients
+// `coef[(fiber slot * nparam + param) * ncoef + k]` on the PSF table's domain.
+// Dynamic shared memory: see `spots_smem_doubles` on the host.
+extern "C" __global__ void spots_f64(const double* __restrict__ xy, const double* __restrict__ coef,
+                                     const double* __restrict__ waves, int nspot, int nwave,
+                                     int ncoef, double wavemin, double wavemax, int ghdegx,
+                                     int ghdegy, int nx, int ny, double* __restrict__ out) {
     extern __shared__ double sm[];
     int sid = blockIdx.x;
     if (sid >= nspot) return;
     int ngx = ghdegx + 1, ngy = ghdegy + 1;
+    int nparam = 2 + ngx * ngy;
     double* erfx = sm;                         // nx + 1
     double* ghx = erfx + (nx + 1);             // ghdegx * (nx + 1)
     double* pghx = ghx + ghdegx * (nx + 1);    // ngx * nx
@@ -52,18 +73,22 @@ extern "C" __global__ void spots_f64(const double* __restrict__ params, int nspo
     double* ghy = erfy + (ny + 1);             // ghdegy * (ny + 1)
     double* pghy = ghy + ghdegy * (ny + 1);    // ngy * ny
     double* tmp = pghy + ngy * ny;             // ngx * ny
-    double* coef = tmp + ngx * ny;             // ngx * ngy
-    double* red = coef + ngx * ngy;            // 32
+    double* par = tmp + ngx * ny;              // nparam: sigx, sigy, GH-i-j
+    double* red = par + nparam;                // 32
 
-    const double* p = params + (size_t)sid * stride;
-    for (int i = threadIdx.x; i < ngx * ngy; i += blockDim.x) coef[i] = p[4 + i];
-    axis_pgh(p[0], p[2], ghdegx, nx, erfx, ghx, pghx);
-    axis_pgh(p[1], p[3], ghdegy, ny, erfy, ghy, pghy);
+    int fslot = sid / nwave, w = sid % nwave;
+    double u = (waves[w] - wavemin) * (2.0 / (wavemax - wavemin)) - 1.0;
+    for (int i = threadIdx.x; i < nparam; i += blockDim.x)
+        par[i] = legendre(coef + ((size_t)fslot * nparam + i) * ncoef, ncoef, u);
+    __syncthreads();
+    const double* coefgh = par + 2;
+    axis_pgh(xy[2 * sid], par[0], ghdegx, nx, erfx, ghx, pghx);
+    axis_pgh(xy[2 * sid + 1], par[1], ghdegy, ny, erfy, ghy, pghy);
     __syncthreads();
     for (int idx = threadIdx.x; idx < ngx * ny; idx += blockDim.x) {
         int i = idx / ny, iy = idx % ny;
         double s = 0.0;
-        for (int j = 0; j < ngy; ++j) s += coef[i * ngy + j] * pghy[j * ny + iy];
+        for (int j = 0; j < ngy; ++j) s += coefgh[i * ngy + j] * pghy[j * ny + iy];
         tmp[idx] = s;
     }
     __syncthreads();

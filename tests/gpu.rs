@@ -288,10 +288,10 @@ fn random_spd(n: usize, decades: f64, rng: &mut rand::rngs::StdRng) -> Vec<f64> 
         .collect();
     for i in 0..n {
         for j in 0..i {
-            let d: f64 = (0..n).map(|k| q[i][k] * q[j][k]).sum();
-            for k in 0..n {
-                q[i][k] -= d * q[j][k];
-            }
+            let (head, tail) = q.split_at_mut(i);
+            let (qi, qj) = (&mut tail[0], &head[j]);
+            let d: f64 = qi.iter().zip(qj).map(|(a, b)| a * b).sum();
+            qi.iter_mut().zip(qj).for_each(|(a, b)| *a -= d * b);
         }
         let norm = q[i].iter().map(|v| v * v).sum::<f64>().sqrt();
         q[i].iter_mut().for_each(|v| *v /= norm);

@@ -202,8 +202,17 @@ impl Device {
     }
 
     pub(crate) fn memset_zero<T>(&self, b: &DevBuf<T>) -> Result<()> {
+        self.zero_prefix(b, b.len)
+    }
+
+    /// Sets the first `len` values of `b` to zero bytes.
+    pub(crate) fn zero_prefix<T>(&self, b: &DevBuf<T>, len: usize) -> Result<()> {
+        assert!(len <= b.len);
+        if len == 0 {
+            return Ok(());
+        }
         // SAFETY: the range lies inside the allocation.
-        unsafe { drv::memset_d8_async(b.ptr, 0, b.bytes, self.cu_stream()) }
+        unsafe { drv::memset_d8_async(b.ptr, 0, len * std::mem::size_of::<T>(), self.cu_stream()) }
             .map_err(error::driver("cuMemsetD8Async"))
     }
 
@@ -251,14 +260,15 @@ impl Device {
         .map_err(error::driver(format!("copy of {what} from the device")))
     }
 
-    pub(crate) fn dtod<T>(&self, dst: &DevBuf<T>, src: &DevBuf<T>) -> Result<()> {
-        assert!(src.bytes <= dst.bytes);
+    /// Copies the first `len` values of `src` into `dst`.
+    pub(crate) fn dtod<T>(&self, dst: &DevBuf<T>, src: &DevBuf<T>, len: usize) -> Result<()> {
+        assert!(len <= src.len && len <= dst.len);
         // SAFETY: sizes checked.
         unsafe {
             drv::memcpy_dtod_async(
                 dst.ptr,
                 src.ptr,
-                src.len * std::mem::size_of::<T>(),
+                len * std::mem::size_of::<T>(),
                 self.cu_stream(),
             )
         }
@@ -331,11 +341,6 @@ impl<T: Copy + Default> PinnedBuf<T> {
         Ok(PinnedBuf { ptr, len })
     }
 
-    pub(crate) fn as_slice(&self) -> &[T] {
-        // SAFETY: allocated and initialised in `new`.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-
     pub(crate) fn as_mut_slice(&mut self) -> &mut [T] {
         // SAFETY: allocated and initialised in `new`.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
@@ -348,5 +353,51 @@ impl<T: Copy + Default> Drop for PinnedBuf<T> {
         unsafe {
             let _ = drv::free_host(self.ptr as *mut std::ffi::c_void);
         }
+    }
+}
+
+/// A device buffer kept between chunks and calls, grown when a larger one is needed: large
+/// allocations and frees synchronise the device and cost milliseconds each.
+pub(crate) struct Slot<T> {
+    buf: Option<DevBuf<T>>,
+    what: &'static str,
+}
+
+impl<T> Slot<T> {
+    pub(crate) const fn new(what: &'static str) -> Self {
+        Slot { buf: None, what }
+    }
+
+    /// Makes the buffer hold at least `len` values (contents are not kept).
+    pub(crate) fn ensure(&mut self, dev: &Device, len: usize) -> Result<()> {
+        if self.buf.as_ref().map_or(true, |b| b.len < len) {
+            self.buf = None;
+            self.buf = Some(dev.alloc(len, self.what)?);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn get(&self) -> &DevBuf<T> {
+        self.buf.as_ref().expect("Slot::ensure before Slot::get")
+    }
+}
+
+/// A pinned host buffer kept between chunks and calls, grown when needed.
+pub(crate) struct PinSlot<T: Copy + Default> {
+    buf: Option<PinnedBuf<T>>,
+}
+
+impl<T: Copy + Default> PinSlot<T> {
+    pub(crate) const fn new() -> Self {
+        PinSlot { buf: None }
+    }
+
+    /// The first `len` values of the buffer, grown to hold them if needed.
+    pub(crate) fn get(&mut self, len: usize) -> Result<&mut [T]> {
+        if self.buf.as_ref().map_or(true, |b| b.len < len) {
+            self.buf = None;
+            self.buf = Some(PinnedBuf::new(len)?);
+        }
+        Ok(&mut self.buf.as_mut().expect("allocated above").as_mut_slice()[..len])
     }
 }

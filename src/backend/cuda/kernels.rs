@@ -179,16 +179,32 @@ impl Args {
     }
 }
 
+/// Thread block shape of a launch.
+pub(crate) struct Block(pub (u32, u32, u32));
+
+impl From<u32> for Block {
+    fn from(x: u32) -> Self {
+        Block((x, 1, 1))
+    }
+}
+
+impl From<(u32, u32)> for Block {
+    fn from((x, y): (u32, u32)) -> Self {
+        Block((x, y, 1))
+    }
+}
+
 /// Launches `f` on the device's stream.
 pub(crate) fn launch(
     dev: &Device,
     f: &CudaFunction,
     name: &str,
     grid: (u32, u32, u32),
-    block: u32,
+    block: impl Into<Block>,
     smem: usize,
     mut args: Args,
 ) -> Result<()> {
+    let block = block.into().0;
     if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
         return Ok(());
     }
@@ -213,13 +229,13 @@ pub(crate) fn launch(
         drv::launch_kernel(
             f.cu_function(),
             grid,
-            (block, 1, 1),
+            block,
             smem as u32,
             dev.cu_stream(),
             &mut params,
         )
         .map_err(error::driver(format!(
-            "launch of {name} (grid {grid:?}, block {block}, {smem} B shared)"
+            "launch of {name} (grid {grid:?}, block {block:?}, {smem} B shared)"
         )))
     }
 }

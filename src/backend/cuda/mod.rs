@@ -38,6 +38,7 @@ pub struct CudaBackend {
     budget: usize,
     max_chunk: Option<usize>,
     timings: GpuTimings,
+    workspace: solve::Workspace,
 }
 
 impl CudaBackend {
@@ -73,12 +74,19 @@ impl CudaBackend {
             budget,
             max_chunk,
             timings: GpuTimings::default(),
+            workspace: solve::Workspace::new(),
         })
     }
 
     /// Phase timings, chunking and memory of the last `extract` call.
     pub fn timings(&self) -> &GpuTimings {
         &self.timings
+    }
+
+    /// Frees the device and pinned buffers kept between calls (they are reallocated by the
+    /// next call).
+    pub fn release_memory(&mut self) {
+        self.workspace.release();
     }
 
     /// Limits the number of patches solved together (for tests of the chunking; the default
@@ -92,8 +100,7 @@ impl CudaBackend {
     fn chunk_size(&self, sh: &Shape) -> usize {
         let per = sh.bytes_per_patch() + 8 * 8192;
         let fit = (self.budget * 3 / 4) / per;
-        let n = self.max_chunk.unwrap_or(fit).min(fit).max(1);
-        n
+        self.max_chunk.unwrap_or(fit).min(fit).max(1)
     }
 
     /// The symmetric inverse square roots of `count` symmetric positive definite matrices of
@@ -119,7 +126,6 @@ impl CudaBackend {
             nfull: 0,
             bundlesize: 1,
             ndiag: 0,
-            stride: 0,
         };
         let d = &self.dev;
         let cb = d.upload(blocks, "test matrices")?;
@@ -190,8 +196,15 @@ impl Backend for CudaBackend {
                 ids.len()
             )));
             let chunk: Vec<&Patch> = ids.iter().map(|&i| &patches[i]).collect();
-            let solved =
-                solve::solve_chunk(&self.dev, &self.kernels, &input, &chunk, &sh, &mut timings)?;
+            let solved = solve::solve_chunk(
+                &self.dev,
+                &self.kernels,
+                &mut self.workspace,
+                &input,
+                &chunk,
+                &sh,
+                &mut timings,
+            )?;
             for (&i, r) in ids.iter().zip(solved) {
                 results[i] = Some(r);
             }

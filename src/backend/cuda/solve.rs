@@ -22,7 +22,7 @@ use cudarc::cusolver::sys as cusolver_sys;
 use cudarc::driver::CudaEvent;
 use rayon::prelude::*;
 
-use super::device::{DevBuf, Device, PinnedBuf};
+use super::device::{DevBuf, Device, PinSlot, Slot};
 use super::error;
 use super::kernels::{launch, Args, Kernels};
 use crate::backend::cpu::{self, EIGEN_CLIP, RETRY_REGULARIZE};
@@ -32,8 +32,24 @@ use crate::extract::{ModelPatch, PatchGeometry, PatchResult, PatchStatus};
 use crate::plan::Patch;
 use crate::psf::{Corners, GaussHermitePsf, Spots};
 
-/// Threads per block of the Jacobi kernel.
-const JACOBI_THREADS: u32 = 256;
+/// Jacobi rotations are skipped where `|a_pq| <= tol sqrt(a_pp a_qq)`. 1e-14 keeps the
+/// decorrelation within rounding of an exact eigendecomposition for the extraction's
+/// purposes (`SPEX_GPU_JACOBI_TOL` overrides it, for tuning).
+fn jacobi_tol() -> f64 {
+    std::env::var("SPEX_GPU_JACOBI_TOL")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(1e-14)
+}
+
+/// About how many threads a block of the Jacobi kernel has (`SPEX_GPU_JACOBI_THREADS`
+/// overrides it, for tuning).
+fn jacobi_threads() -> u32 {
+    std::env::var("SPEX_GPU_JACOBI_THREADS")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(512)
+}
 
 /// Time spent in each phase, summed over chunks (device phases from CUDA events, host phases
 /// from the wall clock).
@@ -81,7 +97,6 @@ pub(crate) struct Shape {
     pub nfull: usize,
     pub bundlesize: usize,
     pub ndiag: usize,
-    pub stride: usize,
 }
 
 impl Shape {
@@ -106,7 +121,6 @@ impl Shape {
             nfull: plan.fullwave.len(),
             bundlesize: plan.options.bundlesize,
             ndiag: input.psf.hsizey,
-            stride: 4 + input.psf.ngh(),
         }
     }
 
@@ -183,7 +197,10 @@ struct ChunkHost {
     /// Results of patches without pixels (off the CCD), by position in the chunk.
     off: Vec<(usize, PatchResult)>,
     bundles: Vec<usize>,
-    params: Vec<f64>,
+    /// Trace positions `[spot][x, y]`, spot = (bundle slot * bundlesize + fiber) * nfull + wave.
+    xy: Vec<f64>,
+    /// Legendre coefficients of GHSIGX, GHSIGY and the GH-i-j, `[fiber][param][k]`.
+    coef: Vec<f64>,
     corners: Vec<i32>,
     colspot: Vec<i32>,
     boxes: Vec<i32>,
@@ -193,42 +210,51 @@ struct ChunkHost {
     region: (usize, usize, usize, usize),
 }
 
-/// Spot parameters and corners of a bundle on the padded grid.
-fn bundle_params(
+/// Trace positions of one fiber on the padded grid, with the spots' corners.
+fn fiber_trace(
     psf: &GaussHermitePsf,
-    fibers: std::ops::Range<usize>,
+    fiber: usize,
     waves: &[f64],
-    stride: usize,
-) -> (Vec<f64>, Corners) {
-    let params = psf.params_flat(fibers.clone(), waves);
-    let n = params.len() / stride;
-    let (ny, nx) = psf.spot_shape();
-    let mut xc = Vec::with_capacity(n);
-    let mut yc = Vec::with_capacity(n);
-    for s in 0..n {
-        let (x, y) = psf.corner_of(params[s * stride], params[s * stride + 1]);
-        xc.push(x);
-        yc.push(y);
+) -> (Vec<f64>, Vec<i32>, Vec<i32>) {
+    let mut xy = Vec::with_capacity(2 * waves.len());
+    let mut xc = Vec::with_capacity(waves.len());
+    let mut yc = Vec::with_capacity(waves.len());
+    for &w in waves {
+        let (x, y) = psf.xy(fiber, w);
+        let (cx, cy) = psf.corner_of(x, y);
+        xy.extend_from_slice(&[x, y]);
+        xc.push(cx);
+        yc.push(cy);
     }
-    let corners = Corners {
-        fibers,
-        nwave: waves.len(),
-        ny,
-        nx,
-        xc,
-        yc,
-    };
-    (params, corners)
+    (xy, xc, yc)
 }
 
 fn prepare(input: &FrameInput<'_>, chunk: &[&Patch], sh: &Shape) -> ChunkHost {
     let plan = input.plan;
+    let psf = input.psf;
     let mut bundles: Vec<usize> = chunk.iter().map(|p| p.bundle_start).collect();
     bundles.sort_unstable();
     bundles.dedup();
-    let per_bundle: Vec<(Vec<f64>, Corners)> = bundles
+    let fibers: Vec<usize> = bundles.iter().flat_map(|&b| b..b + sh.bundlesize).collect();
+    let traces: Vec<(Vec<f64>, Vec<i32>, Vec<i32>)> = fibers
         .par_iter()
-        .map(|&b| bundle_params(input.psf, b..b + sh.bundlesize, &plan.fullwave, sh.stride))
+        .map(|&f| fiber_trace(psf, f, &plan.fullwave))
+        .collect();
+    let (ny, nx) = psf.spot_shape();
+    let per_bundle: Vec<Corners> = bundles
+        .iter()
+        .enumerate()
+        .map(|(slot, &b)| {
+            let t = &traces[slot * sh.bundlesize..(slot + 1) * sh.bundlesize];
+            Corners {
+                fibers: b..b + sh.bundlesize,
+                nwave: plan.fullwave.len(),
+                ny,
+                nx,
+                xc: t.iter().flat_map(|x| x.1.iter().copied()).collect(),
+                yc: t.iter().flat_map(|x| x.2.iter().copied()).collect(),
+            }
+        })
         .collect();
     let ccd = (input.image.nrows, input.image.ncols);
     let m = sh.m();
@@ -238,7 +264,7 @@ fn prepare(input: &FrameInput<'_>, chunk: &[&Patch], sh: &Shape) -> ChunkHost {
         let slot = bundles
             .binary_search(&p.bundle_start)
             .expect("bundle listed");
-        let geom = PatchGeometry::new(plan, p, &per_bundle[slot].1, ccd);
+        let geom = PatchGeometry::new(plan, p, &per_bundle[slot], ccd);
         if geom.is_empty() {
             off.push((i, PatchResult::empty(p, sh.ndiag, PatchStatus::OffImage)));
         } else {
@@ -276,20 +302,28 @@ fn prepare(input: &FrameInput<'_>, chunk: &[&Patch], sh: &Shape) -> ChunkHost {
             region.3.max(g.cols.end),
         );
     }
-    let mut params = Vec::with_capacity(bundles.len() * sh.bundlesize * sh.nfull * sh.stride);
-    let mut corners = Vec::with_capacity(bundles.len() * sh.bundlesize * sh.nfull * 2);
-    for (p, c) in &per_bundle {
-        params.extend_from_slice(p);
-        for (x, y) in c.xc.iter().zip(&c.yc) {
-            corners.push(*x);
-            corners.push(*y);
+    let mut xy = Vec::with_capacity(fibers.len() * sh.nfull * 2);
+    let mut corners = Vec::with_capacity(fibers.len() * sh.nfull * 2);
+    for (t, x, y) in &traces {
+        xy.extend_from_slice(t);
+        for (a, b) in x.iter().zip(y) {
+            corners.push(*a);
+            corners.push(*b);
+        }
+    }
+    let ncoef = psf.ghsigx.ncoef;
+    let mut coef = Vec::with_capacity(fibers.len() * (2 + psf.ngh()) * ncoef);
+    for &f in &fibers {
+        for l in [&psf.ghsigx, &psf.ghsigy].into_iter().chain(psf.gh.iter()) {
+            coef.extend_from_slice(&l.coeff[f * ncoef..(f + 1) * ncoef]);
         }
     }
     ChunkHost {
         live,
         off,
         bundles,
-        params,
+        xy,
+        coef,
         corners,
         colspot,
         boxes,
@@ -312,7 +346,91 @@ fn pointer_array(
     dev.upload(&host, what)
 }
 
-/// Launches assembly (and regularisation) for `patch_ids` (all live patches when None).
+/// Device and pinned buffers, kept by the backend between chunks and calls.
+pub(crate) struct Workspace {
+    xy: Slot<f64>,
+    coef: Slot<f64>,
+    waves: Slot<f64>,
+    spots: Slot<f64>,
+    corners: Slot<i32>,
+    colspot: Slot<i32>,
+    boxes: Slot<i32>,
+    nkeep: Slot<i32>,
+    boxoff: Slot<i64>,
+    pix: Slot<f32>,
+    ivar: Slot<f32>,
+    icov: Slot<f64>,
+    y: Slot<f64>,
+    fw: Slot<f64>,
+    diag0: Slot<f64>,
+    pixmask: Slot<f64>,
+    masked: Slot<i32>,
+    x: Slot<f64>,
+    xinv: Slot<f64>,
+    cblocks: Slot<f64>,
+    flux: Slot<f64>,
+    ivar_out: Slot<f64>,
+    res: Slot<f64>,
+    fluxcol: Slot<f64>,
+    sweeps: Slot<i32>,
+    model: Slot<f64>,
+    chi2: Slot<f64>,
+    pin_pix: PinSlot<f32>,
+    pin_ivar: PinSlot<f32>,
+    back: PinSlot<f64>,
+}
+
+impl Workspace {
+    pub(crate) fn new() -> Self {
+        Workspace {
+            xy: Slot::new("trace positions"),
+            coef: Slot::new("PSF coefficients"),
+            waves: Slot::new("wavelength grid"),
+            spots: Slot::new("spots"),
+            corners: Slot::new("spot corners"),
+            colspot: Slot::new("column table"),
+            boxes: Slot::new("pixel boxes"),
+            nkeep: Slot::new("kept bins"),
+            boxoff: Slot::new("box offsets"),
+            pix: Slot::new("image pixels"),
+            ivar: Slot::new("image inverse variance"),
+            icov: Slot::new("icov"),
+            y: Slot::new("y"),
+            fw: Slot::new("fluxweight"),
+            diag0: Slot::new("icov diagonal"),
+            pixmask: Slot::new("pixmask fraction"),
+            masked: Slot::new("masked flags"),
+            x: Slot::new("xflux"),
+            xinv: Slot::new("inverse Cholesky blocks"),
+            cblocks: Slot::new("covariance blocks"),
+            flux: Slot::new("flux"),
+            ivar_out: Slot::new("ivar"),
+            res: Slot::new("resolution"),
+            fluxcol: Slot::new("core flux by column"),
+            sweeps: Slot::new("Jacobi sweeps"),
+            model: Slot::new("patch models"),
+            chi2: Slot::new("chi2pix"),
+            pin_pix: PinSlot::new(),
+            pin_ivar: PinSlot::new(),
+            back: PinSlot::new(),
+        }
+    }
+
+    /// Frees every buffer.
+    pub(crate) fn release(&mut self) {
+        *self = Workspace::new();
+    }
+}
+
+/// The region of the CCD uploaded for a chunk: rows, columns.
+#[derive(Clone, Copy)]
+struct Region {
+    row0: usize,
+    col0: usize,
+    width: usize,
+}
+
+/// Launches assembly (and regularisation) for `ids` (all `n` live patches when None).
 #[allow(clippy::too_many_arguments)]
 fn assemble(
     dev: &Device,
@@ -320,7 +438,8 @@ fn assemble(
     sh: &Shape,
     n: usize,
     ids: Option<&DevBuf<i32>>,
-    bufs: &ChunkDev,
+    ws: &Workspace,
+    region: Region,
     reg: f64,
 ) -> Result<()> {
     let m = sh.m();
@@ -334,16 +453,16 @@ fn assemble(
         128,
         (size + m + 32) * 8,
         Args::new()
-            .ptr(bufs.spots.ptr)
-            .ptr(bufs.corners.ptr)
-            .ptr(bufs.colspot.ptr)
-            .ptr(bufs.boxes.ptr)
+            .ptr(ws.spots.get().ptr)
+            .ptr(ws.corners.get().ptr)
+            .ptr(ws.colspot.get().ptr)
+            .ptr(ws.boxes.get().ptr)
             .ptr(ids_ptr)
-            .ptr(bufs.pix.ptr)
-            .ptr(bufs.ivar.ptr)
-            .i32(bufs.region.0 as i32)
-            .i32(bufs.region.2 as i32)
-            .i32((bufs.region.3 - bufs.region.2) as i32)
+            .ptr(ws.pix.get().ptr)
+            .ptr(ws.ivar.get().ptr)
+            .i32(region.row0 as i32)
+            .i32(region.col0 as i32)
+            .i32(region.width as i32)
             .i32(m as i32)
             .i32(sh.nx as i32)
             .i32(sh.ny as i32)
@@ -351,11 +470,11 @@ fn assemble(
             .i32(sh.ncore as i32)
             .i32(sh.wavepad as i32)
             .i32(sh.nws as i32)
-            .ptr(bufs.icov.ptr)
-            .ptr(bufs.y.ptr)
-            .ptr(bufs.fw.ptr)
-            .ptr(bufs.diag0.ptr)
-            .ptr(bufs.pixmask.ptr),
+            .ptr(ws.icov.get().ptr)
+            .ptr(ws.y.get().ptr)
+            .ptr(ws.fw.get().ptr)
+            .ptr(ws.diag0.get().ptr)
+            .ptr(ws.pixmask.get().ptr),
     )?;
     launch(
         dev,
@@ -365,13 +484,13 @@ fn assemble(
         256,
         0,
         Args::new()
-            .ptr(bufs.icov.ptr)
-            .ptr(bufs.fw.ptr)
-            .ptr(bufs.diag0.ptr)
+            .ptr(ws.icov.get().ptr)
+            .ptr(ws.fw.get().ptr)
+            .ptr(ws.diag0.get().ptr)
             .ptr(ids_ptr)
             .i32(m as i32)
             .f64(reg)
-            .ptr(bufs.masked.ptr),
+            .ptr(ws.masked.get().ptr),
     )
 }
 
@@ -405,27 +524,11 @@ fn factorize(dev: &Device, sh: &Shape, icov: &DevBuf<f64>, ids: &[usize]) -> Res
     Ok(host)
 }
 
-/// Device buffers of a chunk.
-struct ChunkDev {
-    region: (usize, usize, usize, usize),
-    spots: DevBuf<f64>,
-    corners: DevBuf<i32>,
-    colspot: DevBuf<i32>,
-    boxes: DevBuf<i32>,
-    pix: DevBuf<f32>,
-    ivar: DevBuf<f32>,
-    icov: DevBuf<f64>,
-    y: DevBuf<f64>,
-    fw: DevBuf<f64>,
-    diag0: DevBuf<f64>,
-    pixmask: DevBuf<f64>,
-    masked: DevBuf<i32>,
-}
-
 /// Solves one chunk; results in the order of `chunk`.
 pub(crate) fn solve_chunk(
     dev: &Device,
     k: &Kernels,
+    ws: &mut Workspace,
     input: &FrameInput<'_>,
     chunk: &[&Patch],
     sh: &Shape,
@@ -436,7 +539,6 @@ pub(crate) fn solve_chunk(
         let _r = nvtx::LocalRange::new(c"host tables");
         prepare(input, chunk, sh)
     };
-    timings.add("host tables", t_host.elapsed().as_secs_f64() * 1e3);
     let mut results: Vec<Option<PatchResult>> = vec![None; chunk.len()];
     for (i, r) in host.off {
         results[i] = Some(r);
@@ -451,48 +553,66 @@ pub(crate) fn solve_chunk(
     let (m, mc, nt, nws, ncore, nd) = (sh.m(), sh.mc(), sh.nt, sh.nws, sh.ncore, sh.nd());
     let k0 = m - mc;
     let img = input.image;
-    let region = host.region;
-    let (rh, rw) = (region.1 - region.0, region.3 - region.2);
+    let (r0, r1, c0, c1) = host.region;
+    let (rh, rw) = (r1 - r0, c1 - c0);
+    let region = Region {
+        row0: r0,
+        col0: c0,
+        width: rw,
+    };
+    // the image region, packed into pinned buffers
+    {
+        let pp = ws.pin_pix.get(rh * rw)?;
+        pp.par_chunks_mut(rw).enumerate().for_each(|(r, d)| {
+            let row = (r0 + r) * img.ncols;
+            d.copy_from_slice(&img.pix[row + c0..row + c1]);
+        });
+        let pv = ws.pin_ivar.get(rh * rw)?;
+        pv.par_chunks_mut(rw).enumerate().for_each(|(r, d)| {
+            let row = (r0 + r) * img.ncols;
+            d.copy_from_slice(&img.ivar[row + c0..row + c1]);
+        });
+    }
+    timings.add("host tables", t_host.elapsed().as_secs_f64() * 1e3);
 
     let mut clock = PhaseClock::new(dev);
     clock.mark("start")?;
-    // Uploads: the image region through pinned buffers, the tables directly.
-    let t_pack = Instant::now();
     let copies = nvtx::LocalRange::new(c"copies in");
-    let mut pin_pix = PinnedBuf::<f32>::new(rh * rw)?;
-    let mut pin_ivar = PinnedBuf::<f32>::new(rh * rw)?;
-    {
-        let (pp, pv) = (pin_pix.as_mut_slice(), pin_ivar.as_mut_slice());
-        pp.par_chunks_mut(rw)
-            .zip(pv.par_chunks_mut(rw))
-            .enumerate()
-            .for_each(|(r, (dp, dv))| {
-                let row = (region.0 + r) * img.ncols;
-                dp.copy_from_slice(&img.pix[row + region.2..row + region.3]);
-                dv.copy_from_slice(&img.ivar[row + region.2..row + region.3]);
-            });
-    }
-    timings.add("host tables", t_pack.elapsed().as_secs_f64() * 1e3);
-    let nspot = host.params.len() / sh.stride;
+    let nspot = host.xy.len() / 2;
     let size = sh.nx * sh.ny;
-    let bufs = ChunkDev {
-        region,
-        spots: dev.alloc(nspot * size, "spots")?,
-        corners: dev.upload(&host.corners, "spot corners")?,
-        colspot: dev.upload(&host.colspot, "column table")?,
-        boxes: dev.upload(&host.boxes, "pixel boxes")?,
-        pix: dev.upload(pin_pix.as_slice(), "image pixels")?,
-        ivar: dev.upload(pin_ivar.as_slice(), "image inverse variance")?,
-        icov: dev.alloc(n * m * m, &format!("icov of {n} patches of order {m}"))?,
-        y: dev.alloc(n * m, "y")?,
-        fw: dev.alloc(n * m, "fluxweight")?,
-        diag0: dev.alloc(n * m, "icov diagonal")?,
-        pixmask: dev.zeros(n * ncore * nws, "pixmask fraction")?,
-        masked: dev.zeros(n, "masked flags")?,
-    };
-    let params = dev.upload(&host.params, "spot parameters")?;
-    let nkeep = dev.upload(&host.nkeep, "kept bins")?;
-    let boxoff = dev.upload(&host.boxoff, "box offsets")?;
+    ws.spots.ensure(dev, nspot * size)?;
+    ws.xy.ensure(dev, host.xy.len())?;
+    ws.coef.ensure(dev, host.coef.len())?;
+    ws.waves.ensure(dev, input.plan.fullwave.len())?;
+    ws.corners.ensure(dev, host.corners.len())?;
+    ws.colspot.ensure(dev, host.colspot.len())?;
+    ws.boxes.ensure(dev, host.boxes.len())?;
+    ws.nkeep.ensure(dev, n)?;
+    ws.boxoff.ensure(dev, n)?;
+    ws.pix.ensure(dev, rh * rw)?;
+    ws.ivar.ensure(dev, rh * rw)?;
+    ws.icov.ensure(dev, n * m * m)?;
+    ws.y.ensure(dev, n * m)?;
+    ws.fw.ensure(dev, n * m)?;
+    ws.diag0.ensure(dev, n * m)?;
+    ws.pixmask.ensure(dev, n * ncore * nws)?;
+    ws.masked.ensure(dev, n)?;
+    dev.copy_to(ws.xy.get(), &host.xy, "trace positions")?;
+    dev.copy_to(ws.coef.get(), &host.coef, "PSF coefficients")?;
+    dev.copy_to(ws.waves.get(), &input.plan.fullwave, "wavelength grid")?;
+    dev.copy_to(ws.corners.get(), &host.corners, "spot corners")?;
+    dev.copy_to(ws.colspot.get(), &host.colspot, "column table")?;
+    dev.copy_to(ws.boxes.get(), &host.boxes, "pixel boxes")?;
+    dev.copy_to(ws.nkeep.get(), &host.nkeep, "kept bins")?;
+    dev.copy_to(ws.boxoff.get(), &host.boxoff, "box offsets")?;
+    dev.copy_to(ws.pix.get(), ws.pin_pix.get(rh * rw)?, "image pixels")?;
+    dev.copy_to(
+        ws.ivar.get(),
+        ws.pin_ivar.get(rh * rw)?,
+        "image inverse variance",
+    )?;
+    dev.zero_prefix(ws.pixmask.get(), n * ncore * nws)?;
+    dev.zero_prefix(ws.masked.get(), n)?;
     drop(copies);
     clock.mark("copies in")?;
 
@@ -505,8 +625,10 @@ pub(crate) fn solve_chunk(
             + (sh.ny + 1) * (1 + psf.ghdegy)
             + ngy * sh.ny
             + ngx * sh.ny
+            + 2
             + ngx * ngy
             + 32;
+        let (wmin, wmax) = psf.param_domain();
         launch(
             dev,
             &k.spots,
@@ -515,29 +637,34 @@ pub(crate) fn solve_chunk(
             128,
             smem * 8,
             Args::new()
-                .ptr(params.ptr)
+                .ptr(ws.xy.get().ptr)
+                .ptr(ws.coef.get().ptr)
+                .ptr(ws.waves.get().ptr)
                 .i32(nspot as i32)
-                .i32(sh.stride as i32)
+                .i32(sh.nfull as i32)
+                .i32(psf.ghsigx.ncoef as i32)
+                .f64(wmin)
+                .f64(wmax)
                 .i32(psf.ghdegx as i32)
                 .i32(psf.ghdegy as i32)
                 .i32(sh.nx as i32)
                 .i32(sh.ny as i32)
-                .ptr(bufs.spots.ptr),
+                .ptr(ws.spots.get().ptr),
         )?;
     }
     clock.mark("spots")?;
     {
         let _r = nvtx::LocalRange::new(c"assemble");
-        assemble(dev, k, sh, n, None, &bufs, input.options.regularize)?;
+        assemble(dev, k, sh, n, None, ws, region, input.options.regularize)?;
     }
     clock.mark("assemble")?;
 
     // Factorisation, with the retry of DESIGN step 2 for the patches that fail.
     let fact = nvtx::LocalRange::new(c"factorize");
     let all: Vec<usize> = (0..n).collect();
-    let info = factorize(dev, sh, &bufs.icov, &all)?;
+    let info = factorize(dev, sh, ws.icov.get(), &all)?;
     let mut masked = vec![0i32; n];
-    dev.copy_from(&mut masked, &bufs.masked, 0, "masked flags")?;
+    dev.copy_from(&mut masked, ws.masked.get(), 0, "masked flags")?;
     dev.sync("masked flags")?;
     let failed: Vec<usize> = (0..n).filter(|&i| info[i] != 0 && masked[i] == 0).collect();
     let mut status = vec![PatchStatus::Ok; n];
@@ -564,10 +691,11 @@ pub(crate) fn solve_chunk(
                 sh,
                 failed.len(),
                 Some(&ids_dev),
-                &bufs,
+                ws,
+                region,
                 RETRY_REGULARIZE,
             )?;
-            let info2 = factorize(dev, sh, &bufs.icov, &failed)?;
+            let info2 = factorize(dev, sh, ws.icov.get(), &failed)?;
             for (j, &i) in failed.iter().enumerate() {
                 if info2[j] == 0 {
                     status[i] = PatchStatus::Regularized;
@@ -583,138 +711,135 @@ pub(crate) fn solve_chunk(
 
     // xflux = icov^-1 y.
     let solve = nvtx::LocalRange::new(c"solve");
-    let x = dev.alloc::<f64>(n * m, "xflux")?;
-    dev.dtod(&x, &bufs.y)?;
-    {
-        let a_ptrs = pointer_array(dev, bufs.icov.ptr, m * m, &all, "solve pointer array")?;
-        let b_ptrs = pointer_array(dev, x.ptr, m, &all, "solve rhs pointer array")?;
-        let info = dev.zeros::<i32>(1, "solve info")?;
-        // SAFETY: pointers address the factors and right-hand sides of every live patch.
-        let st = unsafe {
-            cusolver_sys::cusolverDnDpotrsBatched(
-                dev.cusolver,
-                cusolver_sys::cublasFillMode_t::CUBLAS_FILL_MODE_LOWER,
-                m as i32,
-                1,
-                a_ptrs.ptr as *mut *mut f64,
-                m as i32,
-                b_ptrs.ptr as *mut *mut f64,
-                m as i32,
-                info.ptr as *mut i32,
-                n as i32,
-            )
-        };
-        error::cusolver(st, &format!("cusolverDnDpotrsBatched of {n} patches"))?;
-        dev.sync("triangular solves")?;
-    }
+    ws.x.ensure(dev, n * m)?;
+    dev.dtod(ws.x.get(), ws.y.get(), n * m)?;
+    let a_ptrs = pointer_array(dev, ws.icov.get().ptr, m * m, &all, "solve pointer array")?;
+    let b_ptrs = pointer_array(dev, ws.x.get().ptr, m, &all, "solve rhs pointer array")?;
+    let solve_info = dev.zeros::<i32>(1, "solve info")?;
+    // SAFETY: pointers address the factors and right-hand sides of every live patch.
+    let st = unsafe {
+        cusolver_sys::cusolverDnDpotrsBatched(
+            dev.cusolver,
+            cusolver_sys::cublasFillMode_t::CUBLAS_FILL_MODE_LOWER,
+            m as i32,
+            1,
+            a_ptrs.ptr as *mut *mut f64,
+            m as i32,
+            b_ptrs.ptr as *mut *mut f64,
+            m as i32,
+            solve_info.ptr as *mut i32,
+            n as i32,
+        )
+    };
+    error::cusolver(st, &format!("cusolverDnDpotrsBatched of {n} patches"))?;
     drop(solve);
     clock.mark("solve")?;
 
     // Core blocks of icov^-1: X = L22^-1 (trsm on the identity), C_b = X_b^T X_b.
     let inv = nvtx::LocalRange::new(c"inverse");
-    let cblocks = {
-        let xinv =
-            dev.alloc::<f64>(n * mc * mc, &format!("L22^-1 of {n} patches of order {mc}"))?;
-        launch(
-            dev,
-            &k.eye,
-            "eye_f64",
-            (((n * mc * mc).div_ceil(256)).min(65535 * 8) as u32, 1, 1),
-            256,
-            0,
-            Args::new().ptr(xinv.ptr).i32(mc as i32).i64(n as i64),
+    ws.xinv.ensure(dev, n * mc * mc)?;
+    ws.cblocks.ensure(dev, n * ncore * nt * nt)?;
+    let xinv = ws.xinv.get();
+    launch(
+        dev,
+        &k.eye,
+        "eye_f64",
+        (((n * mc * mc).div_ceil(256)).min(65535 * 8) as u32, 1, 1),
+        256,
+        0,
+        Args::new().ptr(xinv.ptr).i32(mc as i32).i64(n as i64),
+    )?;
+    let l_ptrs: Vec<u64> = (0..n)
+        .map(|i| ws.icov.get().at(i * m * m + k0 * m + k0))
+        .collect();
+    let l_ptrs = dev.upload(&l_ptrs, "trsm pointer array")?;
+    let x_ptrs = pointer_array(dev, xinv.ptr, mc * mc, &all, "trsm rhs pointer array")?;
+    let one = 1.0f64;
+    let zero = 0.0f64;
+    // SAFETY: every pointer addresses an mc x mc block (lda m) or matrix (ld mc).
+    unsafe {
+        error::cublas(
+            cublas_sys::cublasDtrsmBatched(
+                dev.cublas,
+                cublas_sys::cublasSideMode_t::CUBLAS_SIDE_LEFT,
+                cublas_sys::cublasFillMode_t::CUBLAS_FILL_MODE_LOWER,
+                cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+                cublas_sys::cublasDiagType_t::CUBLAS_DIAG_NON_UNIT,
+                mc as i32,
+                mc as i32,
+                &one,
+                l_ptrs.ptr as *const *const f64,
+                m as i32,
+                x_ptrs.ptr as *const *mut f64,
+                mc as i32,
+                n as i32,
+            ),
+            &format!("cublasDtrsmBatched of {n} blocks of order {mc}"),
         )?;
-        let l_ptrs: Vec<u64> = (0..n)
-            .map(|i| bufs.icov.at(i * m * m + k0 * m + k0))
-            .collect();
-        let l_ptrs = dev.upload(&l_ptrs, "trsm pointer array")?;
-        let x_ptrs = pointer_array(dev, xinv.ptr, mc * mc, &all, "trsm rhs pointer array")?;
-        let one = 1.0f64;
-        let zero = 0.0f64;
-        // SAFETY: every pointer addresses an mc x mc block (lda m) or matrix (ld mc).
-        unsafe {
-            error::cublas(
-                cublas_sys::cublasDtrsmBatched(
-                    dev.cublas,
-                    cublas_sys::cublasSideMode_t::CUBLAS_SIDE_LEFT,
-                    cublas_sys::cublasFillMode_t::CUBLAS_FILL_MODE_LOWER,
-                    cublas_sys::cublasOperation_t::CUBLAS_OP_N,
-                    cublas_sys::cublasDiagType_t::CUBLAS_DIAG_NON_UNIT,
-                    mc as i32,
-                    mc as i32,
-                    &one,
-                    l_ptrs.ptr as *const *const f64,
-                    m as i32,
-                    x_ptrs.ptr as *const *mut f64,
-                    mc as i32,
-                    n as i32,
-                ),
-                &format!("cublasDtrsmBatched of {n} blocks of order {mc}"),
-            )?;
-        }
-        let cb = dev.alloc::<f64>(n * ncore * nt * nt, "covariance blocks")?;
-        // SAFETY: consecutive (patch, core block) pairs are nt * mc apart in `xinv`.
-        unsafe {
-            error::cublas(
-                cublas_sys::cublasDgemmStridedBatched(
-                    dev.cublas,
-                    cublas_sys::cublasOperation_t::CUBLAS_OP_T,
-                    cublas_sys::cublasOperation_t::CUBLAS_OP_N,
-                    nt as i32,
-                    nt as i32,
-                    mc as i32,
-                    &one,
-                    xinv.ptr as *const f64,
-                    mc as i32,
-                    (nt * mc) as i64,
-                    xinv.ptr as *const f64,
-                    mc as i32,
-                    (nt * mc) as i64,
-                    &zero,
-                    cb.ptr as *mut f64,
-                    nt as i32,
-                    (nt * nt) as i64,
-                    (n * ncore) as i32,
-                ),
-                &format!("cublasDgemmStridedBatched of {} blocks", n * ncore),
-            )?;
-        }
-        dev.sync("covariance blocks")?;
-        cb
-    };
+    }
+    // SAFETY: consecutive (patch, core block) pairs are nt * mc apart in `xinv`.
+    unsafe {
+        error::cublas(
+            cublas_sys::cublasDgemmStridedBatched(
+                dev.cublas,
+                cublas_sys::cublasOperation_t::CUBLAS_OP_T,
+                cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+                nt as i32,
+                nt as i32,
+                mc as i32,
+                &one,
+                xinv.ptr as *const f64,
+                mc as i32,
+                (nt * mc) as i64,
+                xinv.ptr as *const f64,
+                mc as i32,
+                (nt * mc) as i64,
+                &zero,
+                ws.cblocks.get().ptr as *mut f64,
+                nt as i32,
+                (nt * nt) as i64,
+                (n * ncore) as i32,
+            ),
+            &format!("cublasDgemmStridedBatched of {} blocks", n * ncore),
+        )?;
+    }
     drop(inv);
     clock.mark("inverse")?;
 
     // Decorrelation.
     let dec = nvtx::LocalRange::new(c"decorrelate");
-    let flux = dev.alloc::<f64>(n * ncore * nws, "flux")?;
-    let ivar = dev.alloc::<f64>(n * ncore * nws, "ivar")?;
-    let res = dev.alloc::<f64>(n * ncore * nd * nws, "resolution")?;
-    let fluxcol = dev.zeros::<f64>(n * m, "core flux by column")?;
-    let sweeps = dev.zeros::<i32>(n * ncore, "Jacobi sweeps")?;
+    let per = n * ncore * nws;
+    ws.flux.ensure(dev, per)?;
+    ws.ivar_out.ensure(dev, per)?;
+    ws.res.ensure(dev, per * nd)?;
+    ws.fluxcol.ensure(dev, n * m)?;
+    ws.sweeps.ensure(dev, n * ncore)?;
+    dev.zero_prefix(ws.fluxcol.get(), n * m)?;
+    dev.zero_prefix(ws.sweeps.get(), n * ncore)?;
     decorrelate(
         dev,
         k,
         sh,
         n * ncore,
-        &cblocks,
-        &x,
-        &nkeep,
-        &flux,
-        &ivar,
-        &res,
-        &fluxcol,
-        &sweeps,
+        ws.cblocks.get(),
+        ws.x.get(),
+        ws.nkeep.get(),
+        ws.flux.get(),
+        ws.ivar_out.get(),
+        ws.res.get(),
+        ws.fluxcol.get(),
+        ws.sweeps.get(),
         0,
     )?;
-    drop(cblocks);
     drop(dec);
     clock.mark("decorrelate")?;
 
     // chi2pix from the model of xflux, and the optional model image of the core.
     let fin = nvtx::LocalRange::new(c"finalize");
-    let model = dev.zeros::<f64>(host.box_total, "patch models")?;
-    let project = |xv: &DevBuf<f64>, out: &DevBuf<f64>| {
+    ws.model.ensure(dev, host.box_total)?;
+    ws.chi2.ensure(dev, per)?;
+    let model = ws.model.get();
+    let project = |xv: &DevBuf<f64>| {
         launch(
             dev,
             &k.project,
@@ -723,20 +848,20 @@ pub(crate) fn solve_chunk(
             64,
             0,
             Args::new()
-                .ptr(bufs.spots.ptr)
-                .ptr(bufs.corners.ptr)
-                .ptr(bufs.colspot.ptr)
-                .ptr(bufs.boxes.ptr)
-                .ptr(boxoff.ptr)
+                .ptr(ws.spots.get().ptr)
+                .ptr(ws.corners.get().ptr)
+                .ptr(ws.colspot.get().ptr)
+                .ptr(ws.boxes.get().ptr)
+                .ptr(ws.boxoff.get().ptr)
                 .ptr(xv.ptr)
                 .i32(m as i32)
                 .i32(sh.nx as i32)
                 .i32(sh.ny as i32)
-                .ptr(out.ptr),
+                .ptr(model.ptr),
         )
     };
-    project(&x, &model)?;
-    let chi2 = dev.alloc::<f64>(n * ncore * nws, "chi2pix")?;
+    dev.zero_prefix(model, host.box_total)?;
+    project(ws.x.get())?;
     launch(
         dev,
         &k.chi2pix,
@@ -745,18 +870,18 @@ pub(crate) fn solve_chunk(
         64,
         0,
         Args::new()
-            .ptr(bufs.spots.ptr)
-            .ptr(bufs.corners.ptr)
-            .ptr(bufs.colspot.ptr)
-            .ptr(bufs.boxes.ptr)
-            .ptr(boxoff.ptr)
+            .ptr(ws.spots.get().ptr)
+            .ptr(ws.corners.get().ptr)
+            .ptr(ws.colspot.get().ptr)
+            .ptr(ws.boxes.get().ptr)
+            .ptr(ws.boxoff.get().ptr)
             .ptr(model.ptr)
-            .ptr(bufs.pix.ptr)
-            .ptr(bufs.ivar.ptr)
-            .i32(region.0 as i32)
-            .i32(region.2 as i32)
-            .i32(rw as i32)
-            .ptr(nkeep.ptr)
+            .ptr(ws.pix.get().ptr)
+            .ptr(ws.ivar.get().ptr)
+            .i32(region.row0 as i32)
+            .i32(region.col0 as i32)
+            .i32(region.width as i32)
+            .ptr(ws.nkeep.get().ptr)
             .i32(m as i32)
             .i32(sh.nx as i32)
             .i32(sh.ny as i32)
@@ -765,44 +890,41 @@ pub(crate) fn solve_chunk(
             .i32(sh.wavepad as i32)
             .i32(nws as i32)
             .f64(input.options.psferr)
-            .ptr(chi2.ptr),
+            .ptr(ws.chi2.get().ptr),
     )?;
-    let core_model = if input.options.model {
-        dev.memset_zero(&model)?;
-        project(&fluxcol, &model)?;
-        true
-    } else {
-        false
-    };
+    let core_model = input.options.model;
+    if core_model {
+        dev.zero_prefix(model, host.box_total)?;
+        project(ws.fluxcol.get())?;
+    }
     drop(fin);
     clock.mark("finalize")?;
 
     // Copies back: core arrays only (and the model boxes when asked).
     let out = nvtx::LocalRange::new(c"copies out");
-    let per = n * ncore * nws;
-    let mut back =
-        PinnedBuf::<f64>::new(per * (4 + nd) + if core_model { host.box_total } else { 0 })?;
+    let nback = per * (4 + nd) + if core_model { host.box_total } else { 0 };
     {
-        let s = back.as_mut_slice();
+        let s = ws.back.get(nback)?;
         let (a, rest) = s.split_at_mut(per);
-        dev.copy_from(a, &flux, 0, "flux")?;
+        dev.copy_from(a, ws.flux.get(), 0, "flux")?;
         let (a, rest) = rest.split_at_mut(per);
-        dev.copy_from(a, &ivar, 0, "ivar")?;
+        dev.copy_from(a, ws.ivar_out.get(), 0, "ivar")?;
         let (a, rest) = rest.split_at_mut(per);
-        dev.copy_from(a, &bufs.pixmask, 0, "pixmask fraction")?;
+        dev.copy_from(a, ws.pixmask.get(), 0, "pixmask fraction")?;
         let (a, rest) = rest.split_at_mut(per);
-        dev.copy_from(a, &chi2, 0, "chi2pix")?;
+        dev.copy_from(a, ws.chi2.get(), 0, "chi2pix")?;
         let (a, rest) = rest.split_at_mut(per * nd);
-        dev.copy_from(a, &res, 0, "resolution")?;
+        dev.copy_from(a, ws.res.get(), 0, "resolution")?;
         if core_model {
-            dev.copy_from(rest, &model, 0, "model")?;
+            dev.copy_from(rest, model, 0, "model")?;
         }
     }
     let mut sweeps_host = vec![0i32; n * ncore];
-    dev.copy_from(&mut sweeps_host, &sweeps, 0, "Jacobi sweeps")?;
+    dev.copy_from(&mut sweeps_host, ws.sweeps.get(), 0, "Jacobi sweeps")?;
     clock.mark("copies out")?;
     dev.sync("chunk results")?;
     drop(out);
+    drop((a_ptrs, b_ptrs, solve_info, l_ptrs, x_ptrs));
     clock.collect(timings)?;
     timings.max_sweeps = timings
         .max_sweeps
@@ -812,76 +934,88 @@ pub(crate) fn solve_chunk(
     }
 
     let t_res = Instant::now();
-    let back = back.as_slice();
+    let back: &[f64] = ws.back.get(nback)?;
     let (bflux, rest) = back.split_at(per);
     let (bivar, rest) = rest.split_at(per);
     let (bmask, rest) = rest.split_at(per);
     let (bchi2, rest) = rest.split_at(per);
     let (bres, bmodel) = rest.split_at(per * nd);
-    let mut host_spots: BTreeMap<usize, Spots> = BTreeMap::new();
-    for (li, (ci, geom, slot)) in host.live.iter().enumerate() {
-        let patch = chunk[*ci];
-        if to_cpu.contains(&li) {
-            let b = host.bundles[*slot];
-            let spots = host_spots
-                .entry(b)
-                .or_insert_with(|| input.psf.spots(b..b + sh.bundlesize, &input.plan.fullwave));
-            tracing::warn!(
-                "patch fibers {:?} bins {:?}: Cholesky failed twice on the GPU, solved on the CPU",
-                patch.fibers,
-                patch.waves
-            );
-            results[*ci] = Some(cpu::solve_patch(
-                input.plan,
-                patch,
-                spots,
-                img,
-                input.options,
-            ));
-            continue;
-        }
-        let nk = patch.waves.len();
-        let mut r = PatchResult::empty(patch, sh.ndiag, status[li]);
-        for c in 0..ncore {
-            let o = (li * ncore + c) * nws;
-            r.pixmask_fraction[c * nk..(c + 1) * nk].copy_from_slice(&bmask[o..o + nk]);
-        }
-        if masked[li] != 0 {
-            r.status = PatchStatus::Masked;
-            results[*ci] = Some(r);
-            continue;
-        }
-        for c in 0..ncore {
-            let o = (li * ncore + c) * nws;
-            r.flux[c * nk..(c + 1) * nk].copy_from_slice(&bflux[o..o + nk]);
-            r.ivar[c * nk..(c + 1) * nk].copy_from_slice(&bivar[o..o + nk]);
-            r.chi2pix[c * nk..(c + 1) * nk].copy_from_slice(&bchi2[o..o + nk]);
-            for d in 0..nd {
-                let o = ((li * ncore + c) * nd + d) * nws;
-                r.resolution[(c * nd + d) * nk..(c * nd + d + 1) * nk]
-                    .copy_from_slice(&bres[o..o + nk]);
+    let boxoff = &host.boxoff;
+    let solved: Vec<(usize, PatchResult)> = host
+        .live
+        .par_iter()
+        .enumerate()
+        .filter(|(li, _)| !to_cpu.contains(li))
+        .map(|(li, (ci, geom, _))| {
+            let patch = chunk[*ci];
+            let nk = patch.waves.len();
+            let mut r = PatchResult::empty(patch, sh.ndiag, status[li]);
+            for c in 0..ncore {
+                let o = (li * ncore + c) * nws;
+                r.pixmask_fraction[c * nk..(c + 1) * nk].copy_from_slice(&bmask[o..o + nk]);
             }
-        }
-        if core_model {
-            let o = host.boxoff[li] as usize;
-            let len = geom.rows.len() * geom.cols.len();
-            r.model = Some(ModelPatch {
-                rows: geom.rows.clone(),
-                cols: geom.cols.clone(),
-                data: bmodel[o..o + len].to_vec(),
-            });
-        }
-        if !r.is_finite() {
-            tracing::warn!(
-                "patch fibers {:?} bins {:?}: non-finite solution, flux and ivar set to 0",
-                patch.fibers,
-                patch.waves
-            );
-            let mut empty = PatchResult::empty(patch, sh.ndiag, PatchStatus::NonFinite);
-            empty.pixmask_fraction = r.pixmask_fraction;
-            r = empty;
-        }
-        results[*ci] = Some(r);
+            if masked[li] != 0 {
+                r.status = PatchStatus::Masked;
+                return (*ci, r);
+            }
+            for c in 0..ncore {
+                let o = (li * ncore + c) * nws;
+                r.flux[c * nk..(c + 1) * nk].copy_from_slice(&bflux[o..o + nk]);
+                r.ivar[c * nk..(c + 1) * nk].copy_from_slice(&bivar[o..o + nk]);
+                r.chi2pix[c * nk..(c + 1) * nk].copy_from_slice(&bchi2[o..o + nk]);
+                for d in 0..nd {
+                    let o = ((li * ncore + c) * nd + d) * nws;
+                    r.resolution[(c * nd + d) * nk..(c * nd + d + 1) * nk]
+                        .copy_from_slice(&bres[o..o + nk]);
+                }
+            }
+            if core_model {
+                let o = boxoff[li] as usize;
+                let len = geom.rows.len() * geom.cols.len();
+                r.model = Some(ModelPatch {
+                    rows: geom.rows.clone(),
+                    cols: geom.cols.clone(),
+                    data: bmodel[o..o + len].to_vec(),
+                });
+            }
+            if !r.is_finite() {
+                tracing::warn!(
+                    "patch fibers {:?} bins {:?}: non-finite solution, flux and ivar set to 0",
+                    patch.fibers,
+                    patch.waves
+                );
+                let mut empty = PatchResult::empty(patch, sh.ndiag, PatchStatus::NonFinite);
+                empty.pixmask_fraction = r.pixmask_fraction;
+                r = empty;
+            }
+            (*ci, r)
+        })
+        .collect();
+    for (ci, r) in solved {
+        results[ci] = Some(r);
+    }
+    // Patches whose factorisation failed twice: the CPU reference, eigendecomposition fallback
+    // included.
+    let mut host_spots: BTreeMap<usize, Spots> = BTreeMap::new();
+    for &li in &to_cpu {
+        let (ci, _, slot) = &host.live[li];
+        let patch = chunk[*ci];
+        let b = host.bundles[*slot];
+        let spots = host_spots
+            .entry(b)
+            .or_insert_with(|| input.psf.spots(b..b + sh.bundlesize, &input.plan.fullwave));
+        tracing::warn!(
+            "patch fibers {:?} bins {:?}: Cholesky failed twice on the GPU, solved on the CPU",
+            patch.fibers,
+            patch.waves
+        );
+        results[*ci] = Some(cpu::solve_patch(
+            input.plan,
+            patch,
+            spots,
+            img,
+            input.options,
+        ));
     }
     timings.add("host results", t_res.elapsed().as_secs_f64() * 1e3);
     results
@@ -909,13 +1043,15 @@ pub(crate) fn decorrelate(
 ) -> Result<()> {
     let n = sh.nt;
     let npair = n.div_ceil(2);
-    let smem = (2 * n * n + 2 * npair + 2 * n + 32 + (2 * npair + 2).div_ceil(2)) * 8;
+    let ints = 2 * npair + 2 + npair * (npair + 1);
+    let smem = (2 * n * n + 2 * npair + 2 * n + 32) * 8 + ints * 4;
+    let rows = (jacobi_threads() / npair as u32).max(1);
     launch(
         dev,
         &k.decorrelate,
         "decorrelate_f64",
         (nblocks as u32, 1, 1),
-        JACOBI_THREADS,
+        (npair as u32, rows),
         smem,
         Args::new()
             .ptr(cblocks.ptr)
@@ -928,6 +1064,7 @@ pub(crate) fn decorrelate(
             .i32(sh.nws as i32)
             .i32(sh.ndiag as i32)
             .f64(EIGEN_CLIP)
+            .f64(jacobi_tol())
             .ptr(flux.ptr)
             .ptr(ivar.ptr)
             .ptr(res.ptr)
