@@ -328,7 +328,19 @@ pub(crate) struct PinnedBuf<T: Copy + Default> {
     len: usize,
 }
 
+// SAFETY: the buffer is plain host memory owned by this value.
+unsafe impl<T: Copy + Default + Send> Send for PinnedBuf<T> {}
+
 impl<T: Copy + Default> PinnedBuf<T> {
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(crate) fn as_slice(&self) -> &[T] {
+        // SAFETY: allocated and initialised in `new`.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
     pub(crate) fn new(len: usize) -> Result<Self> {
         let bytes = len.max(1) * std::mem::size_of::<T>();
         // SAFETY: plain allocation; initialised below.

@@ -39,6 +39,8 @@ pub struct CudaBackend {
     max_chunk: Option<usize>,
     timings: GpuTimings,
     workspace: solve::Workspace,
+    /// Pinned image buffers kept between calls (two take turns).
+    pinned: Vec<device::PinnedBuf<f32>>,
 }
 
 impl CudaBackend {
@@ -75,6 +77,7 @@ impl CudaBackend {
             max_chunk,
             timings: GpuTimings::default(),
             workspace: solve::Workspace::new(),
+            pinned: Vec::new(),
         })
     }
 
@@ -87,6 +90,7 @@ impl CudaBackend {
     /// next call).
     pub fn release_memory(&mut self) {
         self.workspace.release();
+        self.pinned.clear();
     }
 
     /// Limits the number of patches solved together (for tests of the chunking; the default
@@ -188,29 +192,59 @@ impl Backend for CudaBackend {
             order.insert((p.bundle_start, p.index), i);
         }
         let order: Vec<usize> = order.into_values().collect();
+        // equal chunks, each within the memory budget
         let size = self.chunk_size(&sh);
+        let size = patches.len().div_ceil(patches.len().div_ceil(size));
+        let chunks: Vec<Vec<&Patch>> = order
+            .chunks(size)
+            .map(|ids| ids.iter().map(|&i| &patches[i]).collect())
+            .collect();
+        let ids: Vec<&[usize]> = order.chunks(size).collect();
+        // Host tables of chunk i + 1 are prepared on a helper thread while the device solves
+        // chunk i; two pinned image buffers take turns.
         let mut results: Vec<Option<PatchResult>> = vec![None; patches.len()];
-        for ids in order.chunks(size) {
+        let ctx = self.dev.ctx.clone();
+        let mut pool = std::mem::take(&mut self.pinned);
+        let mut next = Some(solve::prepare(&input, &chunks[0], &sh, &ctx, pool.pop())?);
+        for (ci, chunk) in chunks.iter().enumerate() {
+            let host = next.take().expect("prepared above");
             let _r = nvtx::LocalRange::new(nvtx::Str::from_str_lossy(&format!(
                 "chunk of {} patches",
-                ids.len()
+                chunk.len()
             )));
-            let chunk: Vec<&Patch> = ids.iter().map(|&i| &patches[i]).collect();
-            let solved = solve::solve_chunk(
-                &self.dev,
-                &self.kernels,
-                &mut self.workspace,
-                &input,
-                &chunk,
-                &sh,
-                &mut timings,
-            )?;
-            for (&i, r) in ids.iter().zip(solved) {
+            let (solved, buf) = std::thread::scope(|s| {
+                let helper = chunks.get(ci + 1).map(|c| {
+                    let (input, sh, ctx) = (&input, &sh, &ctx);
+                    let buf = pool.pop();
+                    s.spawn(move || solve::prepare(input, c, sh, ctx, buf))
+                });
+                let solved = solve::solve_chunk(
+                    &self.dev,
+                    &self.kernels,
+                    &mut self.workspace,
+                    &input,
+                    chunk,
+                    host,
+                    &sh,
+                    &mut timings,
+                );
+                if let Some(h) = helper {
+                    next =
+                        Some(h.join().map_err(|_| {
+                            Error::Gpu("host preparation thread panicked".into())
+                        })??);
+                }
+                solved
+            })?;
+            pool.extend(buf);
+            for (&i, r) in ids[ci].iter().zip(solved) {
                 results[i] = Some(r);
             }
             timings.chunks += 1;
-            progress.add(ids.len());
+            progress.add(chunk.len());
         }
+        self.pinned = pool;
+        self.dev.bind()?;
         timings.patches = patches.len();
         timings.peak_bytes = self.dev.stats.peak();
         timings.total_ms = t0.elapsed().as_secs_f64() * 1e3;

@@ -19,10 +19,10 @@ use std::time::Instant;
 
 use cudarc::cublas::sys as cublas_sys;
 use cudarc::cusolver::sys as cusolver_sys;
-use cudarc::driver::CudaEvent;
+use cudarc::driver::{CudaContext, CudaEvent};
 use rayon::prelude::*;
 
-use super::device::{DevBuf, Device, PinSlot, Slot};
+use super::device::{DevBuf, Device, PinSlot, PinnedBuf, Slot};
 use super::error;
 use super::kernels::{launch, Args, Kernels};
 use crate::backend::cpu::{self, EIGEN_CLIP, RETRY_REGULARIZE};
@@ -136,8 +136,8 @@ impl Shape {
         2 * self.ndiag + 1
     }
 
-    /// Device bytes per patch of the per-patch buffers (icov, X, C blocks, vectors, outputs),
-    /// without the model boxes.
+    /// Device bytes per patch of the per-patch buffers (icov, which later holds the covariance
+    /// blocks, L22^-1, vectors, outputs), without the model boxes.
     pub(crate) fn bytes_per_patch(&self) -> usize {
         let (m, mc, nt) = (self.m(), self.mc(), self.nt);
         8 * (m * m
@@ -191,7 +191,7 @@ impl<'a> PhaseClock<'a> {
 }
 
 /// Host-side tables of a chunk.
-struct ChunkHost {
+pub(crate) struct ChunkHost {
     /// Patches of the chunk that have pixels, with their geometry and bundle slot.
     live: Vec<(usize, PatchGeometry, usize)>,
     /// Results of patches without pixels (off the CCD), by position in the chunk.
@@ -208,6 +208,10 @@ struct ChunkHost {
     boxoff: Vec<i64>,
     box_total: usize,
     region: (usize, usize, usize, usize),
+    /// The image region: pixels, then inverse variances, row by row (pinned, for the upload).
+    image: Option<PinnedBuf<f32>>,
+    /// Host time spent preparing the chunk, milliseconds.
+    prep_ms: f64,
 }
 
 /// Trace positions of one fiber on the padded grid, with the spots' corners.
@@ -229,7 +233,17 @@ fn fiber_trace(
     (xy, xc, yc)
 }
 
-fn prepare(input: &FrameInput<'_>, chunk: &[&Patch], sh: &Shape) -> ChunkHost {
+/// Builds the host tables of a chunk and packs its image region into `pinned` (grown if
+/// needed). Runs on a helper thread while the device solves the previous chunk.
+pub(crate) fn prepare(
+    input: &FrameInput<'_>,
+    chunk: &[&Patch],
+    sh: &Shape,
+    ctx: &CudaContext,
+    pinned: Option<PinnedBuf<f32>>,
+) -> Result<ChunkHost> {
+    let t0 = Instant::now();
+    let _r = nvtx::LocalRange::new(c"host tables");
     let plan = input.plan;
     let psf = input.psf;
     let mut bundles: Vec<usize> = chunk.iter().map(|p| p.bundle_start).collect();
@@ -318,7 +332,35 @@ fn prepare(input: &FrameInput<'_>, chunk: &[&Patch], sh: &Shape) -> ChunkHost {
             coef.extend_from_slice(&l.coeff[f * ncoef..(f + 1) * ncoef]);
         }
     }
-    ChunkHost {
+    // the image region, pixels then inverse variances
+    let image = if live.is_empty() {
+        pinned
+    } else {
+        let img = input.image;
+        let (r0, r1, c0, c1) = region;
+        let npix = (r1 - r0) * (c1 - c0);
+        let mut buf = match pinned {
+            Some(b) if b.len() >= 2 * npix => b,
+            other => {
+                drop(other);
+                ctx.bind_to_thread()
+                    .map_err(error::driver("cannot bind the CUDA context"))?;
+                PinnedBuf::new(2 * npix)?
+            }
+        };
+        let (pp, pv) = buf.as_mut_slice()[..2 * npix].split_at_mut(npix);
+        let w = c1 - c0;
+        pp.par_chunks_mut(w)
+            .zip(pv.par_chunks_mut(w))
+            .enumerate()
+            .for_each(|(r, (dp, dv))| {
+                let row = (r0 + r) * img.ncols;
+                dp.copy_from_slice(&img.pix[row + c0..row + c1]);
+                dv.copy_from_slice(&img.ivar[row + c0..row + c1]);
+            });
+        Some(buf)
+    };
+    Ok(ChunkHost {
         live,
         off,
         bundles,
@@ -331,7 +373,9 @@ fn prepare(input: &FrameInput<'_>, chunk: &[&Patch], sh: &Shape) -> ChunkHost {
         boxoff,
         box_total,
         region,
-    }
+        image,
+        prep_ms: t0.elapsed().as_secs_f64() * 1e3,
+    })
 }
 
 /// Device addresses `base + i * step` for `ids`, as a device array of pointers.
@@ -367,7 +411,6 @@ pub(crate) struct Workspace {
     masked: Slot<i32>,
     x: Slot<f64>,
     xinv: Slot<f64>,
-    cblocks: Slot<f64>,
     flux: Slot<f64>,
     ivar_out: Slot<f64>,
     res: Slot<f64>,
@@ -375,8 +418,6 @@ pub(crate) struct Workspace {
     sweeps: Slot<i32>,
     model: Slot<f64>,
     chi2: Slot<f64>,
-    pin_pix: PinSlot<f32>,
-    pin_ivar: PinSlot<f32>,
     back: PinSlot<f64>,
 }
 
@@ -402,7 +443,6 @@ impl Workspace {
             masked: Slot::new("masked flags"),
             x: Slot::new("xflux"),
             xinv: Slot::new("inverse Cholesky blocks"),
-            cblocks: Slot::new("covariance blocks"),
             flux: Slot::new("flux"),
             ivar_out: Slot::new("ivar"),
             res: Slot::new("resolution"),
@@ -410,8 +450,6 @@ impl Workspace {
             sweeps: Slot::new("Jacobi sweeps"),
             model: Slot::new("patch models"),
             chi2: Slot::new("chi2pix"),
-            pin_pix: PinSlot::new(),
-            pin_ivar: PinSlot::new(),
             back: PinSlot::new(),
         }
     }
@@ -524,56 +562,45 @@ fn factorize(dev: &Device, sh: &Shape, icov: &DevBuf<f64>, ids: &[usize]) -> Res
     Ok(host)
 }
 
-/// Solves one chunk; results in the order of `chunk`.
+/// Solves one prepared chunk; results in the order of `chunk`, and the chunk's pinned image
+/// buffer back for reuse.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn solve_chunk(
     dev: &Device,
     k: &Kernels,
     ws: &mut Workspace,
     input: &FrameInput<'_>,
     chunk: &[&Patch],
+    mut host: ChunkHost,
     sh: &Shape,
     timings: &mut GpuTimings,
-) -> Result<Vec<PatchResult>> {
-    let t_host = Instant::now();
-    let host = {
-        let _r = nvtx::LocalRange::new(c"host tables");
-        prepare(input, chunk, sh)
-    };
+) -> Result<(Vec<PatchResult>, Option<PinnedBuf<f32>>)> {
+    timings.add("host tables", host.prep_ms);
+    let pinned = host.image.take();
     let mut results: Vec<Option<PatchResult>> = vec![None; chunk.len()];
-    for (i, r) in host.off {
+    for (i, r) in std::mem::take(&mut host.off) {
         results[i] = Some(r);
     }
     let n = host.live.len();
     if n == 0 {
-        return Ok(results
+        let results = results
             .into_iter()
             .map(|r| r.expect("off-image result"))
-            .collect());
+            .collect();
+        return Ok((results, pinned));
     }
+    let pinned = pinned.expect("a chunk with pixels has its image packed");
     let (m, mc, nt, nws, ncore, nd) = (sh.m(), sh.mc(), sh.nt, sh.nws, sh.ncore, sh.nd());
     let k0 = m - mc;
     let img = input.image;
     let (r0, r1, c0, c1) = host.region;
     let (rh, rw) = (r1 - r0, c1 - c0);
+    let npix = rh * rw;
     let region = Region {
         row0: r0,
         col0: c0,
         width: rw,
     };
-    // the image region, packed into pinned buffers
-    {
-        let pp = ws.pin_pix.get(rh * rw)?;
-        pp.par_chunks_mut(rw).enumerate().for_each(|(r, d)| {
-            let row = (r0 + r) * img.ncols;
-            d.copy_from_slice(&img.pix[row + c0..row + c1]);
-        });
-        let pv = ws.pin_ivar.get(rh * rw)?;
-        pv.par_chunks_mut(rw).enumerate().for_each(|(r, d)| {
-            let row = (r0 + r) * img.ncols;
-            d.copy_from_slice(&img.ivar[row + c0..row + c1]);
-        });
-    }
-    timings.add("host tables", t_host.elapsed().as_secs_f64() * 1e3);
 
     let mut clock = PhaseClock::new(dev);
     clock.mark("start")?;
@@ -589,8 +616,8 @@ pub(crate) fn solve_chunk(
     ws.boxes.ensure(dev, host.boxes.len())?;
     ws.nkeep.ensure(dev, n)?;
     ws.boxoff.ensure(dev, n)?;
-    ws.pix.ensure(dev, rh * rw)?;
-    ws.ivar.ensure(dev, rh * rw)?;
+    ws.pix.ensure(dev, npix)?;
+    ws.ivar.ensure(dev, npix)?;
     ws.icov.ensure(dev, n * m * m)?;
     ws.y.ensure(dev, n * m)?;
     ws.fw.ensure(dev, n * m)?;
@@ -605,12 +632,9 @@ pub(crate) fn solve_chunk(
     dev.copy_to(ws.boxes.get(), &host.boxes, "pixel boxes")?;
     dev.copy_to(ws.nkeep.get(), &host.nkeep, "kept bins")?;
     dev.copy_to(ws.boxoff.get(), &host.boxoff, "box offsets")?;
-    dev.copy_to(ws.pix.get(), ws.pin_pix.get(rh * rw)?, "image pixels")?;
-    dev.copy_to(
-        ws.ivar.get(),
-        ws.pin_ivar.get(rh * rw)?,
-        "image inverse variance",
-    )?;
+    let (pp, pv) = pinned.as_slice()[..2 * npix].split_at(npix);
+    dev.copy_to(ws.pix.get(), pp, "image pixels")?;
+    dev.copy_to(ws.ivar.get(), pv, "image inverse variance")?;
     dev.zero_prefix(ws.pixmask.get(), n * ncore * nws)?;
     dev.zero_prefix(ws.masked.get(), n)?;
     drop(copies);
@@ -738,7 +762,6 @@ pub(crate) fn solve_chunk(
     // Core blocks of icov^-1: X = L22^-1 (trsm on the identity), C_b = X_b^T X_b.
     let inv = nvtx::LocalRange::new(c"inverse");
     ws.xinv.ensure(dev, n * mc * mc)?;
-    ws.cblocks.ensure(dev, n * ncore * nt * nt)?;
     let xinv = ws.xinv.get();
     launch(
         dev,
@@ -795,7 +818,8 @@ pub(crate) fn solve_chunk(
                 mc as i32,
                 (nt * mc) as i64,
                 &zero,
-                ws.cblocks.get().ptr as *mut f64,
+                // icov is no longer needed: the covariance blocks take its place
+                ws.icov.get().ptr as *mut f64,
                 nt as i32,
                 (nt * nt) as i64,
                 (n * ncore) as i32,
@@ -821,7 +845,7 @@ pub(crate) fn solve_chunk(
         k,
         sh,
         n * ncore,
-        ws.cblocks.get(),
+        ws.icov.get(),
         ws.x.get(),
         ws.nkeep.get(),
         ws.flux.get(),
@@ -1018,10 +1042,11 @@ pub(crate) fn solve_chunk(
         ));
     }
     timings.add("host results", t_res.elapsed().as_secs_f64() * 1e3);
-    results
+    let results = results
         .into_iter()
         .map(|r| r.ok_or_else(|| Error::Gpu("internal: a patch of the chunk has no result".into())))
-        .collect()
+        .collect::<Result<Vec<_>>>()?;
+    Ok((results, Some(pinned)))
 }
 
 /// Launches the Jacobi decorrelation on `nblocks` covariance blocks of order `sh.nt`.
