@@ -90,7 +90,7 @@ extern "C" __global__ void decorrelate_f64(
                         double theta = (aqq - app) / (2.0 * apq);
                         double t = 1.0 / (fabs(theta) + sqrt(theta * theta + 1.0));
                         if (theta < 0.0) t = -t;
-                        cc = 1.0 / sqrt(t * t + 1.0);
+                        cc = rsqrt(t * t + 1.0);
                         ss = t * cc;
                         *flag = 1;
                     }

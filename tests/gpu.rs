@@ -279,6 +279,69 @@ fn masked_patch_is_reported() {
     }
 }
 
+#[test]
+fn failed_factorisations_follow_the_cpu() {
+    let Some(mut gpu) = backend("failed_factorisations_follow_the_cpu") else {
+        return;
+    };
+    let psf = psf();
+    let plan = Plan::new(PlanOptions::new(6000.0, 6100.0, 0.8, 0, 25)).unwrap();
+    let mut image = synthetic_image(&psf, &plan, 5);
+    // Negative weights on the core of a spot make icov indefinite while its fluxweight stays
+    // above the regularisation floor: the factorisation fails, the retry with regularize 1e-4
+    // fails too and the CPU reference takes over (eigendecomposition fallback).
+    for (fiber, wave) in [(2, 6020.0), (17, 6070.0)] {
+        let (x, y) = psf.xy(fiber, wave);
+        for dy in -1i64..=1 {
+            for dx in -1i64..=1 {
+                let r = (y.round() as i64 + dy) as usize;
+                let c = (x.round() as i64 + dx) as usize;
+                image.ivar[r * image.ncols + c] *= -0.4;
+            }
+        }
+    }
+    // A NaN pixel under another patch: a non-finite solution, reported as such.
+    let (x, y) = psf.xy(12, 6045.0);
+    image.pix[y.round() as usize * image.ncols + x.round() as usize] = f32::NAN;
+    let options = SolveOptions {
+        regularize: 0.0,
+        psferr: 0.01,
+        model: false,
+    };
+    let input = FrameInput {
+        plan: &plan,
+        psf: &psf,
+        image: &image,
+        options: &options,
+    };
+    let cpu = CpuBackend::new(0)
+        .unwrap()
+        .extract(input, &plan.patches, &Progress::silent())
+        .unwrap();
+    let g = gpu
+        .extract(input, &plan.patches, &Progress::silent())
+        .unwrap();
+    let statuses: Vec<_> = cpu
+        .iter()
+        .map(|r| r.status)
+        .filter(|s| *s != PatchStatus::Ok)
+        .collect();
+    say(&format!(
+        "statuses other than Ok: {statuses:?}; GPU retried {}, CPU fallback {}",
+        gpu.timings().retried,
+        gpu.timings().cpu_fallback
+    ));
+    assert!(
+        statuses.contains(&PatchStatus::NonFinite),
+        "the NaN pixel went unnoticed"
+    );
+    assert!(
+        gpu.timings().retried > 0,
+        "the negative weights did not break any factorisation"
+    );
+    assert_agree(&g, &cpu);
+}
+
 /// A random symmetric positive definite matrix with eigenvalues spread over `decades`.
 fn random_spd(n: usize, decades: f64, rng: &mut rand::rngs::StdRng) -> Vec<f64> {
     // random orthogonal matrix by modified Gram-Schmidt
