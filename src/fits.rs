@@ -345,16 +345,7 @@ impl Fits {
         let mut typecode = 0;
         let mut repeat: c_long = 0;
         let mut width: c_long = 0;
-        unsafe {
-            sys::ffgtcl(
-                self.ptr,
-                colnum,
-                &mut typecode,
-                &mut repeat,
-                &mut width,
-                &mut status,
-            )
-        };
+        unsafe { sys::ffgtcl(self.ptr, colnum, &mut typecode, &mut repeat, &mut width, &mut status) };
         self.check(status, &format!("column {name}"))?;
         Ok((colnum, repeat as usize, width as usize))
     }
@@ -416,29 +407,12 @@ impl Fits {
     }
 
     /// Appends an image HDU (the primary one if the file is empty) and writes `data` into it.
-    pub fn write_image<T: Element>(
-        &mut self,
-        extname: &str,
-        shape: &[usize],
-        data: &[T],
-    ) -> Result<()> {
-        assert_eq!(
-            shape.iter().product::<usize>(),
-            data.len(),
-            "image shape and data disagree"
-        );
+    pub fn write_image<T: Element>(&mut self, extname: &str, shape: &[usize], data: &[T]) -> Result<()> {
+        assert_eq!(shape.iter().product::<usize>(), data.len(), "image shape and data disagree");
         self.hdu = extname.to_string();
         let mut naxes: Vec<c_long> = shape.iter().rev().map(|&n| n as c_long).collect();
         let mut status = 0;
-        unsafe {
-            sys::ffcrim(
-                self.ptr,
-                T::BITPIX,
-                naxes.len() as c_int,
-                naxes.as_mut_ptr(),
-                &mut status,
-            )
-        };
+        unsafe { sys::ffcrim(self.ptr, T::BITPIX, naxes.len() as c_int, naxes.as_mut_ptr(), &mut status) };
         self.check(status, "cannot create image")?;
         self.write_key_str("EXTNAME", extname, "")?;
         if !data.is_empty() {
@@ -470,14 +444,7 @@ impl Fits {
         let mut v = value;
         let mut status = 0;
         unsafe {
-            sys::ffuky(
-                self.ptr,
-                82,
-                k.as_ptr(),
-                &mut v as *mut f64 as *mut c_void,
-                c.as_ptr(),
-                &mut status,
-            )
+            sys::ffuky(self.ptr, 82, k.as_ptr(), &mut v as *mut f64 as *mut c_void, c.as_ptr(), &mut status)
         };
         self.check(status, &format!("cannot write keyword {key}"))
     }
@@ -488,14 +455,7 @@ impl Fits {
         let mut v = value;
         let mut status = 0;
         unsafe {
-            sys::ffuky(
-                self.ptr,
-                81,
-                k.as_ptr(),
-                &mut v as *mut i64 as *mut c_void,
-                c.as_ptr(),
-                &mut status,
-            )
+            sys::ffuky(self.ptr, 81, k.as_ptr(), &mut v as *mut i64 as *mut c_void, c.as_ptr(), &mut status)
         };
         self.check(status, &format!("cannot write keyword {key}"))
     }
@@ -510,12 +470,7 @@ impl Fits {
 
     /// Appends a copy of `src`'s HDU `name` to this file, keeping only the table rows in
     /// `rows` (all rows when `None`).
-    pub fn copy_table(
-        &mut self,
-        src: &mut Fits,
-        name: &str,
-        rows: Option<std::ops::Range<usize>>,
-    ) -> Result<()> {
+    pub fn copy_table(&mut self, src: &mut Fits, name: &str, rows: Option<std::ops::Range<usize>>) -> Result<()> {
         src.move_to(name)?;
         let mut status = 0;
         unsafe { sys::ffcopy(src.ptr, self.ptr, 0, &mut status) };
@@ -526,21 +481,11 @@ impl Fits {
             if rows.end > nrows {
                 return Err(self.error(
                     "cannot slice table",
-                    format!(
-                        "rows {}..{} requested, the table has {nrows}",
-                        rows.start, rows.end
-                    ),
+                    format!("rows {}..{} requested, the table has {nrows}", rows.start, rows.end),
                 ));
             }
             if rows.end < nrows {
-                unsafe {
-                    sys::ffdrow(
-                        self.ptr,
-                        rows.end as i64 + 1,
-                        (nrows - rows.end) as i64,
-                        &mut status,
-                    )
-                };
+                unsafe { sys::ffdrow(self.ptr, rows.end as i64 + 1, (nrows - rows.end) as i64, &mut status) };
             }
             if rows.start > 0 {
                 unsafe { sys::ffdrow(self.ptr, 1, rows.start as i64, &mut status) };
@@ -579,11 +524,9 @@ pub fn is_structural_card(card: &str) -> bool {
     EXACT.contains(&key)
         || (key.starts_with("NAXIS") && key[5..].chars().all(|c| c.is_ascii_digit()))
         || is_compression_key(key)
-        || [
-            "TTYPE", "TFORM", "TUNIT", "TDIM", "TNULL", "TSCAL", "TZERO", "TDISP",
-        ]
-        .iter()
-        .any(|p| key.starts_with(p) && key[p.len()..].chars().all(|c| c.is_ascii_digit()))
+        || ["TTYPE", "TFORM", "TUNIT", "TDIM", "TNULL", "TSCAL", "TZERO", "TDISP"]
+            .iter()
+            .any(|p| key.starts_with(p) && key[p.len()..].chars().all(|c| c.is_ascii_digit()))
 }
 
 /// Keywords of cfitsio's tile compression, which describe the stored table, not the image.

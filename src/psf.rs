@@ -123,9 +123,7 @@ impl GaussHermitePsf {
         fits.move_to("PSF")?;
         if let Some(kind) = fits.key_str("PSFTYPE")? {
             if kind.trim() != "GAUSS-HERMITE" {
-                return Err(bad(format!(
-                    "PSFTYPE is {kind:?}; spex reads GAUSS-HERMITE PSFs"
-                )));
+                return Err(bad(format!("PSFTYPE is {kind:?}; spex reads GAUSS-HERMITE PSFs")));
             }
         }
         let wavemin = fits.require_f64("WAVEMIN")?;
@@ -146,23 +144,17 @@ impl GaussHermitePsf {
             return Err(bad(format!("WAVEMAX {wavemax} <= WAVEMIN {wavemin}")));
         }
         if hsizex == 0 || hsizey == 0 || hsizex > 64 || hsizey > 64 {
-            return Err(bad(format!(
-                "spot half sizes HSIZEX {hsizex}, HSIZEY {hsizey} out of range 1..64"
-            )));
+            return Err(bad(format!("spot half sizes HSIZEX {hsizex}, HSIZEY {hsizey} out of range 1..64")));
         }
         if ghdegx > 20 || ghdegy > 20 {
-            return Err(bad(format!(
-                "Gauss-Hermite degrees {ghdegx}, {ghdegy} above 20"
-            )));
+            return Err(bad(format!("Gauss-Hermite degrees {ghdegx}, {ghdegy} above 20")));
         }
 
         let names = fits.column_str("PARAM")?;
         let (repeat, coeff) = fits.column::<f64>("COEFF")?;
         let ncoef = legdeg + 1;
         if repeat == 0 || repeat % ncoef != 0 {
-            return Err(bad(format!(
-                "COEFF has {repeat} values per row, not a multiple of LEGDEG+1 = {ncoef}"
-            )));
+            return Err(bad(format!("COEFF has {repeat} values per row, not a multiple of LEGDEG+1 = {ncoef}")));
         }
         let nfiber = repeat / ncoef;
         let param = |name: &str| -> Result<Legendre> {
@@ -196,9 +188,7 @@ impl GaussHermitePsf {
             let wmax = fits.require_f64("WAVEMAX")?;
             let (shape, data) = fits.read_image::<f64>()?;
             if shape.len() != 2 || shape[0] != nfiber || shape[1] == 0 {
-                return Err(bad(format!(
-                    "{name} has shape {shape:?}, expected [{nfiber}, ncoef]"
-                )));
+                return Err(bad(format!("{name} has shape {shape:?}, expected [{nfiber}, ncoef]")));
             }
             if wmax <= wmin {
                 return Err(bad(format!("{name} WAVEMAX {wmax} <= WAVEMIN {wmin}")));
@@ -247,16 +237,8 @@ impl GaussHermitePsf {
 
     /// Wavelength domain on which every parameter (traces included) is defined.
     pub fn wave_domain(&self) -> (f64, f64) {
-        let lo = self
-            .ghsigx
-            .wavemin
-            .max(self.xtrace.wavemin)
-            .max(self.ytrace.wavemin);
-        let hi = self
-            .ghsigx
-            .wavemax
-            .min(self.xtrace.wavemax)
-            .min(self.ytrace.wavemax);
+        let lo = self.ghsigx.wavemin.max(self.xtrace.wavemin).max(self.ytrace.wavemin);
+        let hi = self.ghsigx.wavemax.min(self.xtrace.wavemax).min(self.ytrace.wavemax);
         (lo, hi)
     }
 
@@ -426,14 +408,7 @@ impl SpotWork {
 /// Degree 0 is the Gaussian's integral over the pixel (a difference of erf); for `k >= 1` the
 /// integral of `He_k(t) phi(t)` is `-He_{k-1}(t) phi(t)`, so the pixel value is the difference
 /// of that antiderivative at the pixel edges.
-pub fn pixel_gauss_hermite(
-    center: f64,
-    sigma: f64,
-    deg: usize,
-    n: usize,
-    herm: &mut [f64],
-    out: &mut [f64],
-) {
+pub fn pixel_gauss_hermite(center: f64, sigma: f64, deg: usize, n: usize, herm: &mut [f64], out: &mut [f64]) {
     let frac = (center + 0.5).rem_euclid(1.0) - 0.5;
     let half = (n / 2) as f64;
     let inv_sqrt2 = std::f64::consts::FRAC_1_SQRT_2;

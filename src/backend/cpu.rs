@@ -17,17 +17,13 @@
 
 use std::collections::BTreeMap;
 
-use faer::diag::Diag;
 use faer::dyn_stack::{MemBuffer, MemStack};
-use faer::linalg::cholesky::llt::factor::{
-    cholesky_in_place, cholesky_in_place_scratch, LltRegularization,
-};
+use faer::linalg::cholesky::llt::factor::{cholesky_in_place, cholesky_in_place_scratch, LltRegularization};
 use faer::linalg::evd::{self_adjoint_evd, self_adjoint_evd_scratch, ComputeEigenvectors};
 use faer::linalg::matmul::matmul;
 use faer::linalg::triangular_inverse::invert_lower_triangular;
-use faer::linalg::triangular_solve::{
-    solve_lower_triangular_in_place, solve_upper_triangular_in_place,
-};
+use faer::linalg::triangular_solve::{solve_lower_triangular_in_place, solve_upper_triangular_in_place};
+use faer::diag::Diag;
 use faer::{Accum, Mat, MatRef, Par};
 use rayon::prelude::*;
 
@@ -67,12 +63,7 @@ impl Backend for CpuBackend {
         format!("cpu ({} threads)", self.threads)
     }
 
-    fn extract(
-        &mut self,
-        input: FrameInput<'_>,
-        patches: &[Patch],
-        progress: &Progress,
-    ) -> Result<Vec<PatchResult>> {
+    fn extract(&mut self, input: FrameInput<'_>, patches: &[Patch], progress: &Progress) -> Result<Vec<PatchResult>> {
         // Spots are evaluated once per bundle: every patch lies inside one bundle.
         let mut by_bundle: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
         for (i, p) in patches.iter().enumerate() {
@@ -90,13 +81,7 @@ impl Backend for CpuBackend {
                 let solved: Vec<(usize, PatchResult)> = members
                     .par_iter()
                     .map(|&i| {
-                        let r = solve_patch(
-                            input.plan,
-                            &patches[i],
-                            &spots,
-                            input.image,
-                            input.options,
-                        );
+                        let r = solve_patch(input.plan, &patches[i], &spots, input.image, input.options);
                         progress.add(1);
                         (i, r)
                     })
@@ -106,10 +91,7 @@ impl Backend for CpuBackend {
                 }
             }
         });
-        Ok(results
-            .into_iter()
-            .map(|r| r.expect("every patch solved"))
-            .collect())
+        Ok(results.into_iter().map(|r| r.expect("every patch solved")).collect())
     }
 }
 
@@ -164,16 +146,8 @@ impl<'a> PatchSystem<'a> {
         let mut ivar = Vec::with_capacity(h * w);
         for r in geom.rows.clone() {
             let row = r * image.ncols;
-            pix.extend(
-                image.pix[row + geom.cols.start..row + geom.cols.end]
-                    .iter()
-                    .map(|&v| v as f64),
-            );
-            ivar.extend(
-                image.ivar[row + geom.cols.start..row + geom.cols.end]
-                    .iter()
-                    .map(|&v| v as f64),
-            );
+            pix.extend(image.pix[row + geom.cols.start..row + geom.cols.end].iter().map(|&v| v as f64));
+            ivar.extend(image.ivar[row + geom.cols.start..row + geom.cols.end].iter().map(|&v| v as f64));
         }
         PatchSystem {
             geom,
@@ -209,10 +183,7 @@ impl<'a> PatchSystem<'a> {
         for iy in ylo..yhi {
             let brow = (yc + iy - r0) * w;
             for ix in xlo..xhi {
-                f(
-                    (iy * self.nx as i64 + ix) as usize,
-                    (brow + xc + ix - c0) as usize,
-                );
+                f((iy * self.nx as i64 + ix) as usize, (brow + xc + ix - c0) as usize);
             }
         }
     }
@@ -291,11 +262,7 @@ fn regularize(icov: &mut Mat<f64>, fluxweight: &[f64], regularize: f64) -> bool 
     }
     let minweight = 1e-4 * maxw;
     for (j, &fw) in fluxweight.iter().enumerate() {
-        let alpha = if fw < minweight {
-            minweight - fw
-        } else {
-            regularize
-        };
+        let alpha = if fw < minweight { minweight - fw } else { regularize };
         icov[(j, j)] += alpha * alpha + 1e-15;
     }
     true
@@ -304,11 +271,7 @@ fn regularize(icov: &mut Mat<f64>, fluxweight: &[f64], regularize: f64) -> bool 
 /// In-place lower Cholesky factor; `Err(pivot)` when `a` is not numerically positive definite.
 fn cholesky(a: &mut Mat<f64>) -> std::result::Result<(), usize> {
     let n = a.nrows();
-    let mut mem = MemBuffer::new(cholesky_in_place_scratch::<f64>(
-        n,
-        Par::Seq,
-        Default::default(),
-    ));
+    let mut mem = MemBuffer::new(cholesky_in_place_scratch::<f64>(n, Par::Seq, Default::default()));
     let result = cholesky_in_place(
         a.as_mut(),
         LltRegularization::default(),
@@ -326,9 +289,7 @@ fn cholesky(a: &mut Mat<f64>) -> std::result::Result<(), usize> {
             }
             Ok(())
         }
-        Err(faer::linalg::cholesky::llt::factor::LltError::NonPositivePivot { index }) => {
-            Err(index)
-        }
+        Err(faer::linalg::cholesky::llt::factor::LltError::NonPositivePivot { index }) => Err(index),
     }
 }
 
@@ -344,15 +305,8 @@ fn eigh(a: MatRef<'_, f64>) -> (Vec<f64>, Mat<f64>) {
         Default::default(),
     ));
     // Failure to converge leaves NaN, which the caller's finiteness check reports.
-    if self_adjoint_evd(
-        a,
-        s.as_mut(),
-        Some(u.as_mut()),
-        Par::Seq,
-        MemStack::new(&mut mem),
-        Default::default(),
-    )
-    .is_err()
+    if self_adjoint_evd(a, s.as_mut(), Some(u.as_mut()), Par::Seq, MemStack::new(&mut mem), Default::default())
+        .is_err()
     {
         return (vec![f64::NAN; n], u);
     }
@@ -370,14 +324,7 @@ fn spectral(s: &[f64], u: &Mat<f64>, f: impl Fn(f64) -> f64) -> Mat<f64> {
         }
     }
     let mut out = Mat::<f64>::zeros(n, n);
-    matmul(
-        out.as_mut(),
-        Accum::Replace,
-        us.as_ref(),
-        u.transpose(),
-        1.0,
-        Par::Seq,
-    );
+    matmul(out.as_mut(), Accum::Replace, us.as_ref(), u.transpose(), 1.0, Par::Seq);
     out
 }
 
@@ -409,10 +356,7 @@ fn solve_normal_equations(
     let m = icov.nrows();
     let k0 = geom.npad * nt;
     let mc = m - k0;
-    let attempts = [
-        (reg, PatchStatus::Ok),
-        (RETRY_REGULARIZE, PatchStatus::Regularized),
-    ];
+    let attempts = [(reg, PatchStatus::Ok), (RETRY_REGULARIZE, PatchStatus::Regularized)];
     for (alpha, status) in attempts {
         if status == PatchStatus::Regularized && reg == RETRY_REGULARIZE {
             break;
@@ -428,23 +372,12 @@ fn solve_normal_equations(
         solve_lower_triangular_in_place(l.as_ref(), x.as_mut(), Par::Seq);
         solve_upper_triangular_in_place(l.transpose(), x.as_mut(), Par::Seq);
         let mut linv = Mat::<f64>::zeros(mc, mc);
-        invert_lower_triangular(
-            linv.as_mut(),
-            l.as_ref().submatrix(k0, k0, mc, mc),
-            Par::Seq,
-        );
+        invert_lower_triangular(linv.as_mut(), l.as_ref().submatrix(k0, k0, mc, mc), Par::Seq);
         let blocks = (0..geom.ncore())
             .map(|c| {
                 let xb = linv.as_ref().submatrix(c * nt, c * nt, mc - c * nt, nt);
                 let mut cb = Mat::<f64>::zeros(nt, nt);
-                matmul(
-                    cb.as_mut(),
-                    Accum::Replace,
-                    xb.transpose(),
-                    xb,
-                    1.0,
-                    Par::Seq,
-                );
+                matmul(cb.as_mut(), Accum::Replace, xb.transpose(), xb, 1.0, Par::Seq);
                 cb
             })
             .collect();
@@ -462,9 +395,7 @@ fn solve_normal_equations(
     let (mut s, u) = eigh(a.as_ref());
     clip_eigenvalues(&mut s);
     let c = spectral(&s, &u, |v| 1.0 / v);
-    let xflux = (0..m)
-        .map(|i| (0..m).map(|k| c[(i, k)] * y[k]).sum())
-        .collect();
+    let xflux = (0..m).map(|i| (0..m).map(|k| c[(i, k)] * y[k]).sum()).collect();
     let blocks = (0..geom.ncore())
         .map(|b| {
             let o = k0 + b * nt;
@@ -479,13 +410,7 @@ fn solve_normal_equations(
 }
 
 /// Solves one patch completely; numerical trouble is reported in the result's status.
-pub fn solve_patch(
-    plan: &Plan,
-    patch: &Patch,
-    spots: &Spots,
-    image: &Image,
-    options: &SolveOptions,
-) -> PatchResult {
+pub fn solve_patch(plan: &Plan, patch: &Patch, spots: &Spots, image: &Image, options: &SolveOptions) -> PatchResult {
     let ndiag = spots.corners.ny / 2;
     let geom = PatchGeometry::new(plan, patch, &spots.corners, (image.nrows, image.ncols));
     if geom.is_empty() {

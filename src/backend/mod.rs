@@ -63,12 +63,7 @@ pub trait Backend {
 
     /// Solves `patches` (any subset of the plan, in any order) and returns one result per
     /// patch, in the same order.
-    fn extract(
-        &mut self,
-        input: FrameInput<'_>,
-        patches: &[Patch],
-        progress: &Progress,
-    ) -> Result<Vec<PatchResult>>;
+    fn extract(&mut self, input: FrameInput<'_>, patches: &[Patch], progress: &Progress) -> Result<Vec<PatchResult>>;
 }
 
 /// Which backend to build.
