@@ -13,5 +13,6 @@ pub mod fits;
 pub mod image;
 pub mod plan;
 pub mod psf;
+pub mod simulate;
 
 pub use error::{Error, Result};
