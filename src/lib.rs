@@ -17,6 +17,7 @@ pub mod image;
 pub mod pipeline;
 pub mod plan;
 pub mod psf;
+pub mod simulate;
 
 pub use error::{Error, Result};
 
