@@ -150,6 +150,9 @@ mod tests {
         assert_eq!((img.nrows, img.ncols), (4128, 4114));
         assert!(img.has_fibermap);
         assert!(img.nmasked > 0);
-        assert!(!img.header.iter().any(|c| c.starts_with("ZIMAGE") || c.starts_with("ZBITPIX")));
+        assert!(!img
+            .header
+            .iter()
+            .any(|c| c.starts_with("ZIMAGE") || c.starts_with("ZBITPIX")));
     }
 }

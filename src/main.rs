@@ -7,10 +7,12 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::Parser;
 use spex::backend::{self, BackendKind, Progress};
-use spex::cli::{with_default_subcommand, Cli, Command, CompareArgs, ExtractArgs};
+use spex::cli::{with_default_subcommand, Cli, Command, CompareArgs, ExtractArgs, SimulateArgs};
 use spex::compare::{self, ParityLimits, PullLimits, Truth};
 use spex::frame::Frame;
 use spex::pipeline;
+use spex::psf::GaussHermitePsf;
+use spex::simulate;
 
 /// Exit status of a comparison that ran but fell outside its limits.
 const EXIT_COMPARISON_FAILED: u8 = 3;
@@ -30,6 +32,7 @@ fn main() -> ExitCode {
     };
     let loglevel = match &cli.command {
         Command::Extract(a) => a.loglevel.as_str(),
+        Command::Simulate(a) => a.loglevel.as_str(),
         Command::Compare(_) => "info",
     };
     init_logging(loglevel);
@@ -61,6 +64,7 @@ fn init_logging(level: &str) {
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Extract(args) => run_extract(&args),
+        Command::Simulate(args) => run_simulate(&args),
         Command::Compare(args) => run_compare(&args),
     }
 }
@@ -142,6 +146,24 @@ fn run_extract(args: &ExtractArgs) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::SUCCESS
     })
+}
+
+fn run_simulate(args: &SimulateArgs) -> anyhow::Result<ExitCode> {
+    let psf = GaussHermitePsf::read(&args.psf)?;
+    let options = args.options(psf.nfiber);
+    let t0 = std::time::Instant::now();
+    let sim = simulate::simulate(&psf, &options)?;
+    sim.write(&args.output, &args.truth)?;
+    tracing::info!(
+        "simulated fibers {:?}, {} bins, {} cosmic tracks: {} and {} in {:.2} s",
+        sim.fibers,
+        sim.wave.len(),
+        sim.ncosmic,
+        args.output.display(),
+        args.truth.display(),
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(ExitCode::SUCCESS)
 }
 
 fn run_compare(args: &CompareArgs) -> anyhow::Result<ExitCode> {
