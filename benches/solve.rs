@@ -1,1 +1,64 @@
-fn main() {}
+//! Time of one patch solve on the CPU (one thread), the unit of work of an extraction: a
+//! sub-bundle of 5 fibers plus 2 neighbours by 50 + 2 x 12 wavelength bins.
+
+use std::path::Path;
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use spex::backend::cpu::solve_patch;
+use spex::extract::SolveOptions;
+use spex::image::Image;
+use spex::plan::{Plan, PlanOptions};
+use spex::psf::GaussHermitePsf;
+
+fn bench_patch(c: &mut Criterion) {
+    let psf = GaussHermitePsf::read(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/psf-r0-00067784.fits"),
+    )
+    .expect("bundled PSF");
+    let plan = Plan::new(PlanOptions::new(6000.0, 6400.0, 0.8, 0, 25)).expect("plan");
+    let spots = psf.spots(0..25, &plan.fullwave);
+    // a flat spectrum of 100 photons per bin in every fiber, unit weights
+    let (ny, nx) = (psf.npix_y, psf.npix_x);
+    let mut image = Image {
+        path: "synthetic".into(),
+        nrows: ny,
+        ncols: nx,
+        pix: vec![0.0; ny * nx],
+        ivar: vec![1.0; ny * nx],
+        header: Vec::new(),
+        has_fibermap: false,
+        nmasked: 0,
+        nnonfinite: 0,
+    };
+    let cs = &spots.corners;
+    for f in 0..25 {
+        for w in 0..plan.fullwave.len() {
+            let (xc, yc) = cs.corner(f, w);
+            for (i, v) in spots.spot(f, w).iter().enumerate() {
+                let (y, x) = (yc as usize + i / cs.nx, xc as usize + i % cs.nx);
+                image.pix[y * nx + x] += (100.0 * v) as f32;
+            }
+        }
+    }
+    let options = SolveOptions {
+        regularize: 0.0,
+        psferr: 0.01,
+        model: false,
+    };
+    // a middle sub-bundle: the full 7 fibers x 74 bins = 518 unknowns
+    let patch = plan
+        .patches
+        .iter()
+        .find(|p| p.fibers.start == 10 && p.waves.start == 100)
+        .expect("patch");
+    c.bench_function("solve_patch 7x74", |b| {
+        b.iter(|| solve_patch(&plan, patch, &spots, &image, &options))
+    });
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(20);
+    targets = bench_patch
+}
+criterion_main!(benches);

@@ -102,9 +102,15 @@ impl PatchResult {
 
     /// Whether every output value is finite.
     pub fn is_finite(&self) -> bool {
-        [&self.flux, &self.ivar, &self.resolution, &self.chi2pix, &self.pixmask_fraction]
-            .iter()
-            .all(|v| v.iter().all(|x| x.is_finite()))
+        [
+            &self.flux,
+            &self.ivar,
+            &self.resolution,
+            &self.chi2pix,
+            &self.pixmask_fraction,
+        ]
+        .iter()
+        .all(|v| v.iter().all(|x| x.is_finite()))
     }
 }
 
@@ -133,7 +139,8 @@ impl PatchGeometry {
     pub fn new(plan: &Plan, patch: &Patch, spots: &Corners, ccd: (usize, usize)) -> Self {
         let f0 = spots.fibers.start;
         let waves = plan.patch_waves(patch);
-        let core_waves = waves.start + plan.wavepad..waves.start + plan.wavepad + plan.options.nwavestep;
+        let core_waves =
+            waves.start + plan.wavepad..waves.start + plan.wavepad + plan.options.nwavestep;
         let (ny, nx) = (spots.ny as i64, spots.nx as i64);
 
         let mut x = (i64::MAX, i64::MIN);
@@ -162,7 +169,8 @@ impl PatchGeometry {
         let cols = clip(x.0, x.1, ccd.1);
 
         let core = patch.fibers.start - f0..patch.fibers.end - f0;
-        let mut block_fibers: Vec<usize> = (patch.padded_fibers.start - f0..patch.padded_fibers.end - f0)
+        let mut block_fibers: Vec<usize> = (patch.padded_fibers.start - f0
+            ..patch.padded_fibers.end - f0)
             .filter(|f| !core.contains(f))
             .collect();
         let npad = block_fibers.len();

@@ -345,7 +345,16 @@ impl Fits {
         let mut typecode = 0;
         let mut repeat: c_long = 0;
         let mut width: c_long = 0;
-        unsafe { sys::ffgtcl(self.ptr, colnum, &mut typecode, &mut repeat, &mut width, &mut status) };
+        unsafe {
+            sys::ffgtcl(
+                self.ptr,
+                colnum,
+                &mut typecode,
+                &mut repeat,
+                &mut width,
+                &mut status,
+            )
+        };
         self.check(status, &format!("column {name}"))?;
         Ok((colnum, repeat as usize, width as usize))
     }
@@ -407,12 +416,29 @@ impl Fits {
     }
 
     /// Appends an image HDU (the primary one if the file is empty) and writes `data` into it.
-    pub fn write_image<T: Element>(&mut self, extname: &str, shape: &[usize], data: &[T]) -> Result<()> {
-        assert_eq!(shape.iter().product::<usize>(), data.len(), "image shape and data disagree");
+    pub fn write_image<T: Element>(
+        &mut self,
+        extname: &str,
+        shape: &[usize],
+        data: &[T],
+    ) -> Result<()> {
+        assert_eq!(
+            shape.iter().product::<usize>(),
+            data.len(),
+            "image shape and data disagree"
+        );
         self.hdu = extname.to_string();
         let mut naxes: Vec<c_long> = shape.iter().rev().map(|&n| n as c_long).collect();
         let mut status = 0;
-        unsafe { sys::ffcrim(self.ptr, T::BITPIX, naxes.len() as c_int, naxes.as_mut_ptr(), &mut status) };
+        unsafe {
+            sys::ffcrim(
+                self.ptr,
+                T::BITPIX,
+                naxes.len() as c_int,
+                naxes.as_mut_ptr(),
+                &mut status,
+            )
+        };
         self.check(status, "cannot create image")?;
         self.write_key_str("EXTNAME", extname, "")?;
         if !data.is_empty() {
@@ -444,7 +470,14 @@ impl Fits {
         let mut v = value;
         let mut status = 0;
         unsafe {
-            sys::ffuky(self.ptr, 82, k.as_ptr(), &mut v as *mut f64 as *mut c_void, c.as_ptr(), &mut status)
+            sys::ffuky(
+                self.ptr,
+                82,
+                k.as_ptr(),
+                &mut v as *mut f64 as *mut c_void,
+                c.as_ptr(),
+                &mut status,
+            )
         };
         self.check(status, &format!("cannot write keyword {key}"))
     }
@@ -455,7 +488,14 @@ impl Fits {
         let mut v = value;
         let mut status = 0;
         unsafe {
-            sys::ffuky(self.ptr, 81, k.as_ptr(), &mut v as *mut i64 as *mut c_void, c.as_ptr(), &mut status)
+            sys::ffuky(
+                self.ptr,
+                81,
+                k.as_ptr(),
+                &mut v as *mut i64 as *mut c_void,
+                c.as_ptr(),
+                &mut status,
+            )
         };
         self.check(status, &format!("cannot write keyword {key}"))
     }
@@ -470,7 +510,12 @@ impl Fits {
 
     /// Appends a copy of `src`'s HDU `name` to this file, keeping only the table rows in
     /// `rows` (all rows when `None`).
-    pub fn copy_table(&mut self, src: &mut Fits, name: &str, rows: Option<std::ops::Range<usize>>) -> Result<()> {
+    pub fn copy_table(
+        &mut self,
+        src: &mut Fits,
+        name: &str,
+        rows: Option<std::ops::Range<usize>>,
+    ) -> Result<()> {
         src.move_to(name)?;
         let mut status = 0;
         unsafe { sys::ffcopy(src.ptr, self.ptr, 0, &mut status) };
@@ -481,11 +526,21 @@ impl Fits {
             if rows.end > nrows {
                 return Err(self.error(
                     "cannot slice table",
-                    format!("rows {}..{} requested, the table has {nrows}", rows.start, rows.end),
+                    format!(
+                        "rows {}..{} requested, the table has {nrows}",
+                        rows.start, rows.end
+                    ),
                 ));
             }
             if rows.end < nrows {
-                unsafe { sys::ffdrow(self.ptr, rows.end as i64 + 1, (nrows - rows.end) as i64, &mut status) };
+                unsafe {
+                    sys::ffdrow(
+                        self.ptr,
+                        rows.end as i64 + 1,
+                        (nrows - rows.end) as i64,
+                        &mut status,
+                    )
+                };
             }
             if rows.start > 0 {
                 unsafe { sys::ffdrow(self.ptr, 1, rows.start as i64, &mut status) };
@@ -524,9 +579,11 @@ pub fn is_structural_card(card: &str) -> bool {
     EXACT.contains(&key)
         || (key.starts_with("NAXIS") && key[5..].chars().all(|c| c.is_ascii_digit()))
         || is_compression_key(key)
-        || ["TTYPE", "TFORM", "TUNIT", "TDIM", "TNULL", "TSCAL", "TZERO", "TDISP"]
-            .iter()
-            .any(|p| key.starts_with(p) && key[p.len()..].chars().all(|c| c.is_ascii_digit()))
+        || [
+            "TTYPE", "TFORM", "TUNIT", "TDIM", "TNULL", "TSCAL", "TZERO", "TDISP",
+        ]
+        .iter()
+        .any(|p| key.starts_with(p) && key[p.len()..].chars().all(|c| c.is_ascii_digit()))
 }
 
 /// Keywords of cfitsio's tile compression, which describe the stored table, not the image.
@@ -541,4 +598,94 @@ fn is_compression_key(key: &str) -> bool {
         || INDEXED
             .iter()
             .any(|p| key.starts_with(p) && key[p.len()..].chars().all(|c| c.is_ascii_digit()))
+}
+
+impl Element for i64 {
+    const DATATYPE: c_int = 81;
+    const BITPIX: c_int = 64;
+}
+
+const BINARY_TBL: c_int = 2;
+
+impl Fits {
+    /// Appends a binary table HDU of `nrows` rows with the given columns (`(TTYPE, TFORM)`,
+    /// e.g. `("FIBER", "J")`, `("OBJTYPE", "3A")`); fill it with [`Fits::write_column`] and
+    /// [`Fits::write_column_str`].
+    pub fn create_table(
+        &mut self,
+        extname: &str,
+        columns: &[(&str, &str)],
+        nrows: usize,
+    ) -> Result<()> {
+        self.hdu = extname.to_string();
+        let names: Vec<CString> = columns.iter().map(|(n, _)| cstring(n)).collect();
+        let forms: Vec<CString> = columns.iter().map(|(_, f)| cstring(f)).collect();
+        // cfitsio takes `char **` but does not modify the strings.
+        let mut name_ptrs: Vec<*mut c_char> =
+            names.iter().map(|s| s.as_ptr() as *mut c_char).collect();
+        let mut form_ptrs: Vec<*mut c_char> =
+            forms.iter().map(|s| s.as_ptr() as *mut c_char).collect();
+        let cext = cstring(extname);
+        let mut status = 0;
+        unsafe {
+            sys::ffcrtb(
+                self.ptr,
+                BINARY_TBL,
+                nrows as i64,
+                columns.len() as c_int,
+                name_ptrs.as_mut_ptr(),
+                form_ptrs.as_mut_ptr(),
+                std::ptr::null_mut(),
+                cext.as_ptr(),
+                &mut status,
+            )
+        };
+        self.check(status, "cannot create table")
+    }
+
+    /// Writes `data` into the numeric column `name` of the current table, from the first row
+    /// on (`repeat` values per row for vector columns).
+    pub fn write_column<T: Element>(&mut self, name: &str, data: &[T]) -> Result<()> {
+        let (colnum, _, _) = self.column_number(name)?;
+        let mut status = 0;
+        if !data.is_empty() {
+            unsafe {
+                sys::ffpcl(
+                    self.ptr,
+                    T::DATATYPE,
+                    colnum,
+                    1,
+                    1,
+                    data.len() as i64,
+                    data.as_ptr() as *mut c_void,
+                    &mut status,
+                )
+            };
+        }
+        self.check(status, &format!("cannot write column {name}"))
+    }
+
+    /// Writes one string per row into the character column `name` of the current table
+    /// (cfitsio pads or truncates to the column width).
+    pub fn write_column_str(&mut self, name: &str, data: &[&str]) -> Result<()> {
+        let (colnum, _, _) = self.column_number(name)?;
+        let strings: Vec<CString> = data.iter().map(|s| cstring(s)).collect();
+        let mut pointers: Vec<*mut c_char> =
+            strings.iter().map(|s| s.as_ptr() as *mut c_char).collect();
+        let mut status = 0;
+        if !data.is_empty() {
+            unsafe {
+                sys::ffpcls(
+                    self.ptr,
+                    colnum,
+                    1,
+                    1,
+                    data.len() as i64,
+                    pointers.as_mut_ptr(),
+                    &mut status,
+                )
+            };
+        }
+        self.check(status, &format!("cannot write column {name}"))
+    }
 }

@@ -106,3 +106,53 @@ impl Image {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(path: &Path, pix: &[f32], ivar: &[f32], mask: &[i32]) {
+        let mut f = Fits::create(path).unwrap();
+        f.write_image("IMAGE", &[2, 3], pix).unwrap();
+        f.write_key_str("CAMERA", "b1", "").unwrap();
+        f.write_image("IVAR", &[2, 3], ivar).unwrap();
+        f.write_image("MASK", &[2, 3], mask).unwrap();
+        f.close().unwrap();
+    }
+
+    #[test]
+    fn masks_and_non_finite_pixels_zero_the_weights() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("img.fits");
+        let pix = [1.0, f32::NAN, 3.0, 4.0, 5.0, 6.0];
+        let ivar = [1.0, 1.0, f32::INFINITY, -1.0, 1.0, 1.0];
+        let mask = [0, 0, 0, 0, 256, 8];
+        write(&path, &pix, &ivar, &mask);
+
+        let any = Image::read(&path, MaskRule::AnyBit).unwrap();
+        assert_eq!((any.nrows, any.ncols), (2, 3));
+        assert_eq!(any.ivar, vec![1.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
+        assert_eq!(any.pix[1], 0.0, "NaN pixel replaced");
+        assert_eq!((any.nnonfinite, any.nmasked), (3, 2));
+        assert!(any.header.iter().any(|c| c.starts_with("CAMERA")));
+        assert!(!any.header.iter().any(|c| c.starts_with("NAXIS")));
+        assert!(!any.has_fibermap);
+
+        // desispec's production rule keeps BADREADNOISE (256) pixels
+        let prod = Image::read(&path, MaskRule::Bits(767)).unwrap();
+        assert_eq!(prod.ivar, vec![1.0, 0.0, 0.0, 0.0, 1.0, 0.0]);
+    }
+
+    #[test]
+    fn compressed_reference_image_reads_with_its_fibermap() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/preproc-bundle0.fits");
+        let img = Image::read(&path, MaskRule::AnyBit).unwrap();
+        assert_eq!((img.nrows, img.ncols), (4128, 4114));
+        assert!(img.has_fibermap);
+        assert!(img.nmasked > 0);
+        assert!(!img
+            .header
+            .iter()
+            .any(|c| c.starts_with("ZIMAGE") || c.starts_with("ZBITPIX")));
+    }
+}

@@ -93,13 +93,21 @@ impl Plan {
     pub fn new(options: PlanOptions) -> Result<Self> {
         let o = &options;
         if !(o.dw > 0.0) || !o.dw.is_finite() {
-            return Err(Error::config(format!("wavelength step dw = {} must be positive", o.dw)));
+            return Err(Error::config(format!(
+                "wavelength step dw = {} must be positive",
+                o.dw
+            )));
         }
         if !(o.wmax >= o.wmin) || !o.wmin.is_finite() || !o.wmax.is_finite() {
-            return Err(Error::config(format!("wavelength range {}..{} is empty", o.wmin, o.wmax)));
+            return Err(Error::config(format!(
+                "wavelength range {}..{} is empty",
+                o.wmin, o.wmax
+            )));
         }
         if o.bundlesize == 0 || o.nsubbundles == 0 || o.nwavestep == 0 {
-            return Err(Error::config("bundlesize, nsubbundles and nwavestep must be positive"));
+            return Err(Error::config(
+                "bundlesize, nsubbundles and nwavestep must be positive",
+            ));
         }
         if o.bundlesize % o.nsubbundles != 0 {
             return Err(Error::config(format!(
@@ -127,7 +135,9 @@ impl Plan {
         }
         let nbins = ((o.wmax - o.wmin) / o.dw + 0.5).floor() as usize + 1;
         if nbins > 1_000_000 {
-            return Err(Error::config(format!("{nbins} wavelength bins is too many")));
+            return Err(Error::config(format!(
+                "{nbins} wavelength bins is too many"
+            )));
         }
         let wave = output_grid(o.wmin, o.wmax, o.dw);
         let wavepad = o.wavepad + (o.wavepad as f64 * o.wavepad_frac).floor() as usize;
@@ -141,7 +151,11 @@ impl Plan {
             for sub in (bundle_start..bundle_end).step_by(nper) {
                 let fibers = sub..sub + nper;
                 let lo = if sub == bundle_start { sub } else { sub - 1 };
-                let hi = if fibers.end == bundle_end { fibers.end } else { fibers.end + 1 };
+                let hi = if fibers.end == bundle_end {
+                    fibers.end
+                } else {
+                    fibers.end + 1
+                };
                 for start in (0..nwave).step_by(o.nwavestep) {
                     patches.push(Patch {
                         index: patches.len(),

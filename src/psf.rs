@@ -123,7 +123,9 @@ impl GaussHermitePsf {
         fits.move_to("PSF")?;
         if let Some(kind) = fits.key_str("PSFTYPE")? {
             if kind.trim() != "GAUSS-HERMITE" {
-                return Err(bad(format!("PSFTYPE is {kind:?}; spex reads GAUSS-HERMITE PSFs")));
+                return Err(bad(format!(
+                    "PSFTYPE is {kind:?}; spex reads GAUSS-HERMITE PSFs"
+                )));
             }
         }
         let wavemin = fits.require_f64("WAVEMIN")?;
@@ -144,17 +146,23 @@ impl GaussHermitePsf {
             return Err(bad(format!("WAVEMAX {wavemax} <= WAVEMIN {wavemin}")));
         }
         if hsizex == 0 || hsizey == 0 || hsizex > 64 || hsizey > 64 {
-            return Err(bad(format!("spot half sizes HSIZEX {hsizex}, HSIZEY {hsizey} out of range 1..64")));
+            return Err(bad(format!(
+                "spot half sizes HSIZEX {hsizex}, HSIZEY {hsizey} out of range 1..64"
+            )));
         }
         if ghdegx > 20 || ghdegy > 20 {
-            return Err(bad(format!("Gauss-Hermite degrees {ghdegx}, {ghdegy} above 20")));
+            return Err(bad(format!(
+                "Gauss-Hermite degrees {ghdegx}, {ghdegy} above 20"
+            )));
         }
 
         let names = fits.column_str("PARAM")?;
         let (repeat, coeff) = fits.column::<f64>("COEFF")?;
         let ncoef = legdeg + 1;
         if repeat == 0 || repeat % ncoef != 0 {
-            return Err(bad(format!("COEFF has {repeat} values per row, not a multiple of LEGDEG+1 = {ncoef}")));
+            return Err(bad(format!(
+                "COEFF has {repeat} values per row, not a multiple of LEGDEG+1 = {ncoef}"
+            )));
         }
         let nfiber = repeat / ncoef;
         let param = |name: &str| -> Result<Legendre> {
@@ -188,7 +196,9 @@ impl GaussHermitePsf {
             let wmax = fits.require_f64("WAVEMAX")?;
             let (shape, data) = fits.read_image::<f64>()?;
             if shape.len() != 2 || shape[0] != nfiber || shape[1] == 0 {
-                return Err(bad(format!("{name} has shape {shape:?}, expected [{nfiber}, ncoef]")));
+                return Err(bad(format!(
+                    "{name} has shape {shape:?}, expected [{nfiber}, ncoef]"
+                )));
             }
             if wmax <= wmin {
                 return Err(bad(format!("{name} WAVEMAX {wmax} <= WAVEMIN {wmin}")));
@@ -237,8 +247,16 @@ impl GaussHermitePsf {
 
     /// Wavelength domain on which every parameter (traces included) is defined.
     pub fn wave_domain(&self) -> (f64, f64) {
-        let lo = self.ghsigx.wavemin.max(self.xtrace.wavemin).max(self.ytrace.wavemin);
-        let hi = self.ghsigx.wavemax.min(self.xtrace.wavemax).min(self.ytrace.wavemax);
+        let lo = self
+            .ghsigx
+            .wavemin
+            .max(self.xtrace.wavemin)
+            .max(self.ytrace.wavemin);
+        let hi = self
+            .ghsigx
+            .wavemax
+            .min(self.xtrace.wavemax)
+            .min(self.ytrace.wavemax);
         (lo, hi)
     }
 
@@ -408,7 +426,14 @@ impl SpotWork {
 /// Degree 0 is the Gaussian's integral over the pixel (a difference of erf); for `k >= 1` the
 /// integral of `He_k(t) phi(t)` is `-He_{k-1}(t) phi(t)`, so the pixel value is the difference
 /// of that antiderivative at the pixel edges.
-pub fn pixel_gauss_hermite(center: f64, sigma: f64, deg: usize, n: usize, herm: &mut [f64], out: &mut [f64]) {
+pub fn pixel_gauss_hermite(
+    center: f64,
+    sigma: f64,
+    deg: usize,
+    n: usize,
+    herm: &mut [f64],
+    out: &mut [f64],
+) {
     let frac = (center + 0.5).rem_euclid(1.0) - 0.5;
     let half = (n / 2) as f64;
     let inv_sqrt2 = std::f64::consts::FRAC_1_SQRT_2;
@@ -476,5 +501,160 @@ impl Spots {
         let size = c.ny * c.nx;
         let i = f * c.nwave + w;
         &self.data[i * size..(i + 1) * size]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(name: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/data")
+            .join(name)
+    }
+
+    #[test]
+    fn legendre_matches_closed_forms() {
+        let mut p = [0.0; 5];
+        for &u in &[-1.0, -0.3, 0.0, 0.7, 1.0] {
+            legendre_values(u, 4, &mut p);
+            let expect = [
+                1.0,
+                u,
+                0.5 * (3.0 * u * u - 1.0),
+                0.5 * (5.0 * u * u * u - 3.0 * u),
+                (35.0 * u.powi(4) - 30.0 * u * u + 3.0) / 8.0,
+            ];
+            for (a, b) in p.iter().zip(expect) {
+                assert!((a - b).abs() < 1e-14, "P at {u}: {a} vs {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn legendre_series_uses_its_own_domain() {
+        let l = Legendre {
+            wavemin: 5000.0,
+            wavemax: 7000.0,
+            ncoef: 3,
+            coeff: vec![1.0, 2.0, 3.0],
+        };
+        // u = 0 at the centre: 1 + 0 + 3 * (-1/2)
+        assert!((l.eval(0, 6000.0) - (1.0 - 1.5)).abs() < 1e-14);
+        // u = 1 at wavemax: 1 + 2 + 3
+        assert!((l.eval(0, 7000.0) - 6.0).abs() < 1e-13);
+    }
+
+    #[test]
+    fn hermite_matches_closed_forms() {
+        let mut h = [0.0; 5];
+        for &t in &[-2.0, -0.5, 0.0, 1.3] {
+            hermite_values(t, 4, &mut h);
+            let expect = [
+                1.0,
+                t,
+                t * t - 1.0,
+                t.powi(3) - 3.0 * t,
+                t.powi(4) - 6.0 * t * t + 3.0,
+            ];
+            for (a, b) in h.iter().zip(expect) {
+                assert!((a - b).abs() < 1e-13);
+            }
+        }
+    }
+
+    /// Simpson integration of He_k(t) phi(t) over [a, b].
+    fn integrate(k: usize, a: f64, b: f64) -> f64 {
+        let n = 2000;
+        let h = (b - a) / n as f64;
+        let mut herm = [0.0; 24];
+        let f = |t: f64, herm: &mut [f64]| {
+            hermite_values(t, k, herm);
+            herm[k] * (-0.5 * t * t).exp() / (2.0 * std::f64::consts::PI).sqrt()
+        };
+        let mut s = f(a, &mut herm) + f(b, &mut herm);
+        for i in 1..n {
+            let w = if i % 2 == 1 { 4.0 } else { 2.0 };
+            s += w * f(a + i as f64 * h, &mut herm);
+        }
+        s * h / 3.0
+    }
+
+    #[test]
+    fn pixel_integrals_match_numerical_integration() {
+        let (n, deg, sigma, center) = (11, 6, 1.1, 1234.37);
+        let mut herm = vec![0.0; deg + 1];
+        let mut out = vec![0.0; (deg + 1) * n];
+        pixel_gauss_hermite(center, sigma, deg, n, &mut herm, &mut out);
+        let frac = (center + 0.5f64).rem_euclid(1.0) - 0.5;
+        for k in 0..=deg {
+            for i in 0..n {
+                let lo = (i as f64 - (n / 2) as f64 - 0.5 - frac) / sigma;
+                let hi = lo + 1.0 / sigma;
+                // pixel integral in t of He_k phi, per unit t; degree 0 is the Gaussian's mass
+                let expect = integrate(k, lo, hi);
+                let got = out[k * n + i];
+                // d/dt(-He_{k-1} phi) = He_k phi, so degree k >= 1 values are integrals of He_k phi
+                assert!(
+                    (got - expect).abs() < 1e-10,
+                    "k={k} i={i}: {got} vs {expect}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn real_psfs_read_with_their_shapes() {
+        let a = GaussHermitePsf::read(&data("psf-r0-00067784.fits")).unwrap();
+        assert_eq!(
+            (a.nfiber, a.legdeg, a.hsizex, a.hsizey, a.ghdegx, a.ghdegy),
+            (500, 1, 8, 5, 6, 6)
+        );
+        assert_eq!((a.npix_x, a.npix_y), (4114, 4128));
+        assert_eq!(a.psferr, None);
+        let b = GaussHermitePsf::read(&data("psf-r0-00051060.fits")).unwrap();
+        assert_eq!((b.nfiber, b.legdeg), (500, 3));
+        let (lo, hi) = b.wave_domain();
+        assert!(lo < 5800.0 && hi > 7600.0);
+    }
+
+    #[test]
+    fn spots_are_normalised_nonnegative_and_centred() {
+        let psf = GaussHermitePsf::read(&data("psf-r0-00051060.fits")).unwrap();
+        let waves = [5800.0, 6500.3, 7600.0];
+        let spots = psf.spots(10..13, &waves);
+        for f in 0..3 {
+            for (w, &wave) in waves.iter().enumerate() {
+                let s = spots.spot(f, w);
+                let sum: f64 = s.iter().sum();
+                assert!((sum - 1.0).abs() < 1e-12);
+                assert!(s.iter().all(|&v| v >= 0.0));
+                // the centroid lies within half a pixel of the trace
+                let (nx, ny) = (spots.corners.nx, spots.corners.ny);
+                let (xc, yc) = spots.corners.corner(f, w);
+                let cx: f64 = (0..ny * nx)
+                    .map(|i| s[i] * (xc as f64 + (i % nx) as f64))
+                    .sum();
+                let cy: f64 = (0..ny * nx)
+                    .map(|i| s[i] * (yc as f64 + (i / nx) as f64))
+                    .sum();
+                let (x, y) = psf.xy(10 + f, wave);
+                assert!(
+                    (cx - x).abs() < 0.5 && (cy - y).abs() < 0.5,
+                    "centroid ({cx}, {cy}) vs trace ({x}, {y})"
+                );
+            }
+        }
+        assert_eq!(psf.corners(10..13, &waves), spots.corners);
+    }
+
+    #[test]
+    fn missing_or_wrong_files_are_reported_by_name() {
+        let err = GaussHermitePsf::read(Path::new("/nonexistent/psf.fits")).unwrap_err();
+        assert!(err.to_string().contains("/nonexistent/psf.fits"));
+        // a preproc image has no PSF HDU
+        let err = GaussHermitePsf::read(&data("preproc-bundle0.fits")).unwrap_err();
+        assert!(err.to_string().contains("PSF"), "{err}");
     }
 }

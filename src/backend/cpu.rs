@@ -16,14 +16,19 @@
 //! `(icov^-1)_core = L_22^-T L_22^-1`.
 
 use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
 
+use faer::diag::Diag;
 use faer::dyn_stack::{MemBuffer, MemStack};
-use faer::linalg::cholesky::llt::factor::{cholesky_in_place, cholesky_in_place_scratch, LltRegularization};
+use faer::linalg::cholesky::llt::factor::{
+    cholesky_in_place, cholesky_in_place_scratch, LltRegularization,
+};
 use faer::linalg::evd::{self_adjoint_evd, self_adjoint_evd_scratch, ComputeEigenvectors};
 use faer::linalg::matmul::matmul;
 use faer::linalg::triangular_inverse::invert_lower_triangular;
-use faer::linalg::triangular_solve::{solve_lower_triangular_in_place, solve_upper_triangular_in_place};
-use faer::diag::Diag;
+use faer::linalg::triangular_solve::{
+    solve_lower_triangular_in_place, solve_upper_triangular_in_place,
+};
 use faer::{Accum, Mat, MatRef, Par};
 use rayon::prelude::*;
 
@@ -63,35 +68,72 @@ impl Backend for CpuBackend {
         format!("cpu ({} threads)", self.threads)
     }
 
-    fn extract(&mut self, input: FrameInput<'_>, patches: &[Patch], progress: &Progress) -> Result<Vec<PatchResult>> {
+    fn extract(
+        &mut self,
+        input: FrameInput<'_>,
+        patches: &[Patch],
+        progress: &Progress,
+    ) -> Result<Vec<PatchResult>> {
         // Spots are evaluated once per bundle: every patch lies inside one bundle.
         let mut by_bundle: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
         for (i, p) in patches.iter().enumerate() {
             by_bundle.entry(p.bundle_start).or_default().push(i);
         }
         let mut results: Vec<Option<PatchResult>> = vec![None; patches.len()];
+        let (mut spot_time, mut solve_time) = (Duration::ZERO, Duration::ZERO);
         self.pool.install(|| {
             for (&start, members) in &by_bundle {
                 let _span = tracing::debug_span!("bundle", start).entered();
-                let fibers = start..start + input.plan.options.bundlesize;
+                // Only the fibers these patches solve: a rank may hold part of a bundle.
+                let lo = members
+                    .iter()
+                    .map(|&i| patches[i].padded_fibers.start)
+                    .min()
+                    .unwrap_or(start);
+                let hi = members
+                    .iter()
+                    .map(|&i| patches[i].padded_fibers.end)
+                    .max()
+                    .unwrap_or(start);
+                let fibers = lo..hi;
+                let t0 = Instant::now();
                 let spots = {
-                    let _s = tracing::trace_span!("spots").entered();
+                    let _range = nvtx::LocalRange::new(c"spots");
                     input.psf.spots(fibers, &input.plan.fullwave)
                 };
+                let t1 = Instant::now();
+                spot_time += t1 - t0;
+                let _range = nvtx::LocalRange::new(c"solve patches");
                 let solved: Vec<(usize, PatchResult)> = members
                     .par_iter()
                     .map(|&i| {
-                        let r = solve_patch(input.plan, &patches[i], &spots, input.image, input.options);
+                        let r = solve_patch(
+                            input.plan,
+                            &patches[i],
+                            &spots,
+                            input.image,
+                            input.options,
+                        );
                         progress.add(1);
                         (i, r)
                     })
                     .collect();
+                solve_time += t1.elapsed();
                 for (i, r) in solved {
                     results[i] = Some(r);
                 }
             }
         });
-        Ok(results.into_iter().map(|r| r.expect("every patch solved")).collect())
+        tracing::info!(
+            "cpu: {} patches, spots {:.3} s, patch solves {:.3} s",
+            patches.len(),
+            spot_time.as_secs_f64(),
+            solve_time.as_secs_f64()
+        );
+        Ok(results
+            .into_iter()
+            .map(|r| r.expect("every patch solved"))
+            .collect())
     }
 }
 
@@ -146,8 +188,16 @@ impl<'a> PatchSystem<'a> {
         let mut ivar = Vec::with_capacity(h * w);
         for r in geom.rows.clone() {
             let row = r * image.ncols;
-            pix.extend(image.pix[row + geom.cols.start..row + geom.cols.end].iter().map(|&v| v as f64));
-            ivar.extend(image.ivar[row + geom.cols.start..row + geom.cols.end].iter().map(|&v| v as f64));
+            pix.extend(
+                image.pix[row + geom.cols.start..row + geom.cols.end]
+                    .iter()
+                    .map(|&v| v as f64),
+            );
+            ivar.extend(
+                image.ivar[row + geom.cols.start..row + geom.cols.end]
+                    .iter()
+                    .map(|&v| v as f64),
+            );
         }
         PatchSystem {
             geom,
@@ -183,7 +233,10 @@ impl<'a> PatchSystem<'a> {
         for iy in ylo..yhi {
             let brow = (yc + iy - r0) * w;
             for ix in xlo..xhi {
-                f((iy * self.nx as i64 + ix) as usize, (brow + xc + ix - c0) as usize);
+                f(
+                    (iy * self.nx as i64 + ix) as usize,
+                    (brow + xc + ix - c0) as usize,
+                );
             }
         }
     }
@@ -262,7 +315,11 @@ fn regularize(icov: &mut Mat<f64>, fluxweight: &[f64], regularize: f64) -> bool 
     }
     let minweight = 1e-4 * maxw;
     for (j, &fw) in fluxweight.iter().enumerate() {
-        let alpha = if fw < minweight { minweight - fw } else { regularize };
+        let alpha = if fw < minweight {
+            minweight - fw
+        } else {
+            regularize
+        };
         icov[(j, j)] += alpha * alpha + 1e-15;
     }
     true
@@ -271,7 +328,11 @@ fn regularize(icov: &mut Mat<f64>, fluxweight: &[f64], regularize: f64) -> bool 
 /// In-place lower Cholesky factor; `Err(pivot)` when `a` is not numerically positive definite.
 fn cholesky(a: &mut Mat<f64>) -> std::result::Result<(), usize> {
     let n = a.nrows();
-    let mut mem = MemBuffer::new(cholesky_in_place_scratch::<f64>(n, Par::Seq, Default::default()));
+    let mut mem = MemBuffer::new(cholesky_in_place_scratch::<f64>(
+        n,
+        Par::Seq,
+        Default::default(),
+    ));
     let result = cholesky_in_place(
         a.as_mut(),
         LltRegularization::default(),
@@ -289,7 +350,9 @@ fn cholesky(a: &mut Mat<f64>) -> std::result::Result<(), usize> {
             }
             Ok(())
         }
-        Err(faer::linalg::cholesky::llt::factor::LltError::NonPositivePivot { index }) => Err(index),
+        Err(faer::linalg::cholesky::llt::factor::LltError::NonPositivePivot { index }) => {
+            Err(index)
+        }
     }
 }
 
@@ -305,8 +368,15 @@ fn eigh(a: MatRef<'_, f64>) -> (Vec<f64>, Mat<f64>) {
         Default::default(),
     ));
     // Failure to converge leaves NaN, which the caller's finiteness check reports.
-    if self_adjoint_evd(a, s.as_mut(), Some(u.as_mut()), Par::Seq, MemStack::new(&mut mem), Default::default())
-        .is_err()
+    if self_adjoint_evd(
+        a,
+        s.as_mut(),
+        Some(u.as_mut()),
+        Par::Seq,
+        MemStack::new(&mut mem),
+        Default::default(),
+    )
+    .is_err()
     {
         return (vec![f64::NAN; n], u);
     }
@@ -324,7 +394,14 @@ fn spectral(s: &[f64], u: &Mat<f64>, f: impl Fn(f64) -> f64) -> Mat<f64> {
         }
     }
     let mut out = Mat::<f64>::zeros(n, n);
-    matmul(out.as_mut(), Accum::Replace, us.as_ref(), u.transpose(), 1.0, Par::Seq);
+    matmul(
+        out.as_mut(),
+        Accum::Replace,
+        us.as_ref(),
+        u.transpose(),
+        1.0,
+        Par::Seq,
+    );
     out
 }
 
@@ -356,7 +433,10 @@ fn solve_normal_equations(
     let m = icov.nrows();
     let k0 = geom.npad * nt;
     let mc = m - k0;
-    let attempts = [(reg, PatchStatus::Ok), (RETRY_REGULARIZE, PatchStatus::Regularized)];
+    let attempts = [
+        (reg, PatchStatus::Ok),
+        (RETRY_REGULARIZE, PatchStatus::Regularized),
+    ];
     for (alpha, status) in attempts {
         if status == PatchStatus::Regularized && reg == RETRY_REGULARIZE {
             break;
@@ -372,12 +452,23 @@ fn solve_normal_equations(
         solve_lower_triangular_in_place(l.as_ref(), x.as_mut(), Par::Seq);
         solve_upper_triangular_in_place(l.transpose(), x.as_mut(), Par::Seq);
         let mut linv = Mat::<f64>::zeros(mc, mc);
-        invert_lower_triangular(linv.as_mut(), l.as_ref().submatrix(k0, k0, mc, mc), Par::Seq);
+        invert_lower_triangular(
+            linv.as_mut(),
+            l.as_ref().submatrix(k0, k0, mc, mc),
+            Par::Seq,
+        );
         let blocks = (0..geom.ncore())
             .map(|c| {
                 let xb = linv.as_ref().submatrix(c * nt, c * nt, mc - c * nt, nt);
                 let mut cb = Mat::<f64>::zeros(nt, nt);
-                matmul(cb.as_mut(), Accum::Replace, xb.transpose(), xb, 1.0, Par::Seq);
+                matmul(
+                    cb.as_mut(),
+                    Accum::Replace,
+                    xb.transpose(),
+                    xb,
+                    1.0,
+                    Par::Seq,
+                );
                 cb
             })
             .collect();
@@ -395,7 +486,9 @@ fn solve_normal_equations(
     let (mut s, u) = eigh(a.as_ref());
     clip_eigenvalues(&mut s);
     let c = spectral(&s, &u, |v| 1.0 / v);
-    let xflux = (0..m).map(|i| (0..m).map(|k| c[(i, k)] * y[k]).sum()).collect();
+    let xflux = (0..m)
+        .map(|i| (0..m).map(|k| c[(i, k)] * y[k]).sum())
+        .collect();
     let blocks = (0..geom.ncore())
         .map(|b| {
             let o = k0 + b * nt;
@@ -410,7 +503,13 @@ fn solve_normal_equations(
 }
 
 /// Solves one patch completely; numerical trouble is reported in the result's status.
-pub fn solve_patch(plan: &Plan, patch: &Patch, spots: &Spots, image: &Image, options: &SolveOptions) -> PatchResult {
+pub fn solve_patch(
+    plan: &Plan,
+    patch: &Patch,
+    spots: &Spots,
+    image: &Image,
+    options: &SolveOptions,
+) -> PatchResult {
     let ndiag = spots.corners.ny / 2;
     let geom = PatchGeometry::new(plan, patch, &spots.corners, (image.nrows, image.ncols));
     if geom.is_empty() {
@@ -444,6 +543,19 @@ pub fn solve_patch(plan: &Plan, patch: &Patch, spots: &Spots, image: &Image, opt
     };
     let xflux = &solution.xflux;
     result.status = solution.status;
+    match solution.status {
+        PatchStatus::Regularized => tracing::warn!(
+            "patch fibers {:?} bins {:?}: Cholesky failed, solved with regularize = {RETRY_REGULARIZE}",
+            patch.fibers,
+            patch.waves
+        ),
+        PatchStatus::EigenFallback => tracing::warn!(
+            "patch fibers {:?} bins {:?}: Cholesky failed twice, solved by clipped eigendecomposition",
+            patch.fibers,
+            patch.waves
+        ),
+        _ => {}
+    }
 
     // Step 4: decorrelate each core fiber.
     let nd = 2 * ndiag + 1;
@@ -529,4 +641,111 @@ pub fn solve_patch(plan: &Plan, patch: &Patch, spots: &Spots, image: &Image, opt
     }
     let _ = sys.image;
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn geometry(n: usize) -> PatchGeometry {
+        PatchGeometry {
+            rows: 0..1,
+            cols: 0..1,
+            block_fibers: vec![0],
+            npad: 0,
+            wave0: 0,
+            nwavetot: n,
+        }
+    }
+
+    /// An SPD system takes the Cholesky route and its covariance block is the inverse.
+    #[test]
+    fn spd_system_uses_cholesky_and_inverts_exactly() {
+        let a = Mat::<f64>::from_fn(3, 3, |i, j| if i == j { 4.0 } else { 1.0 });
+        let s = solve_normal_equations(&a, &[1.0, 2.0, 3.0], &[1.0; 3], &geometry(3), 0.0).unwrap();
+        assert_eq!(s.status, PatchStatus::Ok);
+        let mut prod = Mat::<f64>::zeros(3, 3);
+        matmul(
+            prod.as_mut(),
+            Accum::Replace,
+            a.as_ref(),
+            s.blocks[0].as_ref(),
+            1.0,
+            Par::Seq,
+        );
+        for i in 0..3 {
+            for j in 0..3 {
+                let expect = if i == j { 1.0 } else { 0.0 };
+                assert!(
+                    (prod[(i, j)] - expect).abs() < 1e-10,
+                    "A C != I at ({i}, {j})"
+                );
+            }
+            let ax: f64 = (0..3).map(|k| a[(i, k)] * s.xflux[k]).sum();
+            assert!((ax - [1.0, 2.0, 3.0][i]).abs() < 1e-12);
+        }
+    }
+
+    /// An indefinite icov defeats Cholesky twice and falls back to the clipped
+    /// eigendecomposition, which still returns finite values.
+    #[test]
+    fn indefinite_system_falls_back_to_clipped_eigendecomposition() {
+        let a = Mat::<f64>::from_fn(2, 2, |i, j| if i == j { 1.0 } else { 2.0 });
+        let s = solve_normal_equations(&a, &[1.0, -1.0], &[1.0; 2], &geometry(2), 0.0).unwrap();
+        assert_eq!(s.status, PatchStatus::EigenFallback);
+        assert!(s.xflux.iter().all(|v| v.is_finite()));
+        assert!(s.blocks[0]
+            .col_iter()
+            .all(|c| c.iter().all(|v| v.is_finite())));
+    }
+
+    /// No constraint at all (zero fluxweight) is reported, not solved.
+    #[test]
+    fn unconstrained_system_is_reported_as_masked() {
+        let a = Mat::<f64>::zeros(2, 2);
+        assert!(solve_normal_equations(&a, &[0.0; 2], &[0.0; 2], &geometry(2), 0.0).is_none());
+    }
+
+    /// The inverse square root from the eigendecomposition satisfies Q C Q = I.
+    #[test]
+    fn inverse_square_root_residual_is_small() {
+        let n = 74;
+        // a covariance-like SPD block: smooth kernel plus a diagonal
+        let c = Mat::<f64>::from_fn(n, n, |i, j| {
+            let d = i as f64 - j as f64;
+            (-(d * d) / 8.0).exp() + if i == j { 0.05 } else { 0.0 }
+        });
+        let (mut s, u) = eigh(c.as_ref());
+        clip_eigenvalues(&mut s);
+        let q = spectral(&s, &u, |v| 1.0 / v.sqrt());
+        let mut qc = Mat::<f64>::zeros(n, n);
+        matmul(
+            qc.as_mut(),
+            Accum::Replace,
+            q.as_ref(),
+            c.as_ref(),
+            1.0,
+            Par::Seq,
+        );
+        let mut qcq = Mat::<f64>::zeros(n, n);
+        matmul(
+            qcq.as_mut(),
+            Accum::Replace,
+            qc.as_ref(),
+            q.as_ref(),
+            1.0,
+            Par::Seq,
+        );
+        let cond = s[n - 1] / s[0];
+        for i in 0..n {
+            for j in 0..n {
+                let expect = if i == j { 1.0 } else { 0.0 };
+                let err = (qcq[(i, j)] - expect).abs();
+                assert!(
+                    err < 100.0 * n as f64 * f64::EPSILON * cond.sqrt(),
+                    "residual {err:e} at ({i}, {j})"
+                );
+            }
+        }
+    }
 }

@@ -10,7 +10,9 @@ pub struct CudaBackend(());
 
 impl CudaBackend {
     pub fn new(_device: usize) -> Result<Self> {
-        Err(Error::Gpu("this spex was built without the `cuda` feature".into()))
+        Err(Error::Gpu(
+            "this spex was built without the `cuda` feature".into(),
+        ))
     }
 }
 
@@ -19,7 +21,12 @@ impl Backend for CudaBackend {
         unreachable!("CudaBackend cannot be constructed without the cuda feature")
     }
 
-    fn extract(&mut self, _: FrameInput<'_>, _: &[Patch], _: &Progress) -> Result<Vec<PatchResult>> {
+    fn extract(
+        &mut self,
+        _: FrameInput<'_>,
+        _: &[Patch],
+        _: &Progress,
+    ) -> Result<Vec<PatchResult>> {
         unreachable!("CudaBackend cannot be constructed without the cuda feature")
     }
 }

@@ -29,26 +29,36 @@ pub struct FrameInput<'a> {
 /// A thread-safe counter of solved patches that drives the progress display.
 pub struct Progress {
     done: AtomicUsize,
-    callback: Box<dyn Fn(usize) + Send + Sync>,
+    total: AtomicUsize,
+    callback: Box<dyn Fn(usize, usize) + Send + Sync>,
 }
 
 impl Progress {
-    /// A counter that calls `callback` with the number of patches just finished.
-    pub fn new(callback: impl Fn(usize) + Send + Sync + 'static) -> Self {
+    /// A counter that calls `callback(done, total)` whenever patches finish.
+    pub fn new(callback: impl Fn(usize, usize) + Send + Sync + 'static) -> Self {
         Progress {
             done: AtomicUsize::new(0),
+            total: AtomicUsize::new(0),
             callback: Box::new(callback),
         }
     }
 
     /// A counter that reports nowhere.
     pub fn silent() -> Self {
-        Progress::new(|_| {})
+        Progress::new(|_, _| {})
     }
 
+    /// Starts a new count of `total` patches.
+    pub fn start(&self, total: usize) {
+        self.done.store(0, Ordering::Relaxed);
+        self.total.store(total, Ordering::Relaxed);
+        (self.callback)(0, total);
+    }
+
+    /// Records `n` more finished patches.
     pub fn add(&self, n: usize) {
-        self.done.fetch_add(n, Ordering::Relaxed);
-        (self.callback)(n);
+        let done = self.done.fetch_add(n, Ordering::Relaxed) + n;
+        (self.callback)(done, self.total.load(Ordering::Relaxed));
     }
 
     pub fn done(&self) -> usize {
@@ -63,7 +73,12 @@ pub trait Backend {
 
     /// Solves `patches` (any subset of the plan, in any order) and returns one result per
     /// patch, in the same order.
-    fn extract(&mut self, input: FrameInput<'_>, patches: &[Patch], progress: &Progress) -> Result<Vec<PatchResult>>;
+    fn extract(
+        &mut self,
+        input: FrameInput<'_>,
+        patches: &[Patch],
+        progress: &Progress,
+    ) -> Result<Vec<PatchResult>>;
 }
 
 /// Which backend to build.

@@ -1,0 +1,474 @@
+//! Command-line interface: clap structures in the spelling of gpu_specter's `spex` and
+//! desispec's `desi_extract_spectra`, and their conversion into validated requests.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::error::{Error, Result};
+use crate::image::MaskRule;
+use crate::pipeline::ExtractRequest;
+
+/// spex: spectro-perfectionism extraction of DESI frames on CPUs and GPUs.
+#[derive(Debug, Parser)]
+#[command(name = "spex", version, about, propagate_version = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Extract spectra from a preproc image (the default when the first argument is an option).
+    Extract(ExtractArgs),
+    /// Simulate a preproc image and its truth from a PSF.
+    Simulate(SimulateArgs),
+    /// Compare two frames (parity) or a frame with the simulation truth (pulls).
+    Compare(CompareArgs),
+}
+
+/// Options of `spex simulate`.
+#[derive(Debug, Args, Clone)]
+pub struct SimulateArgs {
+    /// PSF to project the spectra with.
+    #[arg(short, long)]
+    pub psf: PathBuf,
+    /// Output preproc image (IMAGE, IVAR, MASK, FIBERMAP).
+    #[arg(short, long)]
+    pub output: PathBuf,
+    /// Output truth (WAVELENGTH, FLUX in photons per bin).
+    #[arg(long)]
+    pub truth: PathBuf,
+    /// Wavelength grid `wmin,wmax,dw` of the truth (align it with the extraction grid).
+    #[arg(short, long, value_parser = parse_wavelength, allow_hyphen_values = true)]
+    pub wavelength: (f64, f64, f64),
+    /// First fiber to simulate.
+    #[arg(short, long, default_value_t = 0)]
+    pub specmin: usize,
+    /// Number of fibers to simulate (default: all fibers of the PSF from specmin).
+    #[arg(short, long)]
+    pub nspec: Option<usize>,
+    /// Random seed: the same seed gives the same files.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Read noise in electrons.
+    #[arg(long, default_value_t = 3.0)]
+    pub read_noise: f64,
+    /// Write the noiseless image (IVAR unchanged).
+    #[arg(long)]
+    pub no_noise: bool,
+    /// Cosmic-ray tracks per million pixels of the simulated area (0: none).
+    #[arg(long, default_value_t = 50.0)]
+    pub cosmic_density: f64,
+    /// A bad CCD column (masked, with extra charge).
+    #[arg(long)]
+    pub bad_column: Option<usize>,
+    /// Log level: debug, info, warning, error.
+    #[arg(long, default_value = "info")]
+    pub loglevel: String,
+}
+
+impl SimulateArgs {
+    /// The simulator options for a PSF with `nfiber` fibers.
+    pub fn options(&self, nfiber: usize) -> crate::simulate::SimulateOptions {
+        let (wmin, wmax, dw) = self.wavelength;
+        let end = self.nspec.map_or(nfiber, |n| self.specmin + n);
+        let mut o = crate::simulate::SimulateOptions::new(self.specmin..end, wmin, wmax);
+        o.dw = dw;
+        o.seed = self.seed;
+        o.read_noise = self.read_noise;
+        o.noise = !self.no_noise;
+        o.cosmic_density = self.cosmic_density;
+        o.bad_column = self.bad_column;
+        o
+    }
+}
+
+/// Options of `spex extract`.
+#[derive(Debug, Args, Clone)]
+pub struct ExtractArgs {
+    /// Input preproc image (IMAGE, IVAR, MASK, optional FIBERMAP).
+    #[arg(short, long, required_unless_present = "list")]
+    pub input: Option<PathBuf>,
+    /// Input PSF (GAUSS-HERMITE).
+    #[arg(short, long, required_unless_present = "list")]
+    pub psf: Option<PathBuf>,
+    /// Output frame.
+    #[arg(short, long, required_unless_present = "list")]
+    pub output: Option<PathBuf>,
+    /// Frames to extract, one `input psf output` line each (`#` starts a comment).
+    #[arg(long, conflicts_with_all = ["input", "psf", "output", "model"])]
+    pub list: Option<PathBuf>,
+    /// Output model image.
+    #[arg(short, long)]
+    pub model: Option<PathBuf>,
+    /// Wavelength grid `wmin,wmax,dw` in Angstrom (default: the PSF's range at 0.8).
+    #[arg(short, long, value_parser = parse_wavelength, allow_hyphen_values = true)]
+    pub wavelength: Option<(f64, f64, f64)>,
+    /// First spectrum to extract (a multiple of bundlesize).
+    #[arg(short, long, default_value_t = 0)]
+    pub specmin: usize,
+    /// Number of spectra (a multiple of bundlesize; default: all fibers from specmin).
+    #[arg(short, long)]
+    pub nspec: Option<usize>,
+    /// Regularization amount.
+    #[arg(short, long, default_value_t = 0.0)]
+    pub regularize: f64,
+    /// Spectra per bundle.
+    #[arg(long, default_value_t = 25)]
+    pub bundlesize: usize,
+    /// Sub-bundles per bundle (patches are one sub-bundle wide).
+    #[arg(long, default_value_t = 5)]
+    pub nsubbundles: usize,
+    /// Output bins per patch.
+    #[arg(long, default_value_t = 50)]
+    pub nwavestep: usize,
+    /// Wavelength bins of padding on each side of a patch.
+    #[arg(long, default_value_t = 10)]
+    pub wavepad: usize,
+    /// Extra wavelength padding as a fraction of wavepad.
+    #[arg(long, default_value_t = 0.2)]
+    pub wavepad_frac: f64,
+    /// Fraction of the padding rows of a patch that are used.
+    #[arg(long, default_value_t = 0.8)]
+    pub pixpad_frac: f64,
+    /// Fractional PSF error for chi2pix (default: PSFERR of the PSF, else 0.01).
+    #[arg(long)]
+    pub psferr: Option<f64>,
+    /// MASK bits that reject a pixel: `any` (default) or a bit mask such as 767 (desispec).
+    #[arg(long, default_value = "any", value_parser = parse_mask_bits)]
+    pub mask_bits: MaskRule,
+    /// Worker threads per rank (default: the cores available to the rank).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Extract on the GPU (also `--use-gpu`).
+    #[arg(long, visible_alias = "use-gpu", conflicts_with = "no_gpu")]
+    pub gpu: bool,
+    /// Never use a GPU (also set by the DESI_NO_GPU environment variable).
+    #[arg(long)]
+    pub no_gpu: bool,
+    /// CUDA device (default: node-local rank modulo the visible devices).
+    #[arg(long)]
+    pub device: Option<usize>,
+    /// Accepted for compatibility: spex uses MPI whenever it runs under a launcher.
+    #[arg(long)]
+    pub mpi: bool,
+    /// With 3 or more ranks: dedicated reader and writer ranks overlap I/O with extraction.
+    #[arg(long)]
+    pub async_io: bool,
+    /// Skip frames whose output already exists.
+    #[arg(long)]
+    pub skip_existing: bool,
+    /// Compare the result with this reference frame; exit 3 outside the parity tolerances.
+    #[arg(long, value_name = "REF")]
+    pub test: Option<PathBuf>,
+    /// Log level: debug, info, warning, error.
+    #[arg(long, default_value = "info", value_parser = ["trace", "debug", "info", "warning", "warn", "error", "critical"])]
+    pub loglevel: String,
+}
+
+/// Options of `spex compare`.
+#[derive(Debug, Args, Clone)]
+pub struct CompareArgs {
+    /// Frame to examine.
+    pub frame: PathBuf,
+    /// Second frame for a parity comparison.
+    #[arg(required_unless_present = "truth", conflicts_with = "truth")]
+    pub other: Option<PathBuf>,
+    /// Simulation truth (WAVELENGTH, FLUX in photons per bin) for pull statistics.
+    #[arg(long)]
+    pub truth: Option<PathBuf>,
+    /// Fiber of the truth's first row (default: its FIBERMIN keyword, else 0).
+    #[arg(long)]
+    pub truth_fibermin: Option<usize>,
+    /// Parity: minimum fraction of bins with |df|/sigma < 1e-4.
+    #[arg(long, default_value_t = 0.999)]
+    pub min_fraction: f64,
+    /// Parity: largest |df|/sigma allowed.
+    #[arg(long, default_value_t = 1e-2)]
+    pub max_dflux: f64,
+    /// Parity: relative tolerance of ivar, resolution and chi2pix.
+    #[arg(long, default_value_t = 1e-4)]
+    pub rel_tolerance: f64,
+    /// Pulls: largest |mean| allowed.
+    #[arg(long, default_value_t = 0.01)]
+    pub max_mean: f64,
+    /// Pulls: largest standard deviation allowed.
+    #[arg(long, default_value_t = 1.02)]
+    pub max_std: f64,
+    /// Pulls: allowed range of the median |pull|, `lo,hi`.
+    #[arg(long, default_value = "0.66,0.70", value_parser = parse_pair)]
+    pub median_range: (f64, f64),
+}
+
+/// Parses `wmin,wmax,dw`.
+pub fn parse_wavelength(s: &str) -> std::result::Result<(f64, f64, f64), String> {
+    let parts: Vec<&str> = s.split(',').map(str::trim).collect();
+    if parts.len() != 3 {
+        return Err(format!("expected wmin,wmax,dw, got {s:?}"));
+    }
+    let v: Vec<f64> = parts
+        .iter()
+        .map(|p| {
+            p.parse::<f64>()
+                .map_err(|_| format!("{p:?} is not a number"))
+        })
+        .collect::<std::result::Result<_, _>>()?;
+    if !(v[2] > 0.0) {
+        return Err(format!("dw must be positive, got {}", v[2]));
+    }
+    if !(v[1] >= v[0]) {
+        return Err(format!("wmax {} is below wmin {}", v[1], v[0]));
+    }
+    Ok((v[0], v[1], v[2]))
+}
+
+/// Parses `lo,hi`.
+pub fn parse_pair(s: &str) -> std::result::Result<(f64, f64), String> {
+    let (a, b) = s
+        .split_once(',')
+        .ok_or_else(|| format!("expected lo,hi, got {s:?}"))?;
+    let a = a
+        .trim()
+        .parse()
+        .map_err(|_| format!("{a:?} is not a number"))?;
+    let b = b
+        .trim()
+        .parse()
+        .map_err(|_| format!("{b:?} is not a number"))?;
+    Ok((a, b))
+}
+
+/// Parses `any` or a bit mask (decimal or 0x hexadecimal).
+pub fn parse_mask_bits(s: &str) -> std::result::Result<MaskRule, String> {
+    let s = s.trim();
+    if s.eq_ignore_ascii_case("any") {
+        return Ok(MaskRule::AnyBit);
+    }
+    let bits = if let Some(hex) = s.strip_prefix("0x") {
+        u32::from_str_radix(hex, 16)
+    } else {
+        s.parse::<u32>()
+    }
+    .map_err(|_| format!("{s:?} is neither 'any' nor a bit mask"))?;
+    Ok(MaskRule::Bits(bits))
+}
+
+impl ExtractArgs {
+    /// Whether the GPU backend is asked for (`--gpu`/`--use-gpu`, unless `--no-gpu` or
+    /// DESI_NO_GPU).
+    pub fn use_gpu(&self) -> bool {
+        self.gpu && !self.no_gpu && std::env::var_os("DESI_NO_GPU").is_none()
+    }
+
+    /// The request for one frame with these options.
+    pub fn request(
+        &self,
+        input: PathBuf,
+        psf: PathBuf,
+        output: PathBuf,
+        model: Option<PathBuf>,
+    ) -> ExtractRequest {
+        ExtractRequest {
+            input,
+            psf,
+            output,
+            model,
+            wavelength: self.wavelength,
+            specmin: self.specmin,
+            nspec: self.nspec,
+            regularize: self.regularize,
+            psferr: self.psferr,
+            bundlesize: self.bundlesize,
+            nsubbundles: self.nsubbundles,
+            nwavestep: self.nwavestep,
+            wavepad: self.wavepad,
+            wavepad_frac: self.wavepad_frac,
+            pixpad_frac: self.pixpad_frac,
+            mask_rule: self.mask_bits,
+        }
+    }
+
+    /// Every frame these options ask for: the single `-i -p -o` frame or the `--list` lines.
+    pub fn requests(&self) -> Result<Vec<ExtractRequest>> {
+        if let Some(list) = &self.list {
+            let text = std::fs::read_to_string(list).map_err(|source| Error::Io {
+                path: list.clone(),
+                source,
+            })?;
+            return parse_list(&text)
+                .map_err(|e| Error::config(format!("{}: {e}", list.display())))
+                .map(|frames| {
+                    frames
+                        .into_iter()
+                        .map(|(i, p, o)| self.request(i, p, o, None))
+                        .collect()
+                });
+        }
+        match (&self.input, &self.psf, &self.output) {
+            (Some(i), Some(p), Some(o)) => Ok(vec![self.request(
+                i.clone(),
+                p.clone(),
+                o.clone(),
+                self.model.clone(),
+            )]),
+            _ => Err(Error::config(
+                "--input, --psf and --output are required without --list",
+            )),
+        }
+    }
+}
+
+/// Parses a frame list: `input psf output` per line, blank lines and `#` comments ignored.
+pub fn parse_list(text: &str) -> std::result::Result<Vec<(PathBuf, PathBuf, PathBuf)>, String> {
+    let mut frames = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.split('#').next().unwrap_or("").trim();
+        if line.is_empty() {
+            continue;
+        }
+        let words: Vec<&str> = line.split_whitespace().collect();
+        if words.len() != 3 {
+            return Err(format!(
+                "line {}: expected 'input psf output', got {line:?}",
+                n + 1
+            ));
+        }
+        frames.push((words[0].into(), words[1].into(), words[2].into()));
+    }
+    if frames.is_empty() {
+        return Err("no frame listed".into());
+    }
+    Ok(frames)
+}
+
+/// Inserts the default `extract` subcommand when the first argument is an option, so that
+/// gpu_specter job lines (`spex -i ... -p ... -o ...`) run unchanged.
+pub fn with_default_subcommand(mut args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    let first = args.get(1).and_then(|a| a.to_str()).unwrap_or("");
+    let passthrough = ["-h", "--help", "-V", "--version"];
+    if first.starts_with('-') && !passthrough.contains(&first) {
+        args.insert(1, "extract".into());
+    }
+    args
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> std::result::Result<Cli, clap::Error> {
+        let args: Vec<std::ffi::OsString> = args.iter().map(Into::into).collect();
+        Cli::try_parse_from(with_default_subcommand(args))
+    }
+
+    #[test]
+    fn gpu_specter_command_lines_parse_without_subcommand() {
+        let cli = parse(&[
+            "spex",
+            "-i",
+            "in.fits",
+            "-p",
+            "psf.fits",
+            "-o",
+            "out.fits",
+            "-w",
+            "6000,6400,0.8",
+            "-s",
+            "25",
+            "-n",
+            "25",
+            "--mpi",
+            "--use-gpu",
+        ])
+        .unwrap();
+        let Command::Extract(a) = cli.command else {
+            panic!("not extract")
+        };
+        assert_eq!(a.wavelength, Some((6000.0, 6400.0, 0.8)));
+        assert_eq!((a.specmin, a.nspec), (25, Some(25)));
+        assert!(a.gpu && a.mpi);
+        assert_eq!(a.nwavestep, 50);
+        assert_eq!(a.mask_bits, MaskRule::AnyBit);
+    }
+
+    #[test]
+    fn gpu_and_no_gpu_conflict() {
+        assert!(parse(&["spex", "-i", "a", "-p", "b", "-o", "c", "--gpu", "--no-gpu"]).is_err());
+    }
+
+    #[test]
+    fn wavelength_must_be_three_numbers_with_positive_step() {
+        assert!(parse_wavelength("6000,6400").is_err());
+        assert!(parse_wavelength("6000,6400,0").is_err());
+        assert!(parse_wavelength("6000,6400,-0.8").is_err());
+        assert!(parse_wavelength("6400,6000,0.8").is_err());
+        assert!(parse_wavelength("a,b,c").is_err());
+        assert_eq!(
+            parse_wavelength("5760, 7620, 0.8"),
+            Ok((5760.0, 7620.0, 0.8))
+        );
+    }
+
+    #[test]
+    fn mask_bits_accept_any_decimal_and_hex() {
+        assert_eq!(parse_mask_bits("any"), Ok(MaskRule::AnyBit));
+        assert_eq!(parse_mask_bits("767"), Ok(MaskRule::Bits(767)));
+        assert_eq!(parse_mask_bits("0x2ff"), Ok(MaskRule::Bits(767)));
+        assert!(parse_mask_bits("some").is_err());
+    }
+
+    #[test]
+    fn list_lines_need_three_paths() {
+        let ok = parse_list("# frames\na.fits p.fits o.fits\n\nb.fits p.fits q.fits # second\n")
+            .unwrap();
+        assert_eq!(ok.len(), 2);
+        assert!(parse_list("a.fits p.fits\n").is_err());
+        assert!(parse_list("# nothing\n").is_err());
+    }
+
+    #[test]
+    fn inputs_are_required_without_a_list() {
+        assert!(parse(&["spex", "-i", "a", "-p", "b"]).is_err());
+        assert!(parse(&["spex", "extract", "--list", "frames.txt"]).is_ok());
+    }
+
+    #[test]
+    fn simulate_options_follow_the_flags() {
+        let cli = parse(&[
+            "spex",
+            "simulate",
+            "-p",
+            "psf.fits",
+            "-o",
+            "img.fits",
+            "--truth",
+            "t.fits",
+            "-w",
+            "5760,7620,0.8",
+            "-s",
+            "25",
+            "-n",
+            "50",
+            "--seed",
+            "7",
+            "--bad-column",
+            "2000",
+        ])
+        .unwrap();
+        let Command::Simulate(a) = cli.command else {
+            panic!("not simulate")
+        };
+        let o = a.options(500);
+        assert_eq!(o.fibers, 25..75);
+        assert_eq!((o.seed, o.bad_column, o.noise), (7, Some(2000), true));
+        assert!(parse(&["spex", "simulate", "-p", "psf.fits", "-o", "img.fits"]).is_err());
+    }
+
+    #[test]
+    fn compare_needs_a_second_frame_or_the_truth() {
+        assert!(parse(&["spex", "compare", "a.fits"]).is_err());
+        assert!(parse(&["spex", "compare", "a.fits", "b.fits"]).is_ok());
+        assert!(parse(&["spex", "compare", "a.fits", "--truth", "t.fits"]).is_ok());
+    }
+}

@@ -1,0 +1,311 @@
+//! One frame, end to end: validate the request, read the inputs, plan, solve on a backend,
+//! stitch and write. Each phase is a `tracing` span (and so an NVTX range under `nsys`) and
+//! is timed for the log. The MPI layer calls the same phases, spread over ranks.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::backend::{Backend, FrameInput, Progress};
+use crate::error::{Error, Result};
+use crate::extract::{PatchResult, SolveOptions};
+use crate::frame::{self, Frame, FrameMeta, PatchCounts};
+use crate::image::{Image, MaskRule};
+use crate::plan::{Plan, PlanOptions};
+use crate::psf::{GaussHermitePsf, DEFAULT_PSFERR};
+
+/// How far (Angstrom) the output grid may reach beyond the PSF's wavelength domain.
+pub const WAVE_TOLERANCE: f64 = 5.0;
+
+/// A validated extraction request for one frame.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExtractRequest {
+    pub input: PathBuf,
+    pub psf: PathBuf,
+    pub output: PathBuf,
+    pub model: Option<PathBuf>,
+    /// `wmin, wmax, dw`; `None`: the PSF's domain at 0.8 A.
+    pub wavelength: Option<(f64, f64, f64)>,
+    pub specmin: usize,
+    /// `None`: every fiber of the PSF from `specmin`.
+    pub nspec: Option<usize>,
+    pub regularize: f64,
+    /// `None`: `PSFERR` of the PSF, else 0.01.
+    pub psferr: Option<f64>,
+    pub bundlesize: usize,
+    pub nsubbundles: usize,
+    pub nwavestep: usize,
+    pub wavepad: usize,
+    pub wavepad_frac: f64,
+    pub pixpad_frac: f64,
+    pub mask_rule: MaskRule,
+}
+
+impl ExtractRequest {
+    /// A request with the gpu_specter defaults.
+    pub fn new(
+        input: impl Into<PathBuf>,
+        psf: impl Into<PathBuf>,
+        output: impl Into<PathBuf>,
+    ) -> Self {
+        ExtractRequest {
+            input: input.into(),
+            psf: psf.into(),
+            output: output.into(),
+            model: None,
+            wavelength: None,
+            specmin: 0,
+            nspec: None,
+            regularize: 0.0,
+            psferr: None,
+            bundlesize: 25,
+            nsubbundles: 5,
+            nwavestep: 50,
+            wavepad: 10,
+            wavepad_frac: 0.2,
+            pixpad_frac: 0.8,
+            mask_rule: MaskRule::AnyBit,
+        }
+    }
+
+    /// Checks what can be checked before reading anything: output directories exist.
+    pub fn check_outputs(&self) -> Result<()> {
+        for path in std::iter::once(&self.output).chain(self.model.as_ref()) {
+            let dir = match path.parent() {
+                Some(d) if !d.as_os_str().is_empty() => d,
+                _ => Path::new("."),
+            };
+            if !dir.is_dir() {
+                return Err(Error::Io {
+                    path: path.clone(),
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::NotFound,
+                        "output directory does not exist",
+                    ),
+                });
+            }
+        }
+        if !self.regularize.is_finite() || self.regularize < 0.0 {
+            return Err(Error::config(format!(
+                "regularize ({}) must be >= 0",
+                self.regularize
+            )));
+        }
+        if let Some(e) = self.psferr {
+            if !e.is_finite() || e < 0.0 {
+                return Err(Error::config(format!("psferr ({e}) must be >= 0")));
+            }
+        }
+        Ok(())
+    }
+
+    /// The plan of this request for `psf`, checked against the PSF's fibers and wavelengths.
+    pub fn plan(&self, psf: &GaussHermitePsf) -> Result<Plan> {
+        let (lo, hi) = psf.param_domain();
+        let (wmin, wmax, dw) = self.wavelength.unwrap_or((lo, hi, 0.8));
+        let (dlo, dhi) = psf.wave_domain();
+        if wmin < dlo - WAVE_TOLERANCE || wmax > dhi + WAVE_TOLERANCE {
+            return Err(Error::config(format!(
+                "wavelength range {wmin}..{wmax} is outside the PSF's domain {dlo}..{dhi} ({})",
+                psf.path.display()
+            )));
+        }
+        if self.specmin >= psf.nfiber {
+            return Err(Error::config(format!(
+                "specmin {} is beyond the PSF's {} fibers",
+                self.specmin, psf.nfiber
+            )));
+        }
+        let nspec = self.nspec.unwrap_or(psf.nfiber - self.specmin);
+        if self.specmin + nspec > psf.nfiber {
+            return Err(Error::config(format!(
+                "fibers {}..{} are beyond the PSF's {} fibers",
+                self.specmin,
+                self.specmin + nspec,
+                psf.nfiber
+            )));
+        }
+        let mut o = PlanOptions::new(wmin, wmax, dw, self.specmin, nspec);
+        o.bundlesize = self.bundlesize;
+        o.nsubbundles = self.nsubbundles;
+        o.nwavestep = self.nwavestep;
+        o.wavepad = self.wavepad;
+        o.wavepad_frac = self.wavepad_frac;
+        o.pixpad_frac = self.pixpad_frac;
+        Plan::new(o)
+    }
+
+    /// Options of the patch solve for `psf`.
+    pub fn solve_options(&self, psf: &GaussHermitePsf) -> SolveOptions {
+        SolveOptions {
+            regularize: self.regularize,
+            psferr: self.psferr.or(psf.psferr).unwrap_or(DEFAULT_PSFERR),
+            model: self.model.is_some(),
+        }
+    }
+
+    /// What the output file carries besides the arrays.
+    pub fn frame_meta(&self, image: &Image) -> FrameMeta {
+        FrameMeta {
+            header: image.header.clone(),
+            input: Some(self.input.clone()),
+            psf: Some(self.psf.clone()),
+            fibermap_from: image.has_fibermap.then(|| self.input.clone()),
+        }
+    }
+}
+
+/// Wall time of each phase of a frame, for the log and the benchmarks.
+#[derive(Clone, Debug, Default)]
+pub struct Timings {
+    pub phases: Vec<(&'static str, Duration)>,
+}
+
+impl Timings {
+    /// Runs `f` inside a tracing span and an NVTX range named `name` (what `nsys` shows) and
+    /// records its duration.
+    pub fn time<T>(&mut self, name: &'static str, f: impl FnOnce() -> T) -> T {
+        let span = tracing::info_span!("phase", name);
+        let _entered = span.enter();
+        let _range = nvtx::LocalRange::new(nvtx::Str::from_str_lossy(name));
+        let t0 = Instant::now();
+        let out = f();
+        self.phases.push((name, t0.elapsed()));
+        out
+    }
+
+    pub fn total(&self) -> Duration {
+        self.phases.iter().map(|(_, d)| *d).sum()
+    }
+
+    pub fn get(&self, name: &str) -> Duration {
+        self.phases
+            .iter()
+            .filter(|(n, _)| *n == name)
+            .map(|(_, d)| *d)
+            .sum()
+    }
+}
+
+impl std::fmt::Display for Timings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let parts: Vec<String> = self
+            .phases
+            .iter()
+            .map(|(n, d)| format!("{n} {:.3} s", d.as_secs_f64()))
+            .collect();
+        write!(
+            f,
+            "{} (total {:.3} s)",
+            parts.join(", "),
+            self.total().as_secs_f64()
+        )
+    }
+}
+
+/// The inputs of one frame, read.
+pub struct Inputs {
+    pub psf: GaussHermitePsf,
+    pub image: Image,
+}
+
+/// Reads the PSF and the image of a request.
+pub fn read_inputs(request: &ExtractRequest) -> Result<Inputs> {
+    let psf = GaussHermitePsf::read(&request.psf)?;
+    let image = Image::read(&request.input, request.mask_rule)?;
+    if (image.ncols, image.nrows) != (psf.npix_x, psf.npix_y) {
+        tracing::warn!(
+            "image {}x{} differs from the PSF's CCD {}x{}",
+            image.ncols,
+            image.nrows,
+            psf.npix_x,
+            psf.npix_y
+        );
+    }
+    Ok(Inputs { psf, image })
+}
+
+/// What a finished frame reports.
+#[derive(Clone, Debug)]
+pub struct FrameReport {
+    pub frame: Frame,
+    pub counts: PatchCounts,
+    pub timings: Timings,
+}
+
+/// Stitches results into a frame and writes it (and the model image, if requested).
+pub fn finish(
+    request: &ExtractRequest,
+    plan: &Plan,
+    inputs: &Inputs,
+    results: &[PatchResult],
+    timings: &mut Timings,
+) -> Result<(Frame, PatchCounts)> {
+    let ndiag = inputs.psf.hsizey;
+    let (frame, counts) = timings.time("assemble", || Frame::assemble(plan, ndiag, results))?;
+    log_counts(&counts);
+    timings.time("write", || -> Result<()> {
+        frame.write(&request.output, &request.frame_meta(&inputs.image))?;
+        if let Some(path) = &request.model {
+            let shape = (inputs.image.nrows, inputs.image.ncols);
+            frame::write_model(
+                path,
+                shape,
+                &frame::model_image(shape, results),
+                &inputs.image.header,
+            )?;
+        }
+        Ok(())
+    })?;
+    Ok((frame, counts))
+}
+
+fn log_counts(c: &PatchCounts) {
+    tracing::info!(
+        "patches: {} solved, {} regularized retry, {} eigen fallback, {} fully masked, {} off the CCD, {} non-finite",
+        c.ok,
+        c.regularized,
+        c.eigen_fallback,
+        c.masked,
+        c.off_image,
+        c.non_finite
+    );
+}
+
+/// Extracts one frame in this process: read, plan, solve every patch on `backend`, write.
+pub fn extract_frame(
+    request: &ExtractRequest,
+    backend: &mut dyn Backend,
+    progress: &Progress,
+) -> Result<FrameReport> {
+    request.check_outputs()?;
+    let mut timings = Timings::default();
+    let inputs = timings.time("read", || read_inputs(request))?;
+    let plan = request.plan(&inputs.psf)?;
+    let options = request.solve_options(&inputs.psf);
+    tracing::info!(
+        "{}: fibers {}..{}, {} bins {:.1}..{:.1} A, {} patches on {}",
+        request.input.display(),
+        plan.options.specmin,
+        plan.options.specmin + plan.options.nspec,
+        plan.nwave(),
+        plan.wave[0],
+        plan.wave[plan.nwave() - 1],
+        plan.patches.len(),
+        backend.describe()
+    );
+    let input = FrameInput {
+        plan: &plan,
+        psf: &inputs.psf,
+        image: &inputs.image,
+        options: &options,
+    };
+    progress.start(plan.patches.len());
+    let results = timings.time("solve", || backend.extract(input, &plan.patches, progress))?;
+    let (frame, counts) = finish(request, &plan, &inputs, &results, &mut timings)?;
+    tracing::info!("{}: {timings}", request.output.display());
+    Ok(FrameReport {
+        frame,
+        counts,
+        timings,
+    })
+}

@@ -1,0 +1,285 @@
+//! The `spex` binary as a user meets it: the reference case end to end with `--test`, the
+//! output file layout, and one clear error (and no output file) for each kind of bad input.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use common::data;
+use spex::fits::Fits;
+
+fn spex(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_spex"))
+        .args(args)
+        .env_remove("SPEX_LOG")
+        .output()
+        .expect("spex runs")
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn bundle0_args<'a>(input: &'a str, psf: &'a str, output: &'a str) -> Vec<&'a str> {
+    vec![
+        "-i",
+        input,
+        "-p",
+        psf,
+        "-o",
+        output,
+        "-w",
+        "6000,6400,0.8",
+        "-s",
+        "0",
+        "-n",
+        "25",
+        "--threads",
+        "2",
+    ]
+}
+
+#[test]
+fn reference_case_end_to_end_with_test_and_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("frame.fits");
+    let model = dir.path().join("model.fits");
+    let (input, psf, reference) = (
+        data("preproc-bundle0.fits"),
+        data("psf-r0-00067784.fits"),
+        data("reference-frame-bundle0.fits"),
+    );
+    let mut args = bundle0_args(s(&input), s(&psf), s(&out));
+    args.extend(["-m", s(&model), "--test", s(&reference)]);
+    let o = spex(&args);
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(stdout.contains("< 1e-4"), "{stdout}");
+
+    let mut f = Fits::open(&out).unwrap();
+    f.move_to("FLUX").unwrap();
+    assert_eq!(f.image_shape().unwrap(), vec![25, 501]);
+    assert_eq!(f.key_i64("NSPEC").unwrap(), Some(25));
+    assert_eq!(f.key_i64("SPECMIN").unwrap(), Some(0));
+    assert_eq!(
+        f.key_str("BUNIT").unwrap().as_deref(),
+        Some("electron/Angstrom")
+    );
+    assert_eq!(
+        f.key_str("CAMERA").unwrap().as_deref(),
+        Some("r0"),
+        "IMAGE header passed through"
+    );
+    assert!((f.key_f64("WAVEMIN").unwrap().unwrap() - 6000.0).abs() < 1e-9);
+    assert!((f.key_f64("WAVEMAX").unwrap().unwrap() - 6400.0).abs() < 1e-6);
+    for (hdu, shape) in [
+        ("IVAR", vec![25, 501]),
+        ("MASK", vec![25, 501]),
+        ("WAVELENGTH", vec![501]),
+        ("RESOLUTION", vec![25, 11, 501]),
+        ("CHI2PIX", vec![25, 501]),
+    ] {
+        f.move_to(hdu).unwrap();
+        assert_eq!(f.image_shape().unwrap(), shape, "{hdu}");
+    }
+    f.move_to("FIBERMAP").unwrap();
+    assert_eq!(
+        f.nrows().unwrap(),
+        25,
+        "FIBERMAP sliced to the extracted fibers"
+    );
+    let (_, fibers) = f.column::<i32>("FIBER").unwrap();
+    assert_eq!(fibers, (0..25).collect::<Vec<i32>>());
+
+    let mut m = Fits::open(&model).unwrap();
+    m.move_to("MODEL").unwrap();
+    assert_eq!(m.image_shape().unwrap(), vec![4128, 4114]);
+    let (_, pix) = m.read_image::<f32>().unwrap();
+    assert!(pix.iter().any(|&v| v > 10.0));
+    // nothing but the two outputs was left in the directory
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
+}
+
+/// Runs a failing extraction and checks: non-zero exit, one error line that mentions
+/// `needle`, and neither the output `frame.fits` nor a temporary of it left in `dir`.
+fn assert_fails(args: &[&str], dir: &Path, needle: &str) {
+    let o = spex(args);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "succeeded: {args:?}");
+    let errors: Vec<&str> = stderr.lines().filter(|l| l.contains("error")).collect();
+    assert_eq!(errors.len(), 1, "expected one error line, got:\n{stderr}");
+    assert!(
+        errors[0].contains(needle),
+        "error line {:?} does not mention {needle:?}",
+        errors[0]
+    );
+    let left: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .contains("frame.fits")
+        })
+        .collect();
+    assert!(left.is_empty(), "files left: {left:?}");
+}
+
+/// Writes a small preproc-like file; `ivar_shape` and `with_mask` make it inconsistent.
+fn write_bad_image(path: &Path, ivar_shape: [usize; 2], with_mask: bool) {
+    let mut f = Fits::create(path).unwrap();
+    f.write_image::<f32>("IMAGE", &[10, 10], &[1.0; 100])
+        .unwrap();
+    let n = ivar_shape[0] * ivar_shape[1];
+    f.write_image::<f32>("IVAR", &ivar_shape, &vec![1.0; n])
+        .unwrap();
+    if with_mask {
+        f.write_image::<i32>("MASK", &[10, 10], &[0; 100]).unwrap();
+    }
+    f.close().unwrap();
+}
+
+#[test]
+fn bad_inputs_give_one_clear_error_and_no_output() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let out = d.join("frame.fits");
+    let (input, psf) = (data("preproc-bundle0.fits"), data("psf-r0-00067784.fits"));
+    let (i, p, o) = (s(&input), s(&psf), s(&out));
+
+    assert_fails(
+        &bundle0_args("/no/such/preproc.fits", p, o),
+        d,
+        "/no/such/preproc.fits",
+    );
+    assert_fails(
+        &bundle0_args(i, "/no/such/psf.fits", o),
+        d,
+        "/no/such/psf.fits",
+    );
+    // a PSF given as the image: no IMAGE HDU
+    assert_fails(&bundle0_args(p, p, o), d, "IMAGE");
+    // an image given as the PSF: no PSF table
+    assert_fails(&bundle0_args(i, i, o), d, "PSF");
+
+    let bad = d.join("bad.fits");
+    write_bad_image(&bad, [10, 12], true);
+    assert_fails(&bundle0_args(s(&bad), p, o), d, "IVAR has shape");
+    write_bad_image(&bad, [10, 10], false);
+    assert_fails(&bundle0_args(s(&bad), p, o), d, "MASK");
+    std::fs::remove_file(&bad).unwrap();
+
+    let with = |extra: &[&'static str]| {
+        let mut a = vec!["-i", i, "-p", p, "-o", o, "--threads", "1"];
+        a.extend_from_slice(extra);
+        a
+    };
+    assert_fails(
+        &with(&["-w", "3000,4000,0.8", "-n", "25"]),
+        d,
+        "outside the PSF",
+    );
+    assert_fails(
+        &with(&["-w", "6000,6400,0.8", "-s", "3", "-n", "25"]),
+        d,
+        "specmin",
+    );
+    assert_fails(
+        &with(&["-w", "6000,6400,0.8", "-s", "475", "-n", "50"]),
+        d,
+        "beyond the PSF",
+    );
+    assert_fails(&with(&["-w", "6000,6400,0.8", "-n", "30"]), d, "nspec");
+    assert_fails(
+        &with(&["-w", "6000,6400,0.8", "-n", "25", "--nsubbundles", "4"]),
+        d,
+        "divisible",
+    );
+    assert_fails(
+        &with(&["-w", "6000,6400,0", "-n", "25"]),
+        d,
+        "dw must be positive",
+    );
+    assert_fails(
+        &with(&["-w", "6000,6400,-0.8", "-n", "25"]),
+        d,
+        "dw must be positive",
+    );
+    let missing_dir = d.join("no-such-dir/frame.fits");
+    assert_fails(
+        &[
+            "-i",
+            i,
+            "-p",
+            p,
+            "-o",
+            s(&missing_dir),
+            "-w",
+            "6000,6400,0.8",
+            "-n",
+            "25",
+        ],
+        d,
+        "output directory does not exist",
+    );
+}
+
+#[test]
+fn psf_without_a_parameter_is_rejected_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let broken = dir.path().join("psf.fits");
+    std::fs::copy(data("psf-r0-00067784.fits"), &broken).unwrap();
+    {
+        let mut f = fitsio::FitsFile::edit(&broken).unwrap();
+        let hdu = f.hdu("PSF").unwrap();
+        hdu.delete_column(&mut f, "COEFF").unwrap();
+    }
+    let out = dir.path().join("frame.fits");
+    let i = data("preproc-bundle0.fits");
+    assert_fails(
+        &bundle0_args(s(&i), s(&broken), s(&out)),
+        dir.path(),
+        "column COEFF",
+    );
+}
+
+#[test]
+fn compare_exits_3_outside_limits() {
+    let (a, t) = (
+        data("reference-frame-bundle0.fits"),
+        data("truth-bundle0.fits"),
+    );
+    let o = spex(&["compare", s(&a), s(&a)]);
+    assert!(o.status.success());
+    let o = spex(&["compare", s(&a), "--truth", s(&t)]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("median |pull|"));
+    // an impossible bound fails with status 3
+    let o = spex(&["compare", s(&a), "--truth", s(&t), "--max-std", "0.5"]);
+    assert_eq!(o.status.code(), Some(3));
+    // a frame whose flux moved by a tenth of a sigma in one bin fails parity
+    let dir = tempfile::tempdir().unwrap();
+    let moved = dir.path().join("moved.fits");
+    let mut frame = spex::frame::Frame::read(&a).unwrap();
+    frame.flux[1000] += 0.1 / frame.ivar[1000].sqrt();
+    frame.write(&moved, &Default::default()).unwrap();
+    let o = spex(&["compare", s(&a), s(&moved)]);
+    assert_eq!(
+        o.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(String::from_utf8_lossy(&o.stderr).contains("max |df|/sigma"));
+    // frames of different grids are an error, not a comparison
+    let b = data("reference-frame-bundle1.fits");
+    let o = spex(&["compare", s(&a), s(&b)]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("different wavelength grids"));
+}
