@@ -7,7 +7,12 @@
 //!
 //! All patches of a call are solved in chunks as large as the device memory budget allows
 //! (`SPEX_GPU_MEMORY_GB`, default 8 GB per process), so that one batched factorisation covers
-//! thousands of patches.
+//! thousands of patches; the host tables of the next chunk are built while the device works.
+//! Device and pinned buffers are kept between calls (a process extracts frame after frame).
+//!
+//! Tuning variables, for measurements rather than production: `SPEX_GPU_CHUNK` (most patches
+//! per chunk), `SPEX_GPU_JACOBI_THREADS` (threads per Jacobi block, default 512) and
+//! `SPEX_GPU_JACOBI_TOL` (rotation threshold, default 1e-14).
 
 mod device;
 mod error;
