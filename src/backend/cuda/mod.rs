@@ -253,12 +253,19 @@ impl Backend for CudaBackend {
         timings.patches = patches.len();
         timings.peak_bytes = self.dev.stats.peak();
         timings.total_ms = t0.elapsed().as_secs_f64() * 1e3;
-        tracing::debug!(
-            "{} patches on {} in {:.1} ms: {:?}",
+        tracing::info!(
+            "cuda: {} patches in {:.1} ms ({} chunks; {}); peak device memory {:.2} GB (process {:.2} GB)",
             patches.len(),
-            self.describe(),
             timings.total_ms,
+            timings.chunks,
             timings
+                .phases
+                .iter()
+                .map(|(n, ms)| format!("{n} {ms:.1}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            timings.peak_bytes as f64 / 1e9,
+            timings.device_used_bytes as f64 / 1e9
         );
         self.timings = timings;
         results
