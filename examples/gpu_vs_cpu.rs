@@ -22,7 +22,7 @@ use rayon::prelude::*;
 use spex::backend::cpu::CpuBackend;
 use spex::backend::cuda::CudaBackend;
 use spex::backend::{Backend, FrameInput, Progress};
-use spex::extract::{PatchResult, SolveOptions};
+use spex::extract::SolveOptions;
 use spex::image::{Image, MaskRule};
 use spex::plan::{Plan, PlanOptions};
 use spex::psf::GaussHermitePsf;
@@ -143,50 +143,6 @@ fn synthetic(psf: &GaussHermitePsf, plan: &Plan, seed: u64) -> Image {
     }
 }
 
-#[derive(Default, Debug)]
-struct Agreement {
-    max_pull: f64,
-    max_ivar_rel: f64,
-    max_res_abs: f64,
-    max_chi2_rel: f64,
-    max_pixmask_abs: f64,
-    status_mismatch: usize,
-    bins: usize,
-}
-
-fn compare(gpu: &[PatchResult], cpu: &[PatchResult]) -> Agreement {
-    let mut a = Agreement::default();
-    for (g, c) in gpu.iter().zip(cpu) {
-        if g.status != c.status {
-            a.status_mismatch += 1;
-        }
-        for i in 0..c.flux.len() {
-            a.bins += 1;
-            a.max_pull = a
-                .max_pull
-                .max((g.flux[i] - c.flux[i]).abs() * c.ivar[i].sqrt());
-            if c.ivar[i] > 0.0 {
-                a.max_ivar_rel = a.max_ivar_rel.max((g.ivar[i] / c.ivar[i] - 1.0).abs());
-            }
-            let d = (g.chi2pix[i] - c.chi2pix[i]).abs() / c.chi2pix[i].abs().max(1e-300);
-            a.max_chi2_rel = a
-                .max_chi2_rel
-                .max(if c.chi2pix[i] == 0.0 && g.chi2pix[i] == 0.0 {
-                    0.0
-                } else {
-                    d
-                });
-            a.max_pixmask_abs = a
-                .max_pixmask_abs
-                .max((g.pixmask_fraction[i] - c.pixmask_fraction[i]).abs());
-        }
-        for (x, y) in g.resolution.iter().zip(&c.resolution) {
-            a.max_res_abs = a.max_res_abs.max((x - y).abs());
-        }
-    }
-    a
-}
-
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
@@ -280,11 +236,15 @@ fn main() -> anyhow::Result<()> {
             ncpu,
             t.elapsed().as_secs_f64()
         );
-        let a = compare(&gpu_results[..ncpu], &cpu_results);
-        println!(
-            "agreement over {} bins: max |df|*sqrt(ivar) {:.3e}, max ivar rel {:.3e}, max resolution abs {:.3e}, max chi2pix rel {:.3e}, max pixmask abs {:.3e}, status mismatches {}",
-            a.bins, a.max_pull, a.max_ivar_rel, a.max_res_abs, a.max_chi2_rel, a.max_pixmask_abs, a.status_mismatch
-        );
+        let a = spex::compare::agreement(&gpu_results[..ncpu], &cpu_results)?;
+        println!("agreement over {a}");
+        let failures = a.failures(1e-6);
+        for f in &failures {
+            println!("FAILED: {f}");
+        }
+        if !failures.is_empty() {
+            bail!("the GPU and CPU backends disagree");
+        }
         let mut statuses = std::collections::BTreeMap::new();
         for r in &gpu_results {
             *statuses.entry(format!("{:?}", r.status)).or_insert(0usize) += 1;
