@@ -21,8 +21,67 @@ pub struct Cli {
 pub enum Command {
     /// Extract spectra from a preproc image (the default when the first argument is an option).
     Extract(ExtractArgs),
+    /// Simulate a preproc image and its truth from a PSF.
+    Simulate(SimulateArgs),
     /// Compare two frames (parity) or a frame with the simulation truth (pulls).
     Compare(CompareArgs),
+}
+
+/// Options of `spex simulate`.
+#[derive(Debug, Args, Clone)]
+pub struct SimulateArgs {
+    /// PSF to project the spectra with.
+    #[arg(short, long)]
+    pub psf: PathBuf,
+    /// Output preproc image (IMAGE, IVAR, MASK, FIBERMAP).
+    #[arg(short, long)]
+    pub output: PathBuf,
+    /// Output truth (WAVELENGTH, FLUX in photons per bin).
+    #[arg(long)]
+    pub truth: PathBuf,
+    /// Wavelength grid `wmin,wmax,dw` of the truth (align it with the extraction grid).
+    #[arg(short, long, value_parser = parse_wavelength, allow_hyphen_values = true)]
+    pub wavelength: (f64, f64, f64),
+    /// First fiber to simulate.
+    #[arg(short, long, default_value_t = 0)]
+    pub specmin: usize,
+    /// Number of fibers to simulate (default: all fibers of the PSF from specmin).
+    #[arg(short, long)]
+    pub nspec: Option<usize>,
+    /// Random seed: the same seed gives the same files.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Read noise in electrons.
+    #[arg(long, default_value_t = 3.0)]
+    pub read_noise: f64,
+    /// Write the noiseless image (IVAR unchanged).
+    #[arg(long)]
+    pub no_noise: bool,
+    /// Cosmic-ray tracks per million pixels of the simulated area (0: none).
+    #[arg(long, default_value_t = 50.0)]
+    pub cosmic_density: f64,
+    /// A bad CCD column (masked, with extra charge).
+    #[arg(long)]
+    pub bad_column: Option<usize>,
+    /// Log level: debug, info, warning, error.
+    #[arg(long, default_value = "info")]
+    pub loglevel: String,
+}
+
+impl SimulateArgs {
+    /// The simulator options for a PSF with `nfiber` fibers.
+    pub fn options(&self, nfiber: usize) -> crate::simulate::SimulateOptions {
+        let (wmin, wmax, dw) = self.wavelength;
+        let end = self.nspec.map_or(nfiber, |n| self.specmin + n);
+        let mut o = crate::simulate::SimulateOptions::new(self.specmin..end, wmin, wmax);
+        o.dw = dw;
+        o.seed = self.seed;
+        o.read_noise = self.read_noise;
+        o.noise = !self.no_noise;
+        o.cosmic_density = self.cosmic_density;
+        o.bad_column = self.bad_column;
+        o
+    }
 }
 
 /// Options of `spex extract`.
@@ -372,6 +431,38 @@ mod tests {
     fn inputs_are_required_without_a_list() {
         assert!(parse(&["spex", "-i", "a", "-p", "b"]).is_err());
         assert!(parse(&["spex", "extract", "--list", "frames.txt"]).is_ok());
+    }
+
+    #[test]
+    fn simulate_options_follow_the_flags() {
+        let cli = parse(&[
+            "spex",
+            "simulate",
+            "-p",
+            "psf.fits",
+            "-o",
+            "img.fits",
+            "--truth",
+            "t.fits",
+            "-w",
+            "5760,7620,0.8",
+            "-s",
+            "25",
+            "-n",
+            "50",
+            "--seed",
+            "7",
+            "--bad-column",
+            "2000",
+        ])
+        .unwrap();
+        let Command::Simulate(a) = cli.command else {
+            panic!("not simulate")
+        };
+        let o = a.options(500);
+        assert_eq!(o.fibers, 25..75);
+        assert_eq!((o.seed, o.bad_column, o.noise), (7, Some(2000), true));
+        assert!(parse(&["spex", "simulate", "-p", "psf.fits", "-o", "img.fits"]).is_err());
     }
 
     #[test]

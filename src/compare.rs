@@ -382,3 +382,99 @@ impl fmt::Display for Pulls {
         write!(f, "|pull| > 5: {} (max {:.2})", self.over5, self.max_abs)
     }
 }
+
+/// Agreement of two backends on the same patches, in f64 before any rounding to the file's
+/// f32: `|f_a - f_b| sqrt(ivar_b)` per bin, relative ivar and chi2pix, absolute resolution
+/// and pixmask differences, and patches whose status differs.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Agreement {
+    pub bins: usize,
+    pub max_dflux_sigma: f64,
+    pub max_ivar_rel: f64,
+    pub max_resolution_abs: f64,
+    pub max_chi2pix_rel: f64,
+    pub max_pixmask_abs: f64,
+    pub status_mismatches: usize,
+}
+
+/// Compares two backends' results for the same patches (matched by patch index).
+pub fn agreement(
+    a: &[crate::extract::PatchResult],
+    b: &[crate::extract::PatchResult],
+) -> Result<Agreement> {
+    let mut by_index = std::collections::HashMap::new();
+    for r in b {
+        by_index.insert(r.patch, r);
+    }
+    let mut out = Agreement::default();
+    for ra in a {
+        let rb = by_index.get(&ra.patch).ok_or_else(|| {
+            Error::config(format!("patch {} solved by one backend only", ra.patch))
+        })?;
+        if ra.status != rb.status {
+            out.status_mismatches += 1;
+        }
+        if ra.flux.len() != rb.flux.len() || ra.resolution.len() != rb.resolution.len() {
+            return Err(Error::config(format!(
+                "patch {} results differ in shape",
+                ra.patch
+            )));
+        }
+        for i in 0..ra.flux.len() {
+            out.bins += 1;
+            out.max_dflux_sigma = out
+                .max_dflux_sigma
+                .max((ra.flux[i] - rb.flux[i]).abs() * rb.ivar[i].sqrt());
+            out.max_ivar_rel = out.max_ivar_rel.max(rel(ra.ivar[i], rb.ivar[i]));
+            out.max_chi2pix_rel = out.max_chi2pix_rel.max(rel(ra.chi2pix[i], rb.chi2pix[i]));
+            out.max_pixmask_abs = out
+                .max_pixmask_abs
+                .max((ra.pixmask_fraction[i] - rb.pixmask_fraction[i]).abs());
+        }
+        for (x, y) in ra.resolution.iter().zip(&rb.resolution) {
+            out.max_resolution_abs = out.max_resolution_abs.max((x - y).abs());
+        }
+    }
+    Ok(out)
+}
+
+impl Agreement {
+    /// The limits violated for a tolerance `tol` (1e-6 for GPU vs CPU), as readable lines.
+    pub fn failures(&self, tol: f64) -> Vec<String> {
+        let mut out = Vec::new();
+        for (name, v) in [
+            ("|df|/sigma", self.max_dflux_sigma),
+            ("ivar (relative)", self.max_ivar_rel),
+            ("resolution", self.max_resolution_abs),
+            ("chi2pix (relative)", self.max_chi2pix_rel),
+            ("pixmask fraction", self.max_pixmask_abs),
+        ] {
+            if !(v < tol) {
+                out.push(format!("max {name} difference {v:.3e} >= {tol:.0e}"));
+            }
+        }
+        if self.status_mismatches > 0 {
+            out.push(format!(
+                "{} patches differ in status",
+                self.status_mismatches
+            ));
+        }
+        out
+    }
+}
+
+impl fmt::Display for Agreement {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} bins: max |df|/sigma {:.3e}, ivar {:.3e} (rel), resolution {:.3e} (abs), chi2pix {:.3e} (rel), pixmask {:.3e} (abs), status mismatches {}",
+            self.bins,
+            self.max_dflux_sigma,
+            self.max_ivar_rel,
+            self.max_resolution_abs,
+            self.max_chi2pix_rel,
+            self.max_pixmask_abs,
+            self.status_mismatches
+        )
+    }
+}

@@ -599,3 +599,93 @@ fn is_compression_key(key: &str) -> bool {
             .iter()
             .any(|p| key.starts_with(p) && key[p.len()..].chars().all(|c| c.is_ascii_digit()))
 }
+
+impl Element for i64 {
+    const DATATYPE: c_int = 81;
+    const BITPIX: c_int = 64;
+}
+
+const BINARY_TBL: c_int = 2;
+
+impl Fits {
+    /// Appends a binary table HDU of `nrows` rows with the given columns (`(TTYPE, TFORM)`,
+    /// e.g. `("FIBER", "J")`, `("OBJTYPE", "3A")`); fill it with [`Fits::write_column`] and
+    /// [`Fits::write_column_str`].
+    pub fn create_table(
+        &mut self,
+        extname: &str,
+        columns: &[(&str, &str)],
+        nrows: usize,
+    ) -> Result<()> {
+        self.hdu = extname.to_string();
+        let names: Vec<CString> = columns.iter().map(|(n, _)| cstring(n)).collect();
+        let forms: Vec<CString> = columns.iter().map(|(_, f)| cstring(f)).collect();
+        // cfitsio takes `char **` but does not modify the strings.
+        let mut name_ptrs: Vec<*mut c_char> =
+            names.iter().map(|s| s.as_ptr() as *mut c_char).collect();
+        let mut form_ptrs: Vec<*mut c_char> =
+            forms.iter().map(|s| s.as_ptr() as *mut c_char).collect();
+        let cext = cstring(extname);
+        let mut status = 0;
+        unsafe {
+            sys::ffcrtb(
+                self.ptr,
+                BINARY_TBL,
+                nrows as i64,
+                columns.len() as c_int,
+                name_ptrs.as_mut_ptr(),
+                form_ptrs.as_mut_ptr(),
+                std::ptr::null_mut(),
+                cext.as_ptr(),
+                &mut status,
+            )
+        };
+        self.check(status, "cannot create table")
+    }
+
+    /// Writes `data` into the numeric column `name` of the current table, from the first row
+    /// on (`repeat` values per row for vector columns).
+    pub fn write_column<T: Element>(&mut self, name: &str, data: &[T]) -> Result<()> {
+        let (colnum, _, _) = self.column_number(name)?;
+        let mut status = 0;
+        if !data.is_empty() {
+            unsafe {
+                sys::ffpcl(
+                    self.ptr,
+                    T::DATATYPE,
+                    colnum,
+                    1,
+                    1,
+                    data.len() as i64,
+                    data.as_ptr() as *mut c_void,
+                    &mut status,
+                )
+            };
+        }
+        self.check(status, &format!("cannot write column {name}"))
+    }
+
+    /// Writes one string per row into the character column `name` of the current table
+    /// (cfitsio pads or truncates to the column width).
+    pub fn write_column_str(&mut self, name: &str, data: &[&str]) -> Result<()> {
+        let (colnum, _, _) = self.column_number(name)?;
+        let strings: Vec<CString> = data.iter().map(|s| cstring(s)).collect();
+        let mut pointers: Vec<*mut c_char> =
+            strings.iter().map(|s| s.as_ptr() as *mut c_char).collect();
+        let mut status = 0;
+        if !data.is_empty() {
+            unsafe {
+                sys::ffpcls(
+                    self.ptr,
+                    colnum,
+                    1,
+                    1,
+                    data.len() as i64,
+                    pointers.as_mut_ptr(),
+                    &mut status,
+                )
+            };
+        }
+        self.check(status, &format!("cannot write column {name}"))
+    }
+}

@@ -18,6 +18,7 @@ pub mod parallel;
 pub mod pipeline;
 pub mod plan;
 pub mod psf;
+pub mod simulate;
 
 pub use error::{Error, Result};
 

@@ -7,11 +7,13 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::Parser;
 use spex::backend::Progress;
-use spex::cli::{with_default_subcommand, Cli, Command, CompareArgs, ExtractArgs};
+use spex::cli::{with_default_subcommand, Cli, Command, CompareArgs, ExtractArgs, SimulateArgs};
 use spex::compare::{self, ParityLimits, PullLimits, Truth};
 use spex::frame::Frame;
 use spex::parallel::exposure::{self, EXIT_COMPARISON_FAILED};
 use spex::parallel::{Layout, Roles, Universe};
+use spex::psf::GaussHermitePsf;
+use spex::simulate;
 use tracing_subscriber::fmt::format::{self, FormatEvent, FormatFields};
 use tracing_subscriber::fmt::FmtContext;
 use tracing_subscriber::registry::LookupSpan;
@@ -31,15 +33,24 @@ fn main() -> ExitCode {
     };
     match cli.command {
         Command::Extract(args) => extract(&args),
+        Command::Simulate(args) => {
+            init_logging(&args.loglevel, None, true);
+            report(run_simulate(&args))
+        }
         Command::Compare(args) => {
             init_logging("info", None, true);
-            match run_compare(&args) {
-                Ok(code) => code,
-                Err(e) => {
-                    eprintln!("spex: error: {e:#}");
-                    ExitCode::FAILURE
-                }
-            }
+            report(run_compare(&args))
+        }
+    }
+}
+
+/// The exit status of a command that runs in one process, printing its error.
+fn report(outcome: anyhow::Result<ExitCode>) -> ExitCode {
+    match outcome {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("spex: error: {e:#}");
+            ExitCode::FAILURE
         }
     }
 }
@@ -131,6 +142,24 @@ fn progress() -> Progress {
             bar.finish_and_clear();
         }
     })
+}
+
+fn run_simulate(args: &SimulateArgs) -> anyhow::Result<ExitCode> {
+    let psf = GaussHermitePsf::read(&args.psf)?;
+    let options = args.options(psf.nfiber);
+    let t0 = std::time::Instant::now();
+    let sim = simulate::simulate(&psf, &options)?;
+    sim.write(&args.output, &args.truth)?;
+    tracing::info!(
+        "simulated fibers {:?}, {} bins, {} cosmic tracks: {} and {} in {:.2} s",
+        sim.fibers,
+        sim.wave.len(),
+        sim.ncosmic,
+        args.output.display(),
+        args.truth.display(),
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(ExitCode::SUCCESS)
 }
 
 fn run_compare(args: &CompareArgs) -> anyhow::Result<ExitCode> {

@@ -274,3 +274,45 @@ fn results_are_reproducible_across_threads_and_patch_sizes() {
         .fold(0.0, f64::max);
     assert!(worst < 0.1, "patch size changes flux by {worst} sigma");
 }
+
+/// A frame made by the simulator and extracted end to end meets the reference pull bounds.
+#[test]
+fn simulated_frame_extracts_without_bias() {
+    use spex::simulate::{simulate, SimulateOptions};
+    let psf = psf_a();
+    let dir = tempfile::tempdir().unwrap();
+    let (img, truth_path) = (
+        dir.path().join("preproc.fits"),
+        dir.path().join("truth.fits"),
+    );
+    let mut o = SimulateOptions::new(20..55, 5900.0, 6700.0);
+    o.seed = 11;
+    simulate(&psf, &o)
+        .unwrap()
+        .write(&img, &truth_path)
+        .unwrap();
+
+    let mut request = ExtractRequest::new(
+        &img,
+        data("psf-r0-00067784.fits"),
+        dir.path().join("frame.fits"),
+    );
+    request.wavelength = Some((6000.0, 6600.0, 0.8));
+    request.specmin = 25;
+    request.nspec = Some(25);
+    let report = pipeline::extract_frame(
+        &request,
+        &mut CpuBackend::new(2).unwrap(),
+        &Progress::silent(),
+    )
+    .unwrap();
+    let truth = Truth::read(&truth_path, None).unwrap();
+    assert_eq!(truth.fibermin, 20, "FIBERMIN of the truth file");
+    let pulls = compare::pulls(&report.frame, &truth).unwrap();
+    let failures = pulls.failures(&PullLimits::default());
+    assert!(
+        failures.is_empty(),
+        "simulated frame pulls:\n{pulls}\n{failures:?}"
+    );
+    assert_eq!(report.counts.ok, report.counts.total());
+}

@@ -543,6 +543,19 @@ pub fn solve_patch(
     };
     let xflux = &solution.xflux;
     result.status = solution.status;
+    match solution.status {
+        PatchStatus::Regularized => tracing::warn!(
+            "patch fibers {:?} bins {:?}: Cholesky failed, solved with regularize = {RETRY_REGULARIZE}",
+            patch.fibers,
+            patch.waves
+        ),
+        PatchStatus::EigenFallback => tracing::warn!(
+            "patch fibers {:?} bins {:?}: Cholesky failed twice, solved by clipped eigendecomposition",
+            patch.fibers,
+            patch.waves
+        ),
+        _ => {}
+    }
 
     // Step 4: decorrelate each core fiber.
     let nd = 2 * ndiag + 1;
@@ -628,4 +641,111 @@ pub fn solve_patch(
     }
     let _ = sys.image;
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn geometry(n: usize) -> PatchGeometry {
+        PatchGeometry {
+            rows: 0..1,
+            cols: 0..1,
+            block_fibers: vec![0],
+            npad: 0,
+            wave0: 0,
+            nwavetot: n,
+        }
+    }
+
+    /// An SPD system takes the Cholesky route and its covariance block is the inverse.
+    #[test]
+    fn spd_system_uses_cholesky_and_inverts_exactly() {
+        let a = Mat::<f64>::from_fn(3, 3, |i, j| if i == j { 4.0 } else { 1.0 });
+        let s = solve_normal_equations(&a, &[1.0, 2.0, 3.0], &[1.0; 3], &geometry(3), 0.0).unwrap();
+        assert_eq!(s.status, PatchStatus::Ok);
+        let mut prod = Mat::<f64>::zeros(3, 3);
+        matmul(
+            prod.as_mut(),
+            Accum::Replace,
+            a.as_ref(),
+            s.blocks[0].as_ref(),
+            1.0,
+            Par::Seq,
+        );
+        for i in 0..3 {
+            for j in 0..3 {
+                let expect = if i == j { 1.0 } else { 0.0 };
+                assert!(
+                    (prod[(i, j)] - expect).abs() < 1e-10,
+                    "A C != I at ({i}, {j})"
+                );
+            }
+            let ax: f64 = (0..3).map(|k| a[(i, k)] * s.xflux[k]).sum();
+            assert!((ax - [1.0, 2.0, 3.0][i]).abs() < 1e-12);
+        }
+    }
+
+    /// An indefinite icov defeats Cholesky twice and falls back to the clipped
+    /// eigendecomposition, which still returns finite values.
+    #[test]
+    fn indefinite_system_falls_back_to_clipped_eigendecomposition() {
+        let a = Mat::<f64>::from_fn(2, 2, |i, j| if i == j { 1.0 } else { 2.0 });
+        let s = solve_normal_equations(&a, &[1.0, -1.0], &[1.0; 2], &geometry(2), 0.0).unwrap();
+        assert_eq!(s.status, PatchStatus::EigenFallback);
+        assert!(s.xflux.iter().all(|v| v.is_finite()));
+        assert!(s.blocks[0]
+            .col_iter()
+            .all(|c| c.iter().all(|v| v.is_finite())));
+    }
+
+    /// No constraint at all (zero fluxweight) is reported, not solved.
+    #[test]
+    fn unconstrained_system_is_reported_as_masked() {
+        let a = Mat::<f64>::zeros(2, 2);
+        assert!(solve_normal_equations(&a, &[0.0; 2], &[0.0; 2], &geometry(2), 0.0).is_none());
+    }
+
+    /// The inverse square root from the eigendecomposition satisfies Q C Q = I.
+    #[test]
+    fn inverse_square_root_residual_is_small() {
+        let n = 74;
+        // a covariance-like SPD block: smooth kernel plus a diagonal
+        let c = Mat::<f64>::from_fn(n, n, |i, j| {
+            let d = i as f64 - j as f64;
+            (-(d * d) / 8.0).exp() + if i == j { 0.05 } else { 0.0 }
+        });
+        let (mut s, u) = eigh(c.as_ref());
+        clip_eigenvalues(&mut s);
+        let q = spectral(&s, &u, |v| 1.0 / v.sqrt());
+        let mut qc = Mat::<f64>::zeros(n, n);
+        matmul(
+            qc.as_mut(),
+            Accum::Replace,
+            q.as_ref(),
+            c.as_ref(),
+            1.0,
+            Par::Seq,
+        );
+        let mut qcq = Mat::<f64>::zeros(n, n);
+        matmul(
+            qcq.as_mut(),
+            Accum::Replace,
+            qc.as_ref(),
+            q.as_ref(),
+            1.0,
+            Par::Seq,
+        );
+        let cond = s[n - 1] / s[0];
+        for i in 0..n {
+            for j in 0..n {
+                let expect = if i == j { 1.0 } else { 0.0 };
+                let err = (qcq[(i, j)] - expect).abs();
+                assert!(
+                    err < 100.0 * n as f64 * f64::EPSILON * cond.sqrt(),
+                    "residual {err:e} at ({i}, {j})"
+                );
+            }
+        }
+    }
 }

@@ -1,37 +1,285 @@
-//! Stand-in for the CUDA backend when spex is built without the `cuda` feature.
+//! The CUDA backend: solves batches of patches on one NVIDIA GPU.
+//!
+//! Nothing CUDA is needed to build it: the driver, NVRTC, cuBLAS and cuSOLVER are loaded at
+//! run time (cudarc's dynamic loading), and the kernels in `kernels/` are compiled by NVRTC
+//! for the device's architecture when the backend is created. The solve follows the CPU
+//! reference step by step (see [`solve`]); results agree with it to rounding.
+//!
+//! All patches of a call are solved in chunks as large as the device memory budget allows
+//! (`SPEX_GPU_MEMORY_GB`, default 8 GB per process), so that one batched factorisation covers
+//! thousands of patches; the host tables of the next chunk are built while the device works.
+//! Device and pinned buffers are kept between calls (a process extracts frame after frame).
+//!
+//! Tuning variables, for measurements rather than production: `SPEX_GPU_CHUNK` (most patches
+//! per chunk), `SPEX_GPU_JACOBI_THREADS` (threads per Jacobi block, default 512) and
+//! `SPEX_GPU_JACOBI_TOL` (rotation threshold, default 1e-14).
+
+mod device;
+mod error;
+mod kernels;
+mod solve;
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+pub use kernels::{arch_name, compile, SOURCES};
+pub use solve::GpuTimings;
 
 use crate::backend::{Backend, FrameInput, Progress};
 use crate::error::{Error, Result};
 use crate::extract::PatchResult;
 use crate::plan::Patch;
+use device::Device;
+use kernels::Kernels;
+use solve::Shape;
 
-/// Number of CUDA devices this process sees: none without the `cuda` feature.
-pub fn device_count() -> Result<usize> {
-    Ok(0)
+/// Default budget of device memory per process, in bytes.
+const DEFAULT_BUDGET: f64 = 8e9;
+
+/// Solves patches on one CUDA device.
+pub struct CudaBackend {
+    dev: Device,
+    kernels: Kernels,
+    budget: usize,
+    max_chunk: Option<usize>,
+    timings: GpuTimings,
+    workspace: solve::Workspace,
+    /// Pinned image buffers kept between calls (two take turns).
+    pinned: Vec<device::PinnedBuf<f32>>,
 }
 
-/// Never constructed: [`CudaBackend::new`] always fails.
-pub struct CudaBackend(());
-
 impl CudaBackend {
-    pub fn new(_device: usize) -> Result<Self> {
-        Err(Error::Gpu(
-            "this spex was built without the `cuda` feature".into(),
-        ))
+    /// Opens CUDA device `device` (an index among the visible devices) and compiles the
+    /// kernels for it.
+    pub fn new(device: usize) -> Result<Self> {
+        let dev = Device::open(device)?;
+        dev.bind()?;
+        let kernels = Kernels::load(&dev)?;
+        let budget = match std::env::var("SPEX_GPU_MEMORY_GB") {
+            Ok(v) => {
+                let gb: f64 = v
+                    .trim()
+                    .parse()
+                    .map_err(|_| Error::Gpu(format!("SPEX_GPU_MEMORY_GB={v:?} is not a number")))?;
+                (gb * 1e9) as usize
+            }
+            Err(_) => DEFAULT_BUDGET as usize,
+        };
+        let max_chunk = std::env::var("SPEX_GPU_CHUNK")
+            .ok()
+            .and_then(|v| v.trim().parse().ok());
+        tracing::info!(
+            "CUDA device {device}: {} (compute capability {}.{}), kernels compiled for {}",
+            dev.name,
+            dev.arch.0,
+            dev.arch.1,
+            arch_name(dev.arch)
+        );
+        Ok(CudaBackend {
+            dev,
+            kernels,
+            budget,
+            max_chunk,
+            timings: GpuTimings::default(),
+            workspace: solve::Workspace::new(),
+            pinned: Vec::new(),
+        })
+    }
+
+    /// Phase timings, chunking and memory of the last `extract` call.
+    pub fn timings(&self) -> &GpuTimings {
+        &self.timings
+    }
+
+    /// Frees the device and pinned buffers kept between calls (they are reallocated by the
+    /// next call).
+    pub fn release_memory(&mut self) {
+        self.workspace.release();
+        self.pinned.clear();
+    }
+
+    /// Limits the number of patches solved together (for tests of the chunking; the default
+    /// follows the memory budget).
+    pub fn set_max_chunk(&mut self, patches: Option<usize>) {
+        self.max_chunk = patches;
+    }
+
+    /// Patches per chunk: the per-patch buffers must fit in the budget left after the spots
+    /// and the image region of a chunk (bounded by a quarter of the budget).
+    fn chunk_size(&self, sh: &Shape) -> usize {
+        let per = sh.bytes_per_patch() + 8 * 8192;
+        let fit = (self.budget * 3 / 4) / per;
+        self.max_chunk.unwrap_or(fit).min(fit).max(1)
+    }
+
+    /// The symmetric inverse square roots of `count` symmetric positive definite matrices of
+    /// order `n` (row-major, back to back), by the Jacobi kernel of the decorrelation step.
+    /// Exposed for residual checks.
+    pub fn inverse_sqrt_batched(&mut self, blocks: &[f64], n: usize) -> Result<Vec<f64>> {
+        let count = blocks.len() / (n * n);
+        if count * n * n != blocks.len() || n == 0 {
+            return Err(Error::Gpu(format!(
+                "{} values are not whole {n} x {n} matrices",
+                blocks.len()
+            )));
+        }
+        self.dev.bind()?;
+        let sh = Shape {
+            nx: 1,
+            ny: 1,
+            nt: n,
+            nws: n,
+            wavepad: 0,
+            ncore: 1,
+            nblock: 1,
+            nfull: 0,
+            bundlesize: 1,
+            ndiag: 0,
+        };
+        let d = &self.dev;
+        let cb = d.upload(blocks, "test matrices")?;
+        let x = d.zeros::<f64>(count * n, "zero rhs")?;
+        let nkeep = d.upload(&vec![0i32; count], "kept bins")?;
+        let flux = d.alloc::<f64>(count * n, "flux")?;
+        let ivar = d.alloc::<f64>(count * n, "ivar")?;
+        let res = d.alloc::<f64>(count * n, "resolution")?;
+        let fluxcol = d.zeros::<f64>(count * n, "flux by column")?;
+        let sweeps = d.zeros::<i32>(count, "sweeps")?;
+        let q = d.alloc::<f64>(count * n * n, "inverse square roots")?;
+        solve::decorrelate(
+            d,
+            &self.kernels,
+            &sh,
+            count,
+            &cb,
+            &x,
+            &nkeep,
+            &flux,
+            &ivar,
+            &res,
+            &fluxcol,
+            &sweeps,
+            q.ptr,
+        )?;
+        let mut out = vec![0.0; count * n * n];
+        d.copy_from(&mut out, &q, 0, "inverse square roots")?;
+        d.sync("inverse square roots")?;
+        Ok(out)
     }
 }
 
 impl Backend for CudaBackend {
     fn describe(&self) -> String {
-        unreachable!("CudaBackend cannot be constructed without the cuda feature")
+        format!(
+            "cuda:{} {} (sm_{}{})",
+            self.dev.ordinal, self.dev.name, self.dev.arch.0, self.dev.arch.1
+        )
     }
 
     fn extract(
         &mut self,
-        _: FrameInput<'_>,
-        _: &[Patch],
-        _: &Progress,
+        input: FrameInput<'_>,
+        patches: &[Patch],
+        progress: &Progress,
     ) -> Result<Vec<PatchResult>> {
-        unreachable!("CudaBackend cannot be constructed without the cuda feature")
+        let t0 = Instant::now();
+        self.dev.bind()?;
+        self.dev.stats.reset_peak();
+        let mut timings = GpuTimings::default();
+        if patches.is_empty() {
+            self.timings = timings;
+            return Ok(Vec::new());
+        }
+        let sh = Shape::new(&input, patches);
+        // Patches of a bundle together, so that a chunk evaluates the spots of few bundles.
+        let mut order: BTreeMap<(usize, usize), usize> = BTreeMap::new();
+        for (i, p) in patches.iter().enumerate() {
+            order.insert((p.bundle_start, p.index), i);
+        }
+        let order: Vec<usize> = order.into_values().collect();
+        // equal chunks, each within the memory budget
+        let size = self.chunk_size(&sh);
+        let size = patches.len().div_ceil(patches.len().div_ceil(size));
+        let chunks: Vec<Vec<&Patch>> = order
+            .chunks(size)
+            .map(|ids| ids.iter().map(|&i| &patches[i]).collect())
+            .collect();
+        let ids: Vec<&[usize]> = order.chunks(size).collect();
+        // Host tables of chunk i + 1 are prepared on a helper thread while the device solves
+        // chunk i; two pinned image buffers take turns.
+        let mut results: Vec<Option<PatchResult>> = vec![None; patches.len()];
+        let ctx = self.dev.ctx.clone();
+        let mut pool = std::mem::take(&mut self.pinned);
+        let mut next = Some(solve::prepare(&input, &chunks[0], &sh, &ctx, pool.pop())?);
+        for (ci, chunk) in chunks.iter().enumerate() {
+            let host = next.take().expect("prepared above");
+            let _r = nvtx::LocalRange::new(nvtx::Str::from_str_lossy(&format!(
+                "chunk of {} patches",
+                chunk.len()
+            )));
+            let (solved, buf) = std::thread::scope(|s| {
+                let helper = chunks.get(ci + 1).map(|c| {
+                    let (input, sh, ctx) = (&input, &sh, &ctx);
+                    let buf = pool.pop();
+                    s.spawn(move || solve::prepare(input, c, sh, ctx, buf))
+                });
+                let solved = solve::solve_chunk(
+                    &self.dev,
+                    &self.kernels,
+                    &mut self.workspace,
+                    &input,
+                    chunk,
+                    host,
+                    &sh,
+                    &mut timings,
+                );
+                if let Some(h) = helper {
+                    next =
+                        Some(h.join().map_err(|_| {
+                            Error::Gpu("host preparation thread panicked".into())
+                        })??);
+                }
+                solved
+            })?;
+            pool.extend(buf);
+            for (&i, r) in ids[ci].iter().zip(solved) {
+                results[i] = Some(r);
+            }
+            timings.chunks += 1;
+            progress.add(chunk.len());
+        }
+        self.pinned = pool;
+        self.dev.bind()?;
+        timings.patches = patches.len();
+        timings.peak_bytes = self.dev.stats.peak();
+        timings.total_ms = t0.elapsed().as_secs_f64() * 1e3;
+        tracing::info!(
+            "cuda: {} patches in {:.1} ms ({} chunks; {}); peak device memory {:.2} GB (process {:.2} GB)",
+            patches.len(),
+            timings.total_ms,
+            timings.chunks,
+            timings
+                .phases
+                .iter()
+                .map(|(n, ms)| format!("{n} {ms:.1}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            timings.peak_bytes as f64 / 1e9,
+            timings.device_used_bytes as f64 / 1e9
+        );
+        self.timings = timings;
+        results
+            .into_iter()
+            .map(|r| r.ok_or_else(|| Error::Gpu("internal: a patch has no result".into())))
+            .collect()
     }
+}
+
+/// Number of CUDA devices this process sees (after `CUDA_VISIBLE_DEVICES`): the MPI layer maps
+/// ranks to them. An error when the CUDA libraries cannot be loaded.
+pub fn device_count() -> Result<usize> {
+    device::check_libraries()?;
+    let n = cudarc::driver::CudaContext::device_count()
+        .map_err(error::driver("cannot count CUDA devices"))?;
+    Ok(n.max(0) as usize)
 }

@@ -1,0 +1,140 @@
+// Sparse assembly of the normal equations of each patch: icov = A^T W A, y = A^T W p,
+// fluxweight = A^T W 1, the diagonal of icov before regularisation, and the masked fraction
+// of each core spot. A is never formed: each column is a spot at its corner, and two columns
+// interact only where their spots overlap.
+
+#include "common.cuh"
+
+// One block per (column j1, patch): writes column j1 of icov (= row j1, icov is symmetric)
+// over all m rows, staged in shared memory for coalesced stores.
+//
+// Shared memory (dynamic): w1[ny nx] (weighted spot), a1[ny nx], row[m], red[32].
+extern "C" __global__ void assemble_f64(
+    const double* __restrict__ spots, const int* __restrict__ corners,
+    const int* __restrict__ colspot, const int* __restrict__ boxes,
+    const int* __restrict__ patch_ids,
+    const float* __restrict__ pix, const float* __restrict__ ivar,
+    int sub_row0, int sub_col0, int sub_w,
+    int m, int nx, int ny, int nwavetot, int ncore, int wavepad, int nwavestep,
+    double* __restrict__ icov, double* __restrict__ y, double* __restrict__ fw,
+    double* __restrict__ diag0, double* __restrict__ pixmask) {
+    extern __shared__ double sm[];
+    int size = nx * ny;
+    double* w1 = sm;
+    double* row = w1 + size;
+    double* red = row + m;
+
+    int j1 = blockIdx.x;
+    int p = patch_of(patch_ids, blockIdx.y);
+    const int* cs = colspot + (size_t)p * m;
+    double* icol = icov + ((size_t)p * m + j1) * m;
+    int sid1 = cs[j1];
+    if (sid1 < 0) {
+        for (int j2 = threadIdx.x; j2 < m; j2 += blockDim.x) icol[j2] = 0.0;
+        if (threadIdx.x == 0) {
+            y[(size_t)p * m + j1] = 0.0;
+            fw[(size_t)p * m + j1] = 0.0;
+            diag0[(size_t)p * m + j1] = 0.0;
+        }
+        return;
+    }
+    int r0 = boxes[4 * p], r1 = boxes[4 * p + 1], c0 = boxes[4 * p + 2], c1 = boxes[4 * p + 3];
+    int x1 = corners[2 * sid1], y1 = corners[2 * sid1 + 1];
+    const double* a1 = spots + (size_t)sid1 * size;
+
+    double sy = 0.0, sw = 0.0, smask = 0.0;
+    for (int s = threadIdx.x; s < size; s += blockDim.x) {
+        int iy = s / nx, ix = s % nx;
+        int rr = y1 + iy, cc = x1 + ix;
+        double w = 0.0;
+        if (rr >= r0 && rr < r1 && cc >= c0 && cc < c1) {
+            size_t k = (size_t)(rr - sub_row0) * sub_w + (cc - sub_col0);
+            double iv = (double)ivar[k];
+            double a = a1[s];
+            w = a * iv;
+            sy += w * (double)pix[k];
+            sw += w;
+            if (iv == 0.0) smask += a;
+        }
+        w1[s] = w;
+    }
+    sy = block_sum(sy, red);
+    sw = block_sum(sw, red);
+    smask = block_sum(smask, red);  // also orders the writes of w1 before the reads below
+    if (threadIdx.x == 0) {
+        y[(size_t)p * m + j1] = sy;
+        fw[(size_t)p * m + j1] = sw;
+        int blk = j1 / nwavetot, w = j1 % nwavetot;
+        int nblk = m / nwavetot;
+        int c = blk - (nblk - ncore);
+        int j = w - wavepad;
+        if (c >= 0 && j >= 0 && j < nwavestep) pixmask[((size_t)p * ncore + c) * nwavestep + j] = smask;
+    }
+
+    // Each warp screens 32 columns at once (a ballot of the overlapping ones), then computes
+    // the overlaps one column at a time with all lanes.
+    int lane = threadIdx.x % SPEX_WARP, warp = threadIdx.x / SPEX_WARP;
+    int nwarp = blockDim.x / SPEX_WARP;
+    for (int g = warp * SPEX_WARP; g < m; g += nwarp * SPEX_WARP) {
+        int j2 = g + lane;
+        int sid2 = j2 < m ? cs[j2] : -1;
+        int dx = 0, dy = 0;
+        bool hit = false;
+        if (sid2 >= 0) {
+            dx = corners[2 * sid2] - x1;
+            dy = corners[2 * sid2 + 1] - y1;
+            hit = dx < nx && dx > -nx && dy < ny && dy > -ny;
+        }
+        if (j2 < m && !hit) row[j2] = 0.0;
+        unsigned mask = __ballot_sync(0xffffffffu, hit);
+        while (mask) {
+            int b = __ffs(mask) - 1;
+            mask &= mask - 1;
+            int s2 = __shfl_sync(0xffffffffu, sid2, b);
+            int ddx = __shfl_sync(0xffffffffu, dx, b);
+            int ddy = __shfl_sync(0xffffffffu, dy, b);
+            const double* a2 = spots + (size_t)s2 * size;
+            int ylo = max(ddy, 0), yhi = min(ny + ddy, ny);
+            int xlo = max(ddx, 0), xhi = min(nx + ddx, nx);
+            int ow = xhi - xlo, nn = (yhi - ylo) * ow;
+            double sum = 0.0;
+            for (int t = lane; t < nn; t += SPEX_WARP) {
+                int iy = ylo + t / ow, ix = xlo + t % ow;
+                sum += w1[iy * nx + ix] * a2[(iy - ddy) * nx + ix - ddx];
+            }
+            sum = warp_sum(sum);
+            if (lane == 0) row[g + b] = sum;
+        }
+    }
+    __syncthreads();
+    for (int j2 = threadIdx.x; j2 < m; j2 += blockDim.x) icol[j2] = row[j2];
+    if (threadIdx.x == 0) diag0[(size_t)p * m + j1] = row[j1];
+}
+
+// Step 2 of the solve, one block per patch: icov += diag(alpha^2 + 1e-15) from the
+// unregularised diagonal, alpha = minweight - fluxweight where fluxweight < minweight
+// (minweight = 1e-4 max fluxweight), else `reg`. A patch without any weight is flagged in
+// `masked` and its icov made the identity so that the batched factorisation stays defined.
+extern "C" __global__ void regularize_f64(double* __restrict__ icov, const double* __restrict__ fw,
+                                          const double* __restrict__ diag0,
+                                          const int* __restrict__ patch_ids, int m, double reg,
+                                          int* __restrict__ masked) {
+    __shared__ double red[32];
+    int p = patch_of(patch_ids, blockIdx.x);
+    const double* f = fw + (size_t)p * m;
+    double mx = 0.0;
+    for (int j = threadIdx.x; j < m; j += blockDim.x) mx = fmax(mx, f[j]);
+    mx = block_max(mx, red);
+    double* a = icov + (size_t)p * m * m;
+    if (!(mx > 0.0)) {
+        for (int j = threadIdx.x; j < m; j += blockDim.x) a[(size_t)j * m + j] = 1.0;
+        if (threadIdx.x == 0) masked[p] = 1;
+        return;
+    }
+    double minweight = 1e-4 * mx;
+    for (int j = threadIdx.x; j < m; j += blockDim.x) {
+        double alpha = f[j] < minweight ? minweight - f[j] : reg;
+        a[(size_t)j * m + j] = diag0[(size_t)p * m + j] + (alpha * alpha + 1e-15);
+    }
+    if (threadIdx.x == 0) masked[p] = 0;
+}

@@ -1,0 +1,80 @@
+// Steps 6-8 of the solve: the model A x of each patch on its pixel box, chi2pix of the core
+// bins against the model of the deconvolved flux, and the optional model image of the core.
+
+#include "common.cuh"
+
+// One block per (column, patch): adds column j of A times x[j] into the patch's box image
+// `model[boxoff[p] + (row - row0) * width + col - col0]`. Columns with x[j] == 0 are skipped.
+extern "C" __global__ void project_f64(const double* __restrict__ spots,
+                                       const int* __restrict__ corners,
+                                       const int* __restrict__ colspot,
+                                       const int* __restrict__ boxes,
+                                       const long long* __restrict__ boxoff,
+                                       const double* __restrict__ x, int m, int nx, int ny,
+                                       double* __restrict__ model) {
+    int j = blockIdx.x, p = blockIdx.y;
+    int sid = colspot[(size_t)p * m + j];
+    double xj = x[(size_t)p * m + j];
+    if (sid < 0 || xj == 0.0) return;
+    int r0 = boxes[4 * p], r1 = boxes[4 * p + 1], c0 = boxes[4 * p + 2], c1 = boxes[4 * p + 3];
+    int w = c1 - c0;
+    int xc = corners[2 * sid], yc = corners[2 * sid + 1];
+    const double* a = spots + (size_t)sid * nx * ny;
+    double* out = model + boxoff[p];
+    for (int s = threadIdx.x; s < nx * ny; s += blockDim.x) {
+        int rr = yc + s / nx, cc = xc + s % nx;
+        if (rr >= r0 && rr < r1 && cc >= c0 && cc < c1)
+            atomicAdd(out + (size_t)(rr - r0) * w + (cc - c0), a[s] * xj);
+    }
+}
+
+// One block per (core bin, patch): chi2pix = sum A (p - model)^2 w / sum A [w > 0] over the
+// spot's pixels in the box, w = 1 / ((psferr model + 1e-32)^2 + 1/ivar) where ivar > 0.
+extern "C" __global__ void chi2pix_f64(const double* __restrict__ spots,
+                                       const int* __restrict__ corners,
+                                       const int* __restrict__ colspot,
+                                       const int* __restrict__ boxes,
+                                       const long long* __restrict__ boxoff,
+                                       const double* __restrict__ model,
+                                       const float* __restrict__ pix,
+                                       const float* __restrict__ ivar, int sub_row0,
+                                       int sub_col0, int sub_w, const int* __restrict__ nkeep,
+                                       int m, int nx, int ny, int nwavetot, int ncore,
+                                       int wavepad, int nwavestep, double psferr,
+                                       double* __restrict__ chi2) {
+    __shared__ double red[32];
+    int cj = blockIdx.x, p = blockIdx.y;
+    int c = cj / nwavestep, j = cj % nwavestep;
+    size_t o = ((size_t)p * ncore + c) * nwavestep + j;
+    if (j >= nkeep[p]) {
+        if (threadIdx.x == 0) chi2[o] = 0.0;
+        return;
+    }
+    int nblk = m / nwavetot;
+    int col = (nblk - ncore + c) * nwavetot + wavepad + j;
+    int sid = colspot[(size_t)p * m + col];
+    int r0 = boxes[4 * p], r1 = boxes[4 * p + 1], c0 = boxes[4 * p + 2], c1 = boxes[4 * p + 3];
+    int w = c1 - c0;
+    int xc = corners[2 * sid], yc = corners[2 * sid + 1];
+    const double* a = spots + (size_t)sid * nx * ny;
+    const double* mod = model + boxoff[p];
+    double num = 0.0, den = 0.0;
+    for (int s = threadIdx.x; s < nx * ny; s += blockDim.x) {
+        int rr = yc + s / nx, cc = xc + s % nx;
+        if (rr >= r0 && rr < r1 && cc >= c0 && cc < c1) {
+            size_t k = (size_t)(rr - sub_row0) * sub_w + (cc - sub_col0);
+            double iv = (double)ivar[k];
+            if (iv > 0.0) {
+                double mv = mod[(size_t)(rr - r0) * w + (cc - c0)];
+                double e = psferr * mv + 1e-32;
+                double wt = 1.0 / (e * e + 1.0 / iv);
+                double dd = (double)pix[k] - mv;
+                num += a[s] * dd * dd * wt;
+                if (wt > 0.0) den += a[s];
+            }
+        }
+    }
+    num = block_sum(num, red);
+    den = block_sum(den, red);
+    if (threadIdx.x == 0) chi2[o] = den > 0.0 ? num / den : 0.0;
+}

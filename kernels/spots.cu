@@ -1,0 +1,111 @@
+// Spot evaluation: pixel-integrated Gauss-Hermite spots of every (fiber, wavelength) of a
+// chunk. Same arithmetic as
+// `psf::pixel_gauss_hermite` and `SpotWork::eval`: clipped at zero, normalised to unit sum.
+
+#include "common.cuh"
+
+#define SPEX_MAXDEG 21
+#define SPEX_MAXEDGE 130
+
+// Edge values of one axis: erf(t/sqrt2) and He_k(t) phi(t) for k < deg at the n + 1 pixel
+// edges, then the pixel integrals pgh[k * n + i].
+__device__ void axis_pgh(double center, double sigma, int deg, int n, double* erfv, double* ghv,
+                         double* pgh) {
+    double frac = fmod(center + 0.5, 1.0);
+    if (frac < 0.0) frac += 1.0;
+    frac -= 0.5;
+    double half = (double)(n / 2);
+    for (int e = threadIdx.x; e <= n; e += blockDim.x) {
+        double t = ((double)e - half - 0.5 - frac) / sigma;
+        erfv[e] = erf(t * 0.70710678118654752440);
+        double phi = exp(-0.5 * t * t) * 0.39894228040143267794;
+        double h0 = 1.0, h1 = t;
+        if (deg >= 1) ghv[0 * (n + 1) + e] = h0 * phi;
+        if (deg >= 2) ghv[1 * (n + 1) + e] = h1 * phi;
+        for (int k = 2; k < deg; ++k) {
+            double h2 = t * h1 - (double)(k - 1) * h0;
+            ghv[k * (n + 1) + e] = h2 * phi;
+            h0 = h1;
+            h1 = h2;
+        }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < (deg + 1) * n; idx += blockDim.x) {
+        int k = idx / n, i = idx % n;
+        pgh[idx] = k == 0 ? 0.5 * (erfv[i + 1] - erfv[i])
+                          : ghv[(k - 1) * (n + 1) + i] - ghv[(k - 1) * (n + 1) + i + 1];
+    }
+}
+
+// Legendre series sum_k c[k] P_k(u) (same recurrence as `psf::Legendre::eval`).
+__device__ double legendre(const double* c, int ncoef, double u) {
+    double p0 = 1.0, p1 = u;
+    double sum = c[0];
+    if (ncoef > 1) sum += c[1] * u;
+    for (int k = 2; k < ncoef; ++k) {
+        double kf = (double)k;
+        double p2 = ((2.0 * kf - 1.0) * u * p1 - (kf - 1.0) * p0) / kf;
+        sum += c[k] * p2;
+        p0 = p1;
+        p1 = p2;
+    }
+    return sum;
+}
+
+// One block per spot `sid = fiber slot * nwave + wave index`. The trace position comes from
+// the host (`xy`, so that the host's corners and the spot agree to the bit); GHSIGX, GHSIGY
+// and the GH-i-j are evaluated here from their Legendre coefficients
+// `coef[(fiber slot * nparam + param) * ncoef + k]` on the PSF table's domain.
+// Dynamic shared memory: see `spots_smem_doubles` on the host.
+extern "C" __global__ void spots_f64(const double* __restrict__ xy, const double* __restrict__ coef,
+                                     const double* __restrict__ waves, int nspot, int nwave,
+                                     int ncoef, double wavemin, double wavemax, int ghdegx,
+                                     int ghdegy, int nx, int ny, double* __restrict__ out) {
+    extern __shared__ double sm[];
+    int sid = blockIdx.x;
+    if (sid >= nspot) return;
+    int ngx = ghdegx + 1, ngy = ghdegy + 1;
+    int nparam = 2 + ngx * ngy;
+    double* erfx = sm;                         // nx + 1
+    double* ghx = erfx + (nx + 1);             // ghdegx * (nx + 1)
+    double* pghx = ghx + ghdegx * (nx + 1);    // ngx * nx
+    double* erfy = pghx + ngx * nx;            // ny + 1
+    double* ghy = erfy + (ny + 1);             // ghdegy * (ny + 1)
+    double* pghy = ghy + ghdegy * (ny + 1);    // ngy * ny
+    double* tmp = pghy + ngy * ny;             // ngx * ny
+    double* par = tmp + ngx * ny;              // nparam: sigx, sigy, GH-i-j
+    double* red = par + nparam;                // 32
+
+    int fslot = sid / nwave, w = sid % nwave;
+    double u = (waves[w] - wavemin) * (2.0 / (wavemax - wavemin)) - 1.0;
+    for (int i = threadIdx.x; i < nparam; i += blockDim.x)
+        par[i] = legendre(coef + ((size_t)fslot * nparam + i) * ncoef, ncoef, u);
+    __syncthreads();
+    const double* coefgh = par + 2;
+    axis_pgh(xy[2 * sid], par[0], ghdegx, nx, erfx, ghx, pghx);
+    axis_pgh(xy[2 * sid + 1], par[1], ghdegy, ny, erfy, ghy, pghy);
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < ngx * ny; idx += blockDim.x) {
+        int i = idx / ny, iy = idx % ny;
+        double s = 0.0;
+        for (int j = 0; j < ngy; ++j) s += coefgh[i * ngy + j] * pghy[j * ny + iy];
+        tmp[idx] = s;
+    }
+    __syncthreads();
+    int size = nx * ny;
+    double* o = out + (size_t)sid * size;
+    double total = 0.0;
+    for (int s = threadIdx.x; s < size; s += blockDim.x) {
+        int iy = s / nx, ix = s % nx;
+        double v = 0.0;
+        for (int i = 0; i < ngx; ++i) v += tmp[i * ny + iy] * pghx[i * nx + ix];
+        v = fmax(v, 0.0);
+        o[s] = v;
+        total += v;
+    }
+    total = block_sum(total, red);
+    if (total > 0.0) {
+        double inv = 1.0 / total;
+        for (int s = threadIdx.x; s < size; s += blockDim.x) o[s] *= inv;
+    }
+}

@@ -1,0 +1,415 @@
+//! One CUDA device: its context and stream, the cuBLAS and cuSOLVER handles bound to that
+//! stream, device buffers that count the memory they hold, and pinned host buffers.
+//!
+//! Buffers are plain `cuMemAlloc` allocations owned by [`DevBuf`]: the solve passes raw device
+//! pointers to NVRTC kernels and to the batched cuBLAS/cuSOLVER routines, so a thin owner with
+//! byte accounting (peak device memory is a documented limit) serves better than a typed
+//! stream-tracked slice.
+
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use cudarc::cublas::sys as cublas_sys;
+use cudarc::cusolver::sys as cusolver_sys;
+use cudarc::driver::{result as drv, sys as drv_sys, CudaContext, CudaStream};
+
+use super::error;
+use crate::error::{Error, Result};
+
+/// Bytes of device memory held by this process's buffers, now and at most.
+#[derive(Default, Debug)]
+pub(crate) struct MemStats {
+    current: AtomicUsize,
+    peak: AtomicUsize,
+}
+
+impl MemStats {
+    fn add(&self, n: usize) {
+        let now = self.current.fetch_add(n, Ordering::Relaxed) + n;
+        self.peak.fetch_max(now, Ordering::Relaxed);
+    }
+
+    fn sub(&self, n: usize) {
+        self.current.fetch_sub(n, Ordering::Relaxed);
+    }
+
+    pub(crate) fn peak(&self) -> usize {
+        self.peak.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn reset_peak(&self) {
+        self.peak
+            .store(self.current.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+}
+
+/// Checks that a CUDA library can be loaded before anything calls into it (cudarc panics
+/// on a missing library; spex reports it as an error instead).
+fn require_library(present: bool, name: &str, file: &str) -> Result<()> {
+    if present {
+        Ok(())
+    } else {
+        Err(Error::Gpu(format!(
+            "cannot load the {name} library ({file}): is CUDA installed and on LD_LIBRARY_PATH?"
+        )))
+    }
+}
+
+/// The CUDA libraries spex loads at run time, checked in dependency order.
+pub(crate) fn check_libraries() -> Result<()> {
+    // SAFETY: these only try to open the shared libraries.
+    unsafe {
+        require_library(drv_sys::is_culib_present(), "CUDA driver", "libcuda.so")?;
+        require_library(
+            cudarc::nvrtc::sys::is_culib_present(),
+            "NVRTC",
+            "libnvrtc.so",
+        )?;
+        require_library(cublas_sys::is_culib_present(), "cuBLAS", "libcublas.so")?;
+        require_library(
+            cusolver_sys::is_culib_present(),
+            "cuSOLVER",
+            "libcusolver.so",
+        )?;
+    }
+    Ok(())
+}
+
+/// A CUDA device with one stream and library handles on it.
+pub(crate) struct Device {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub cublas: cublas_sys::cublasHandle_t,
+    pub cusolver: cusolver_sys::cusolverDnHandle_t,
+    pub ordinal: usize,
+    pub name: String,
+    pub arch: (i32, i32),
+    pub stats: Arc<MemStats>,
+}
+
+// SAFETY: the handles are used from one thread at a time (`&mut CudaBackend`); the context
+// is bound to the calling thread before each use.
+unsafe impl Send for Device {}
+
+impl Device {
+    /// Opens device `ordinal`, creates a stream and the cuBLAS / cuSOLVER handles.
+    pub(crate) fn open(ordinal: usize) -> Result<Self> {
+        check_libraries()?;
+        let count =
+            CudaContext::device_count().map_err(error::driver("cannot count CUDA devices"))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(Error::Gpu(format!(
+                "CUDA device {ordinal} requested but {count} device(s) are visible (CUDA_VISIBLE_DEVICES={})",
+                std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "unset".into())
+            )));
+        }
+        let ctx = CudaContext::new(ordinal)
+            .map_err(error::driver(format!("cannot open CUDA device {ordinal}")))?;
+        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let arch = ctx.compute_capability().map_err(error::driver(format!(
+            "device {ordinal}: compute capability"
+        )))?;
+        let stream = ctx
+            .new_stream()
+            .map_err(error::driver("cannot create a stream"))?;
+        let mut cublas = std::ptr::null_mut();
+        let mut cusolver = std::ptr::null_mut();
+        // SAFETY: plain handle creation; the stream outlives the handles (both live in Self).
+        unsafe {
+            error::cublas(cublas_sys::cublasCreate_v2(&mut cublas), "cublasCreate")?;
+            error::cublas(
+                cublas_sys::cublasSetStream_v2(
+                    cublas,
+                    stream.cu_stream() as cublas_sys::cudaStream_t,
+                ),
+                "cublasSetStream",
+            )?;
+            error::cusolver(
+                cusolver_sys::cusolverDnCreate(&mut cusolver),
+                "cusolverDnCreate",
+            )?;
+            error::cusolver(
+                cusolver_sys::cusolverDnSetStream(
+                    cusolver,
+                    stream.cu_stream() as cusolver_sys::cudaStream_t,
+                ),
+                "cusolverDnSetStream",
+            )?;
+        }
+        Ok(Device {
+            ctx,
+            stream,
+            cublas,
+            cusolver,
+            ordinal,
+            name,
+            arch,
+            stats: Arc::new(MemStats::default()),
+        })
+    }
+
+    /// Makes the context current on the calling thread.
+    pub(crate) fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(error::driver("cannot bind the CUDA context"))
+    }
+
+    pub(crate) fn cu_stream(&self) -> drv_sys::CUstream {
+        self.stream.cu_stream()
+    }
+
+    /// Free and total device memory in bytes.
+    pub(crate) fn mem_info(&self) -> Result<(usize, usize)> {
+        drv::mem_get_info().map_err(error::driver("cuMemGetInfo"))
+    }
+
+    /// Allocates `len` elements of uninitialised device memory.
+    pub(crate) fn alloc<T>(&self, len: usize, what: &str) -> Result<DevBuf<T>> {
+        let bytes = (len.max(1)) * std::mem::size_of::<T>();
+        // SAFETY: a plain allocation in the bound context.
+        match unsafe { drv::malloc_sync(bytes) } {
+            Ok(ptr) => {
+                self.stats.add(bytes);
+                Ok(DevBuf {
+                    ptr,
+                    len,
+                    bytes,
+                    stats: self.stats.clone(),
+                    _t: PhantomData,
+                })
+            }
+            Err(e) => {
+                let (free, total) = self.mem_info().unwrap_or((0, 0));
+                Err(Error::Gpu(format!(
+                    "device {} ({}): cannot allocate {what}: {:.1} MiB requested, {:.1} MiB free of {:.1} MiB ({e:?})",
+                    self.ordinal,
+                    self.name,
+                    bytes as f64 / 1048576.0,
+                    free as f64 / 1048576.0,
+                    total as f64 / 1048576.0
+                )))
+            }
+        }
+    }
+
+    /// Allocates device memory set to zero bytes.
+    pub(crate) fn zeros<T>(&self, len: usize, what: &str) -> Result<DevBuf<T>> {
+        let b = self.alloc::<T>(len, what)?;
+        self.memset_zero(&b)?;
+        Ok(b)
+    }
+
+    pub(crate) fn memset_zero<T>(&self, b: &DevBuf<T>) -> Result<()> {
+        self.zero_prefix(b, b.len)
+    }
+
+    /// Sets the first `len` values of `b` to zero bytes.
+    pub(crate) fn zero_prefix<T>(&self, b: &DevBuf<T>, len: usize) -> Result<()> {
+        assert!(len <= b.len);
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: the range lies inside the allocation.
+        unsafe { drv::memset_d8_async(b.ptr, 0, len * std::mem::size_of::<T>(), self.cu_stream()) }
+            .map_err(error::driver("cuMemsetD8Async"))
+    }
+
+    /// Allocates and fills a device buffer from host data (stream-ordered; pageable host
+    /// memory is staged by the driver before the call returns).
+    pub(crate) fn upload<T: Copy>(&self, host: &[T], what: &str) -> Result<DevBuf<T>> {
+        let b = self.alloc::<T>(host.len(), what)?;
+        self.copy_to(&b, host, what)?;
+        Ok(b)
+    }
+
+    /// Copies host data into the start of a device buffer.
+    pub(crate) fn copy_to<T: Copy>(&self, b: &DevBuf<T>, host: &[T], what: &str) -> Result<()> {
+        assert!(host.len() <= b.len);
+        if host.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: sizes checked above; the host slice lives until the copy has been staged
+        // (pageable) or until the caller synchronises (pinned, see PinnedBuf).
+        unsafe { drv::memcpy_htod_async(b.ptr, host, self.cu_stream()) }
+            .map_err(error::driver(format!("copy of {what} to the device")))
+    }
+
+    /// Copies the start of a device buffer into host memory; completes at the next
+    /// [`Device::sync`].
+    pub(crate) fn copy_from<T: Copy>(
+        &self,
+        host: &mut [T],
+        b: &DevBuf<T>,
+        offset: usize,
+        what: &str,
+    ) -> Result<()> {
+        assert!(offset + host.len() <= b.len);
+        if host.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: bounds checked; the caller keeps `host` alive until `sync`.
+        unsafe {
+            drv::memcpy_dtoh_async(
+                host,
+                b.ptr + (offset * std::mem::size_of::<T>()) as u64,
+                self.cu_stream(),
+            )
+        }
+        .map_err(error::driver(format!("copy of {what} from the device")))
+    }
+
+    /// Copies the first `len` values of `src` into `dst`.
+    pub(crate) fn dtod<T>(&self, dst: &DevBuf<T>, src: &DevBuf<T>, len: usize) -> Result<()> {
+        assert!(len <= src.len && len <= dst.len);
+        // SAFETY: sizes checked.
+        unsafe {
+            drv::memcpy_dtod_async(
+                dst.ptr,
+                src.ptr,
+                len * std::mem::size_of::<T>(),
+                self.cu_stream(),
+            )
+        }
+        .map_err(error::driver("device-to-device copy"))
+    }
+
+    /// Waits for everything queued on the stream.
+    pub(crate) fn sync(&self, what: &str) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(error::driver(format!("device {}: {what}", self.ordinal)))
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        // SAFETY: handles were created in `open` and are not used after this.
+        unsafe {
+            let _ = self.ctx.bind_to_thread();
+            let _ = self.stream.synchronize();
+            cusolver_sys::cusolverDnDestroy(self.cusolver);
+            cublas_sys::cublasDestroy_v2(self.cublas);
+        }
+    }
+}
+
+/// Device memory of `len` values of `T`, freed on drop.
+pub(crate) struct DevBuf<T> {
+    pub ptr: drv_sys::CUdeviceptr,
+    pub len: usize,
+    bytes: usize,
+    stats: Arc<MemStats>,
+    _t: PhantomData<T>,
+}
+
+impl<T> DevBuf<T> {
+    /// Device address of element `i`.
+    pub(crate) fn at(&self, i: usize) -> u64 {
+        self.ptr + (i * std::mem::size_of::<T>()) as u64
+    }
+}
+
+impl<T> Drop for DevBuf<T> {
+    fn drop(&mut self) {
+        // SAFETY: allocated by malloc_sync; cuMemFree waits for work that uses it.
+        unsafe {
+            let _ = drv::free_sync(self.ptr);
+        }
+        self.stats.sub(self.bytes);
+    }
+}
+
+/// Page-locked host memory, for transfers that overlap with computation and run at full
+/// bus speed.
+pub(crate) struct PinnedBuf<T: Copy + Default> {
+    ptr: *mut T,
+    len: usize,
+}
+
+// SAFETY: the buffer is plain host memory owned by this value.
+unsafe impl<T: Copy + Default + Send> Send for PinnedBuf<T> {}
+
+impl<T: Copy + Default> PinnedBuf<T> {
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(crate) fn as_slice(&self) -> &[T] {
+        // SAFETY: allocated and initialised in `new`.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    pub(crate) fn new(len: usize) -> Result<Self> {
+        let bytes = len.max(1) * std::mem::size_of::<T>();
+        // SAFETY: plain allocation; initialised below.
+        let ptr = unsafe { drv::malloc_host(bytes, 0) }.map_err(error::driver(format!(
+            "cannot allocate {:.1} MiB of pinned host memory",
+            bytes as f64 / 1048576.0
+        )))? as *mut T;
+        // SAFETY: `ptr` holds `len` values of T.
+        unsafe { std::slice::from_raw_parts_mut(ptr, len).fill(T::default()) };
+        Ok(PinnedBuf { ptr, len })
+    }
+
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [T] {
+        // SAFETY: allocated and initialised in `new`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl<T: Copy + Default> Drop for PinnedBuf<T> {
+    fn drop(&mut self) {
+        // SAFETY: allocated by malloc_host.
+        unsafe {
+            let _ = drv::free_host(self.ptr as *mut std::ffi::c_void);
+        }
+    }
+}
+
+/// A device buffer kept between chunks and calls, grown when a larger one is needed: large
+/// allocations and frees synchronise the device and cost milliseconds each.
+pub(crate) struct Slot<T> {
+    buf: Option<DevBuf<T>>,
+    what: &'static str,
+}
+
+impl<T> Slot<T> {
+    pub(crate) const fn new(what: &'static str) -> Self {
+        Slot { buf: None, what }
+    }
+
+    /// Makes the buffer hold at least `len` values (contents are not kept).
+    pub(crate) fn ensure(&mut self, dev: &Device, len: usize) -> Result<()> {
+        if self.buf.as_ref().map_or(true, |b| b.len < len) {
+            self.buf = None;
+            self.buf = Some(dev.alloc(len, self.what)?);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn get(&self) -> &DevBuf<T> {
+        self.buf.as_ref().expect("Slot::ensure before Slot::get")
+    }
+}
+
+/// A pinned host buffer kept between chunks and calls, grown when needed.
+pub(crate) struct PinSlot<T: Copy + Default> {
+    buf: Option<PinnedBuf<T>>,
+}
+
+impl<T: Copy + Default> PinSlot<T> {
+    pub(crate) const fn new() -> Self {
+        PinSlot { buf: None }
+    }
+
+    /// The first `len` values of the buffer, grown to hold them if needed.
+    pub(crate) fn get(&mut self, len: usize) -> Result<&mut [T]> {
+        if self.buf.as_ref().map_or(true, |b| b.len < len) {
+            self.buf = None;
+            self.buf = Some(PinnedBuf::new(len)?);
+        }
+        Ok(&mut self.buf.as_mut().expect("allocated above").as_mut_slice()[..len])
+    }
+}

@@ -1,0 +1,1306 @@
+//! Simulated preproc frames with a known truth, for testing extractions end to end.
+//!
+//! A simulation draws a spectrum (photons per bin of the output grid) for each fiber of a
+//! range, projects every bin through the PSF onto the CCD, and adds Poisson photon noise,
+//! Gaussian read noise, cosmic-ray tracks and optionally a bad column. The result is written as
+//! a preproc file (`IMAGE`, `IVAR`, `MASK`, `FIBERMAP`) that the extraction reads like a real
+//! one, plus a truth file (`WAVELENGTH`, `FLUX`) to measure the extraction against.
+//!
+//! Everything is a pure function of the PSF, the options and the seed: each random stream
+//! (one per fiber for the spectra, one per CCD row for the noise, one for the cosmics) has its
+//! own generator seeded from `(seed, stream, index)`, and the image is summed in fiber order,
+//! so the output does not depend on the number of threads. A fiber's spectrum depends only on
+//! the seed and its fiber number, so overlapping fiber ranges share their spectra.
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+use rand_distr::{Distribution, Poisson, StandardNormal};
+use rayon::prelude::*;
+use tracing::{debug, info};
+
+use crate::error::{Error, Result};
+use crate::fits::Fits;
+use crate::plan::output_grid;
+use crate::psf::GaussHermitePsf;
+
+/// MASK value of unusable pixels: outside the simulated region and on the bad column
+/// (desispec's BAD bit).
+pub const MASK_BAD: i32 = 1;
+
+/// MASK value of cosmic-ray hits. This is the value the reference simulations use (desispec's
+/// own COSMIC bit is 16); both are inside desispec's production mask 767, and the extraction
+/// rejects any nonzero MASK by default, so either convention gives the same result.
+pub const MASK_COSMIC: i32 = 8;
+
+/// Placeholder NIGHT written to the IMAGE header, for tools that require the keyword.
+const NIGHT: i64 = 20201214;
+
+/// Exposure time written to the IMAGE header: the flux levels below are typical of a 900 s
+/// DESI dark-time exposure.
+const EXPTIME: f64 = 900.0;
+
+/// Extra signal (electrons) of the bad column inside the simulated region, so that an
+/// extraction that ignores the mask visibly suffers from it.
+const BAD_COLUMN_EXCESS: f64 = 300.0;
+
+/// Random streams: a generator is seeded from `(seed, stream, index)`.
+const STREAM_FIBER: u64 = 1;
+const STREAM_NOISE: u64 = 2;
+const STREAM_COSMIC: u64 = 3;
+
+/// What to simulate.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SimulateOptions {
+    /// Fibers given light (PSF fiber indices, `0..psf.nfiber`).
+    pub fibers: Range<usize>,
+    /// Wavelength grid of the truth, `output_grid(wmin, wmax, dw)`; it must lie inside the
+    /// PSF's domain (the Legendre series must not be extrapolated).
+    pub wmin: f64,
+    pub wmax: f64,
+    pub dw: f64,
+    /// Seed of every random choice (spectra, noise, cosmics).
+    pub seed: u64,
+    /// Gaussian read noise (electrons rms per pixel).
+    pub read_noise: f64,
+    /// Add Poisson photon noise and read noise; without it IMAGE is the noiseless model
+    /// (IVAR is the same either way).
+    pub noise: bool,
+    /// Cosmic-ray tracks per million pixels of the simulated region (0: none). The default, 50,
+    /// is about what a 900 s exposure collects on a DESI CCD.
+    pub cosmic_density: f64,
+    /// A CCD column to mark bad (MASK 1, IVAR 0, with excess signal), as in the reference
+    /// full-frame simulations.
+    pub bad_column: Option<usize>,
+    /// Give every fiber the night-sky spectrum (continuum and emission lines).
+    pub sky: bool,
+    /// Give the non-sky fibers an object spectrum (continuum and emission lines).
+    pub objects: bool,
+    /// Fraction of fibers that are sky fibers (only sky light, OBJTYPE 'SKY').
+    pub sky_fraction: f64,
+    /// Pixels of margin around the bounding box of the simulated spots; outside it the image is
+    /// 0 and masked, as in the reference simulations.
+    pub margin: usize,
+    /// CAMERA keyword; `None` takes it from the PSF file (or 'r0' if the PSF does not say).
+    pub camera: Option<String>,
+    /// EXPID keyword.
+    pub expid: i64,
+}
+
+impl SimulateOptions {
+    /// The defaults (seed 0, 0.8 A bins, 3 e- read noise, noise, sky, objects, cosmics, 10% sky
+    /// fibers, no bad column) for a fiber range and wavelength range.
+    pub fn new(fibers: Range<usize>, wmin: f64, wmax: f64) -> Self {
+        SimulateOptions {
+            fibers,
+            wmin,
+            wmax,
+            dw: 0.8,
+            seed: 0,
+            read_noise: 3.0,
+            noise: true,
+            cosmic_density: 50.0,
+            bad_column: None,
+            sky: true,
+            objects: true,
+            sky_fraction: 0.1,
+            margin: 3,
+            camera: None,
+            expid: 1,
+        }
+    }
+
+    /// Checks the options against the PSF, with a message that names the offending option.
+    pub fn validate(&self, psf: &GaussHermitePsf) -> Result<()> {
+        let (lo, hi) = psf.wave_domain();
+        if self.fibers.is_empty() {
+            return Err(Error::config(format!(
+                "no fibers to simulate ({:?})",
+                self.fibers
+            )));
+        }
+        if self.fibers.end > psf.nfiber {
+            return Err(Error::config(format!(
+                "fibers {}..{} requested, the PSF describes fibers 0..{}",
+                self.fibers.start, self.fibers.end, psf.nfiber
+            )));
+        }
+        if !(self.dw.is_finite() && self.dw > 0.0) {
+            return Err(Error::config(format!(
+                "wavelength step {} must be positive",
+                self.dw
+            )));
+        }
+        if !(self.wmin.is_finite() && self.wmax.is_finite() && self.wmin <= self.wmax) {
+            return Err(Error::config(format!(
+                "wavelength range {}..{} is not an increasing range",
+                self.wmin, self.wmax
+            )));
+        }
+        // The grid's last bin may pass wmax by less than half a bin (numpy's arange
+        // convention); that much extrapolation is harmless, more is refused.
+        if self.wmin < lo || self.wmax > hi {
+            return Err(Error::config(format!(
+                "wavelength range {}..{} A is outside the PSF's domain {lo}..{hi} A",
+                self.wmin, self.wmax
+            )));
+        }
+        if !(self.read_noise.is_finite() && self.read_noise >= 0.0) {
+            return Err(Error::config(format!(
+                "read noise {} must be >= 0",
+                self.read_noise
+            )));
+        }
+        if !(self.cosmic_density.is_finite() && self.cosmic_density >= 0.0) {
+            return Err(Error::config(format!(
+                "cosmic-ray density {} must be >= 0",
+                self.cosmic_density
+            )));
+        }
+        if !(0.0..=1.0).contains(&self.sky_fraction) {
+            return Err(Error::config(format!(
+                "sky fiber fraction {} must be in 0..1",
+                self.sky_fraction
+            )));
+        }
+        if !self.sky && !self.objects {
+            return Err(Error::config(
+                "neither sky nor objects: nothing to simulate",
+            ));
+        }
+        if let Some(column) = self.bad_column {
+            if column >= psf.npix_x {
+                return Err(Error::config(format!(
+                    "bad column {column} is outside the CCD's {} columns",
+                    psf.npix_x
+                )));
+            }
+        }
+        if psf.npix_x == 0 || psf.npix_y == 0 {
+            return Err(Error::config(format!(
+                "the PSF's CCD size {} x {} is empty",
+                psf.npix_y, psf.npix_x
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Kind of a fiber in the FIBERMAP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ObjType {
+    /// A sky fiber: night sky only.
+    Sky,
+    /// A target fiber (also used for fibers that were not simulated).
+    Target,
+}
+
+impl ObjType {
+    /// The FIBERMAP's OBJTYPE string.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ObjType::Sky => "SKY",
+            ObjType::Target => "TGT",
+        }
+    }
+}
+
+/// A simulated frame and its truth.
+#[derive(Clone, Debug)]
+pub struct Simulation {
+    /// CCD size (rows = NPIX_Y, columns = NPIX_X of the PSF).
+    pub nrows: usize,
+    pub ncols: usize,
+    /// Pixels, `[row][column]`.
+    pub image: Vec<f32>,
+    /// Inverse variance of the noiseless model plus read noise; 0 where masked.
+    pub ivar: Vec<f32>,
+    /// [`MASK_BAD`], [`MASK_COSMIC`] or 0.
+    pub mask: Vec<i32>,
+    /// CCD rows and columns that carry simulated signal (the bounding box of the spots plus
+    /// the margin, clipped to the CCD); everything outside is masked.
+    pub rows: Range<usize>,
+    pub cols: Range<usize>,
+    /// Number of cosmic-ray tracks.
+    pub ncosmic: usize,
+    /// Truth grid (A).
+    pub wave: Vec<f64>,
+    /// Fibers simulated; row `i` of `flux` is fiber `fibers.start + i`.
+    pub fibers: Range<usize>,
+    /// Truth, photons per bin, `[fiber][wave]`.
+    pub flux: Vec<f64>,
+    /// OBJTYPE of every PSF fiber (`0..psf.nfiber`).
+    pub objtype: Vec<ObjType>,
+    /// CAMERA keyword.
+    pub camera: String,
+    /// File name (without directories) of the PSF, for the headers.
+    pub psf_name: String,
+    /// The options the simulation was made with.
+    pub options: SimulateOptions,
+}
+
+/// Simulates a frame; see the module documentation.
+pub fn simulate(psf: &GaussHermitePsf, opts: &SimulateOptions) -> Result<Simulation> {
+    opts.validate(psf)?;
+    let start = std::time::Instant::now();
+    let wave = output_grid(opts.wmin, opts.wmax, opts.dw);
+    let (nrows, ncols) = (psf.npix_y, psf.npix_x);
+    let fibers = opts.fibers.clone();
+
+    // Truth.
+    let sky = SkyLines::new();
+    let spectra: Vec<(ObjType, Vec<f64>)> = fibers
+        .clone()
+        .into_par_iter()
+        .map(|fiber| fiber_spectrum(fiber, &wave, &sky, opts))
+        .collect();
+    let mut objtype = vec![ObjType::Target; psf.nfiber];
+    let mut flux = Vec::with_capacity(fibers.len() * wave.len());
+    for (fiber, (kind, spectrum)) in fibers.clone().zip(spectra) {
+        objtype[fiber] = kind;
+        flux.extend_from_slice(&spectrum);
+    }
+
+    // The region with signal: bounding box of every spot plus the margin, clipped to the CCD.
+    let corners = psf.corners(fibers.clone(), &wave);
+    let (ny, nx) = (corners.ny as i64, corners.nx as i64);
+    let margin = opts.margin as i64;
+    let clip =
+        |lo: i64, hi: i64, n: usize| lo.clamp(0, n as i64) as usize..hi.clamp(0, n as i64) as usize;
+    let xmin = corners.xc.iter().copied().min().unwrap_or(0) as i64;
+    let xmax = corners.xc.iter().copied().max().unwrap_or(0) as i64 + nx;
+    let ymin = corners.yc.iter().copied().min().unwrap_or(0) as i64;
+    let ymax = corners.yc.iter().copied().max().unwrap_or(0) as i64 + ny;
+    let rows = clip(ymin - margin, ymax + margin, nrows);
+    let cols = clip(xmin - margin, xmax + margin, ncols);
+    if rows.is_empty() || cols.is_empty() {
+        return Err(Error::config(format!(
+            "the spots of fibers {fibers:?} at {}..{} A all fall off the {nrows} x {ncols} CCD",
+            opts.wmin, opts.wmax
+        )));
+    }
+    let region = Region {
+        rows: rows.clone(),
+        cols: cols.clone(),
+    };
+
+    let model = project(psf, &fibers, &wave, &flux, &region);
+    debug!(elapsed = ?start.elapsed(), "projected the truth");
+
+    // Noise, and the mask of everything outside the region.
+    let npix = nrows * ncols;
+    let mut image = vec![0f32; npix];
+    let mut ivar = vec![0f32; npix];
+    let mut mask = vec![MASK_BAD; npix];
+    let read_var = opts.read_noise * opts.read_noise;
+    image
+        .par_chunks_mut(ncols)
+        .zip(ivar.par_chunks_mut(ncols))
+        .zip(mask.par_chunks_mut(ncols))
+        .enumerate()
+        .filter(|(row, _)| rows.contains(row))
+        .for_each(|(row, ((image, ivar), mask))| {
+            let mut rng = stream_rng(opts.seed, STREAM_NOISE, row as u64);
+            let model =
+                &model[(row - rows.start) * cols.len()..(row - rows.start + 1) * cols.len()];
+            for (i, &m) in model.iter().enumerate() {
+                let col = cols.start + i;
+                let var = m + read_var;
+                let value = if opts.noise {
+                    let photons = if m > 0.0 {
+                        Poisson::new(m).map(|p| p.sample(&mut rng)).unwrap_or(m)
+                    } else {
+                        0.0
+                    };
+                    let read: f64 = rng.sample(StandardNormal);
+                    photons + opts.read_noise * read
+                } else {
+                    m
+                };
+                image[col] = value as f32;
+                ivar[col] = if var > 0.0 { (1.0 / var) as f32 } else { 0.0 };
+                mask[col] = 0;
+            }
+        });
+    drop(model);
+
+    let ncosmic = add_cosmics(&mut image, &mut ivar, &mut mask, ncols, &region, opts);
+    if let Some(column) = opts.bad_column {
+        for row in 0..nrows {
+            let i = row * ncols + column;
+            if rows.contains(&row) && cols.contains(&column) {
+                image[i] += BAD_COLUMN_EXCESS as f32;
+            }
+            mask[i] |= MASK_BAD;
+            ivar[i] = 0.0;
+        }
+    }
+
+    let camera = match &opts.camera {
+        Some(camera) => camera.clone(),
+        None => psf_camera(psf).unwrap_or_else(|| "r0".into()),
+    };
+    let psf_name = psf
+        .path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    info!(
+        fibers = ?fibers,
+        nwave = wave.len(),
+        ncosmic,
+        elapsed = ?start.elapsed(),
+        "simulated frame"
+    );
+    Ok(Simulation {
+        nrows,
+        ncols,
+        image,
+        ivar,
+        mask,
+        rows,
+        cols,
+        ncosmic,
+        wave,
+        fibers,
+        flux,
+        objtype,
+        camera,
+        psf_name,
+        options: opts.clone(),
+    })
+}
+
+/// The CAMERA keyword of the PSF's table HDU, if any (specex writes it with extra quotes).
+fn psf_camera(psf: &GaussHermitePsf) -> Option<String> {
+    let mut fits = Fits::open(&psf.path).ok()?;
+    fits.move_to("PSF").ok()?;
+    let camera = fits.key_str("CAMERA").ok()??;
+    let camera = camera.trim().trim_matches('\'').trim().to_string();
+    (!camera.is_empty()).then_some(camera)
+}
+
+/// The rectangle of the CCD that holds signal.
+struct Region {
+    rows: Range<usize>,
+    cols: Range<usize>,
+}
+
+/// The spots of one fiber summed with their truth weights into the bounding box of that fiber.
+struct Stripe {
+    row0: i64,
+    col0: i64,
+    nrows: usize,
+    ncols: usize,
+    data: Vec<f64>,
+}
+
+/// The noiseless image of the region: sum over fibers and bins of truth times spot.
+///
+/// Fibers are evaluated in parallel, a chunk at a time (spots of one fiber over a whole frame
+/// are a few MB), each into its own stripe; the stripes are then added row by row in fiber
+/// order, so every pixel sums its contributions in the same order whatever the threads.
+fn project(
+    psf: &GaussHermitePsf,
+    fibers: &Range<usize>,
+    wave: &[f64],
+    flux: &[f64],
+    region: &Region,
+) -> Vec<f64> {
+    let (rw, cw) = (region.rows.len(), region.cols.len());
+    let mut model = vec![0f64; rw * cw];
+    let nwave = wave.len();
+    let chunk = 4 * rayon::current_num_threads().max(1);
+    let all: Vec<usize> = fibers.clone().collect();
+    for block in all.chunks(chunk) {
+        let stripes: Vec<Stripe> = block
+            .par_iter()
+            .map(|&fiber| {
+                let i = fiber - fibers.start;
+                stripe(psf, fiber, wave, &flux[i * nwave..(i + 1) * nwave])
+            })
+            .collect();
+        model.par_chunks_mut(cw).enumerate().for_each(|(r, out)| {
+            let row = (region.rows.start + r) as i64;
+            for s in &stripes {
+                if row < s.row0 || row >= s.row0 + s.nrows as i64 {
+                    continue;
+                }
+                let src = &s.data[(row - s.row0) as usize * s.ncols..][..s.ncols];
+                for (j, &v) in src.iter().enumerate() {
+                    let col = s.col0 + j as i64 - region.cols.start as i64;
+                    if col >= 0 && (col as usize) < cw {
+                        out[col as usize] += v;
+                    }
+                }
+            }
+        });
+    }
+    model
+}
+
+fn stripe(psf: &GaussHermitePsf, fiber: usize, wave: &[f64], flux: &[f64]) -> Stripe {
+    let spots = psf.spots(fiber..fiber + 1, wave);
+    let c = &spots.corners;
+    let (ny, nx) = (c.ny, c.nx);
+    let col0 = c.xc.iter().copied().min().unwrap_or(0) as i64;
+    let row0 = c.yc.iter().copied().min().unwrap_or(0) as i64;
+    let ncols = (c.xc.iter().copied().max().unwrap_or(0) as i64 - col0) as usize + nx;
+    let nrows = (c.yc.iter().copied().max().unwrap_or(0) as i64 - row0) as usize + ny;
+    let mut data = vec![0f64; nrows * ncols];
+    for (iw, &t) in flux.iter().enumerate() {
+        if t == 0.0 {
+            continue;
+        }
+        let (xc, yc) = c.corner(0, iw);
+        let (x0, y0) = ((xc as i64 - col0) as usize, (yc as i64 - row0) as usize);
+        let spot = spots.spot(0, iw);
+        for iy in 0..ny {
+            let out = &mut data[(y0 + iy) * ncols + x0..][..nx];
+            for (o, &s) in out.iter_mut().zip(&spot[iy * nx..(iy + 1) * nx]) {
+                *o += t * s;
+            }
+        }
+    }
+    Stripe {
+        row0,
+        col0,
+        nrows,
+        ncols,
+        data,
+    }
+}
+
+/// Adds cosmic-ray tracks inside the region: short straight segments (1.5 to 8 pixels, any
+/// direction) that deposit hundreds to thousands of electrons per pixel; their pixels get
+/// [`MASK_COSMIC`] and IVAR 0. Returns the number of tracks.
+fn add_cosmics(
+    image: &mut [f32],
+    ivar: &mut [f32],
+    mask: &mut [i32],
+    ncols: usize,
+    region: &Region,
+    opts: &SimulateOptions,
+) -> usize {
+    let area = (region.rows.len() * region.cols.len()) as f64;
+    let expected = opts.cosmic_density * area * 1e-6;
+    if expected <= 0.0 {
+        return 0;
+    }
+    let mut rng = stream_rng(opts.seed, STREAM_COSMIC, 0);
+    let ntrack = Poisson::new(expected)
+        .map(|p| p.sample(&mut rng))
+        .unwrap_or(expected)
+        .round() as usize;
+    let (r0, r1) = (region.rows.start as f64, region.rows.end as f64);
+    let (c0, c1) = (region.cols.start as f64, region.cols.end as f64);
+    let mut pixels: Vec<(i64, i64)> = Vec::with_capacity(16);
+    for _ in 0..ntrack {
+        let x0 = rng.random_range(c0 - 0.5..c1 - 0.5);
+        let y0 = rng.random_range(r0 - 0.5..r1 - 0.5);
+        let angle: f64 = rng.random_range(0.0..std::f64::consts::PI);
+        let length: f64 = rng.random_range(1.5..8.0);
+        let charge: f64 = rng.random_range(300.0..3000.0);
+        let (dx, dy) = (angle.cos(), angle.sin());
+        let nstep = (4.0 * length).ceil() as usize;
+        pixels.clear();
+        for k in 0..=nstep {
+            let t = length * k as f64 / nstep as f64;
+            let p = ((x0 + t * dx).round() as i64, (y0 + t * dy).round() as i64);
+            if !pixels.contains(&p) {
+                pixels.push(p);
+            }
+        }
+        for &(col, row) in &pixels {
+            if col < 0 || row < 0 {
+                continue;
+            }
+            let (col, row) = (col as usize, row as usize);
+            if !region.rows.contains(&row) || !region.cols.contains(&col) {
+                continue;
+            }
+            let i = row * ncols + col;
+            // Charge shared along the track, with some pixel-to-pixel variation.
+            image[i] += (charge * rng.random_range(0.5..1.5)) as f32;
+            ivar[i] = 0.0;
+            mask[i] |= MASK_COSMIC;
+        }
+    }
+    ntrack
+}
+
+/// A generator for one random stream: the seed, the stream and the index are mixed with
+/// SplitMix64 into the 256-bit seed, so neighbouring indices give unrelated streams.
+fn stream_rng(seed: u64, stream: u64, index: u64) -> StdRng {
+    let mut state = seed
+        ^ stream.wrapping_mul(0xD1B5_4A32_D192_ED03)
+        ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let mut bytes = [0u8; 32];
+    for chunk in bytes.chunks_mut(8) {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        chunk.copy_from_slice(&z.to_le_bytes());
+    }
+    StdRng::from_seed(bytes)
+}
+
+// ----------------------------------------------------------------------------------------
+// Spectra
+
+/// The brightest night-sky emission lines between 3600 and 9850 A: air wavelengths (A) of
+/// the mercury and sodium street-light lines, [OI] and the OH Meinel bands (after the
+/// Osterbrock et al. 1996 atlas), with representative fluxes in photons per fiber in a 900 s
+/// exposure. They set realistic positions, spacings and contrasts; they are not a calibrated
+/// sky model.
+const SKY_LINES: &[(f64, f64)] = &[
+    (4046.56, 250.0),
+    (4358.34, 500.0),
+    (5460.74, 700.0),
+    (5577.34, 9000.0),
+    (5682.63, 120.0),
+    (5688.21, 150.0),
+    (5889.95, 1500.0),
+    (5895.92, 1100.0),
+    (5915.31, 150.0),
+    (5932.86, 130.0),
+    (5953.42, 110.0),
+    (6257.96, 300.0),
+    (6287.43, 350.0),
+    (6300.30, 3000.0),
+    (6306.87, 150.0),
+    (6329.93, 200.0),
+    (6363.78, 1000.0),
+    (6470.91, 200.0),
+    (6498.73, 450.0),
+    (6533.04, 500.0),
+    (6553.62, 450.0),
+    (6577.28, 400.0),
+    (6596.64, 250.0),
+    (6827.46, 250.0),
+    (6863.96, 900.0),
+    (6912.62, 500.0),
+    (6923.19, 600.0),
+    (6939.52, 500.0),
+    (6948.94, 600.0),
+    (7276.41, 500.0),
+    (7303.72, 400.0),
+    (7316.28, 900.0),
+    (7329.15, 500.0),
+    (7340.89, 900.0),
+    (7358.70, 800.0),
+    (7369.25, 500.0),
+    (7401.69, 700.0),
+    (7524.12, 300.0),
+    (7571.75, 500.0),
+    (7750.64, 1200.0),
+    (7794.11, 1100.0),
+    (7821.50, 1300.0),
+    (7853.24, 500.0),
+    (7913.71, 1500.0),
+    (7964.65, 1600.0),
+    (7993.33, 1800.0),
+    (8344.60, 2500.0),
+    (8399.17, 2500.0),
+    (8430.17, 2000.0),
+    (8465.36, 2600.0),
+    (8493.39, 2400.0),
+    (8761.32, 2000.0),
+    (8767.91, 1800.0),
+    (8778.33, 2200.0),
+    (8791.19, 2000.0),
+    (8827.10, 3000.0),
+    (8885.85, 3000.0),
+    (8919.63, 1000.0),
+    (8943.40, 3500.0),
+    (8958.08, 3200.0),
+    (8988.38, 2800.0),
+    (9313.97, 2000.0),
+    (9375.96, 3000.0),
+    (9419.72, 1500.0),
+    (9439.67, 4000.0),
+    (9476.90, 3500.0),
+    (9567.09, 2000.0),
+    (9622.10, 2500.0),
+    (9714.67, 2000.0),
+    (9737.86, 3000.0),
+    (9793.60, 2000.0),
+];
+
+/// Intrinsic width (A, sigma) of the sky lines: unresolved, so almost all of a line's flux
+/// falls in one or two bins of the truth.
+const SKY_LINE_SIGMA: f64 = 0.2;
+
+/// Vacuum wavelength of an air wavelength (A), inverting Ciddor's refractive index of
+/// standard air to 0.01 A: DESI wavelengths are in vacuum.
+fn air_to_vacuum(air: f64) -> f64 {
+    let s2 = (1e4 / air).powi(2);
+    let n = 1.0
+        + 8.336624212083e-5
+        + 2.408926869968e-2 / (130.1065924522 - s2)
+        + 1.599740894897e-4 / (38.92568793293 - s2);
+    air * n
+}
+
+/// The sky line list in vacuum, with line widths.
+struct SkyLines {
+    lines: Vec<(f64, f64)>,
+}
+
+impl SkyLines {
+    fn new() -> Self {
+        SkyLines {
+            lines: SKY_LINES
+                .iter()
+                .map(|&(w, f)| (air_to_vacuum(w), f))
+                .collect(),
+        }
+    }
+}
+
+/// Night-sky continuum in photons per A for a 900 s exposure: a smooth, slowly varying
+/// level of a few tens of photons per A, brighter to the red.
+fn sky_continuum(w: f64) -> f64 {
+    40.0 * (w / 6500.0).powf(0.7)
+        * (1.0 + 0.15 * (2.0 * std::f64::consts::PI * (w - 4000.0) / 3100.0).cos())
+}
+
+/// Adds a Gaussian line of total `flux` photons centred at `center` with width `sigma` (A) to
+/// the bins of `wave` (each bin `dw` wide, centred on its wavelength), integrating the
+/// Gaussian over each bin; only bins within 8 sigma are touched.
+fn add_line(spectrum: &mut [f64], wave: &[f64], dw: f64, center: f64, sigma: f64, flux: f64) {
+    let (Some(&w0), n) = (wave.first(), wave.len()) else {
+        return;
+    };
+    let reach = 8.0 * sigma + dw;
+    let lo = (((center - reach - w0) / dw).floor().max(0.0) as usize).min(n);
+    let hi = (((center + reach - w0) / dw).ceil().max(0.0) as usize + 1).min(n);
+    let scale = 1.0 / (sigma * std::f64::consts::SQRT_2);
+    for i in lo..hi {
+        let a = (wave[i] - 0.5 * dw - center) * scale;
+        let b = (wave[i] + 0.5 * dw - center) * scale;
+        spectrum[i] += flux * 0.5 * (libm::erf(b) - libm::erf(a));
+    }
+}
+
+/// Rest-frame vacuum wavelengths (A) of the strong emission lines of galaxies, with their
+/// flux relative to H-alpha.
+const OBJECT_LINES: &[(f64, f64)] = &[
+    (3727.09, 0.35), // [OII]
+    (3729.88, 0.45), // [OII]
+    (4862.68, 0.35), // H-beta
+    (4960.30, 0.17), // [OIII]
+    (5008.24, 0.50), // [OIII]
+    (6549.86, 0.10), // [NII]
+    (6564.61, 1.00), // H-alpha
+    (6585.27, 0.30), // [NII]
+    (6718.29, 0.15), // [SII]
+    (6732.67, 0.11), // [SII]
+];
+
+/// The spectrum of one fiber (photons per bin) and its kind. The random choices come from the
+/// fiber's own stream, so they depend on the seed and the fiber number only.
+fn fiber_spectrum(
+    fiber: usize,
+    wave: &[f64],
+    sky: &SkyLines,
+    opts: &SimulateOptions,
+) -> (ObjType, Vec<f64>) {
+    let dw = opts.dw;
+    let mut rng = stream_rng(opts.seed, STREAM_FIBER, fiber as u64);
+    // Draw everything in a fixed order whatever the switches, so that switching the sky or
+    // the objects off leaves the other component unchanged.
+    let is_sky = rng.random_bool(opts.sky_fraction);
+    let throughput = 1.0 + 0.03 * rng.sample::<f64, _>(StandardNormal);
+    let amplitude = 10f64.powf(rng.random_range(1.0..2.2)); // photons per A at 6500 A
+    let slope = rng.random_range(-2.0..1.5);
+    let curvature = rng.random_range(-0.3..0.3);
+    let redshift = rng.random_range(0.0..1.1);
+    let halpha = 10f64.powf(rng.random_range(2.5..3.8)); // photons
+    let has_lines = rng.random_bool(0.7);
+    let dispersion = rng.random_range(40.0..200.0); // km/s
+
+    let mut spectrum = vec![0.0; wave.len()];
+    if opts.sky {
+        for (s, &w) in spectrum.iter_mut().zip(wave) {
+            *s = sky_continuum(w) * dw;
+        }
+        for &(center, flux) in &sky.lines {
+            add_line(&mut spectrum, wave, dw, center, SKY_LINE_SIGMA, flux);
+        }
+        spectrum.iter_mut().for_each(|s| *s *= throughput);
+    }
+    // Fibers without an object are sky fibers, even when the sky itself is switched off.
+    let kind = if opts.objects && !is_sky {
+        ObjType::Target
+    } else {
+        ObjType::Sky
+    };
+    if opts.objects && !is_sky {
+        for (s, &w) in spectrum.iter_mut().zip(wave) {
+            let x = (w / 6500.0).ln();
+            *s += amplitude * (slope * x + curvature * x * x).exp() * dw;
+        }
+        if has_lines {
+            for &(rest, ratio) in OBJECT_LINES {
+                let center = rest * (1.0 + redshift);
+                let sigma = center * dispersion / 299_792.458;
+                add_line(&mut spectrum, wave, dw, center, sigma, halpha * ratio);
+            }
+        }
+    }
+    (kind, spectrum)
+}
+
+// ----------------------------------------------------------------------------------------
+// Output
+
+impl Simulation {
+    /// The truth of fiber `fiber` (absolute), photons per bin.
+    pub fn truth(&self, fiber: usize) -> Option<&[f64]> {
+        if !self.fibers.contains(&fiber) {
+            return None;
+        }
+        let n = self.wave.len();
+        let i = fiber - self.fibers.start;
+        Some(&self.flux[i * n..(i + 1) * n])
+    }
+
+    /// Writes the preproc image and the truth. Each file is written under a temporary name
+    /// in its directory and renamed into place once complete; on any error neither output is
+    /// left behind (a file already renamed is removed again), so a pair on disk is always
+    /// complete and consistent.
+    pub fn write(&self, image_path: &Path, truth_path: &Path) -> Result<()> {
+        if image_path == truth_path {
+            return Err(Error::config(format!(
+                "the image and the truth would both be written to {}",
+                image_path.display()
+            )));
+        }
+        let image_tmp = temporary_path(image_path);
+        let truth_tmp = temporary_path(truth_path);
+        let remove = |paths: &[&Path]| {
+            for p in paths {
+                let _ = std::fs::remove_file(p);
+            }
+        };
+        if let Err(e) = self.write_image(&image_tmp) {
+            remove(&[&image_tmp]);
+            return Err(e);
+        }
+        if let Err(e) = self.write_truth(&truth_tmp) {
+            remove(&[&image_tmp, &truth_tmp]);
+            return Err(e);
+        }
+        if let Err(source) = std::fs::rename(&truth_tmp, truth_path) {
+            remove(&[&image_tmp, &truth_tmp]);
+            return Err(Error::Io {
+                path: truth_path.into(),
+                source,
+            });
+        }
+        if let Err(source) = std::fs::rename(&image_tmp, image_path) {
+            remove(&[&image_tmp, truth_path]);
+            return Err(Error::Io {
+                path: image_path.into(),
+                source,
+            });
+        }
+        info!(image = %image_path.display(), truth = %truth_path.display(), "wrote simulation");
+        Ok(())
+    }
+
+    /// Keywords shared by the IMAGE header and the truth headers.
+    fn write_provenance(&self, fits: &mut Fits) -> Result<()> {
+        let o = &self.options;
+        fits.write_key_str("CAMERA", &self.camera, "camera")?;
+        fits.write_key_i64("EXPID", o.expid, "exposure number")?;
+        match i64::try_from(o.seed) {
+            Ok(seed) => fits.write_key_i64("SIMSEED", seed, "simulation seed")?,
+            Err(_) => fits.write_key_str("SIMSEED", &o.seed.to_string(), "simulation seed")?,
+        }
+        fits.write_key_str("SIMPSF", &self.psf_name, "PSF used for the simulation")?;
+        fits.write_key_i64("SIMFIB0", self.fibers.start as i64, "first simulated fiber")?;
+        fits.write_key_i64(
+            "SIMNFIB",
+            self.fibers.len() as i64,
+            "number of simulated fibers",
+        )?;
+        fits.write_key_f64(
+            "SIMWMIN",
+            self.wave.first().copied().unwrap_or(o.wmin),
+            "first truth wavelength [A]",
+        )?;
+        fits.write_key_f64(
+            "SIMWMAX",
+            self.wave.last().copied().unwrap_or(o.wmax),
+            "last truth wavelength [A]",
+        )?;
+        fits.write_key_f64("SIMDW", o.dw, "truth bin width [A]")?;
+        fits.write_key_str(
+            "SIMCODE",
+            concat!("spex ", env!("CARGO_PKG_VERSION")),
+            "simulation program",
+        )
+    }
+
+    fn write_image(&self, path: &Path) -> Result<()> {
+        let o = &self.options;
+        let shape = [self.nrows, self.ncols];
+        let mut fits = Fits::create(path)?;
+        fits.write_image("IMAGE", &shape, &self.image)?;
+        fits.write_key_str("BUNIT", "electron", "")?;
+        self.write_provenance(&mut fits)?;
+        fits.write_key_i64("NIGHT", NIGHT, "placeholder night")?;
+        fits.write_key_f64("EXPTIME", EXPTIME, "exposure time [s]")?;
+        fits.write_key_str("DETECTOR", "sim", "simulated frame")?;
+        fits.write_key_f64("SIMRDN", o.read_noise, "read noise [electron]")?;
+        fits.write_card(&format!(
+            "{:<8}= {:>20} / {}",
+            "SIMNOISE",
+            if o.noise { "T" } else { "F" },
+            "Poisson and read noise added"
+        ))?;
+        fits.write_key_f64(
+            "SIMCOSMD",
+            o.cosmic_density,
+            "cosmic tracks per million pixels",
+        )?;
+        fits.write_key_i64("SIMNCOSM", self.ncosmic as i64, "number of cosmic tracks")?;
+        fits.write_key_i64(
+            "SIMBADC",
+            o.bad_column.map_or(-1, |c| c as i64),
+            "bad column (-1: none)",
+        )?;
+        fits.write_key_i64("SIMROW0", self.rows.start as i64, "first row with signal")?;
+        fits.write_key_i64(
+            "SIMROW1",
+            self.rows.end as i64,
+            "end of the rows with signal",
+        )?;
+        fits.write_key_i64(
+            "SIMCOL0",
+            self.cols.start as i64,
+            "first column with signal",
+        )?;
+        fits.write_key_i64(
+            "SIMCOL1",
+            self.cols.end as i64,
+            "end of the columns with signal",
+        )?;
+        fits.write_image("IVAR", &shape, &self.ivar)?;
+        fits.write_image("MASK", &shape, &self.mask)?;
+
+        let nfiber = self.objtype.len();
+        fits.create_table(
+            "FIBERMAP",
+            &[
+                ("FIBER", "J"),
+                ("TARGETID", "K"),
+                ("FIBERSTATUS", "J"),
+                ("OBJTYPE", "3A"),
+            ],
+            nfiber,
+        )?;
+        let fiber: Vec<i32> = (0..nfiber as i32).collect();
+        let targetid: Vec<i64> = (0..nfiber as i64).map(|f| 1000 + f).collect();
+        let status = vec![0i32; nfiber];
+        let objtype: Vec<&str> = self.objtype.iter().map(|t| t.as_str()).collect();
+        fits.write_column("FIBER", &fiber)?;
+        fits.write_column("TARGETID", &targetid)?;
+        fits.write_column("FIBERSTATUS", &status)?;
+        fits.write_column_str("OBJTYPE", &objtype)?;
+        fits.close()
+    }
+
+    fn write_truth(&self, path: &Path) -> Result<()> {
+        let mut fits = Fits::create(path)?;
+        fits.write_image("WAVELENGTH", &[self.wave.len()], &self.wave)?;
+        fits.write_key_str("BUNIT", "Angstrom", "")?;
+        fits.write_key_i64(
+            "FIBERMIN",
+            self.fibers.start as i64,
+            "fiber of the first FLUX row",
+        )?;
+        self.write_provenance(&mut fits)?;
+        fits.write_image("FLUX", &[self.fibers.len(), self.wave.len()], &self.flux)?;
+        fits.write_key_str("BUNIT", "photon", "photons per bin")?;
+        fits.write_key_i64(
+            "FIBERMIN",
+            self.fibers.start as i64,
+            "fiber of the first FLUX row",
+        )?;
+        self.write_provenance(&mut fits)?;
+        fits.close()
+    }
+}
+
+/// A temporary name next to `path`. The marker goes in front of the file name so that the
+/// suffix, which cfitsio looks at (`.gz` asks for a compressed file), is unchanged.
+fn temporary_path(path: &Path) -> PathBuf {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    path.with_file_name(format!(".tmp{}-{name}", std::process::id()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::image::{Image, MaskRule};
+
+    fn read_psf(name: &str) -> GaussHermitePsf {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/data")
+            .join(name);
+        GaussHermitePsf::read(&path).expect("test PSF")
+    }
+
+    fn psf_a() -> GaussHermitePsf {
+        read_psf("psf-r0-00067784.fits")
+    }
+
+    /// A few fibers over a short range: fast, and fully on the CCD.
+    fn small(seed: u64) -> SimulateOptions {
+        let mut o = SimulateOptions::new(10..14, 6250.0, 6350.0);
+        o.seed = seed;
+        o.cosmic_density = 2000.0;
+        o.bad_column = None;
+        o
+    }
+
+    #[test]
+    fn same_seed_same_frame_whatever_the_threads() {
+        let psf = psf_a();
+        let opts = small(7);
+        let run = |threads: usize| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap()
+                .install(|| simulate(&psf, &opts).unwrap())
+        };
+        let a = run(1);
+        let b = run(3);
+        assert!(a.ncosmic > 0);
+        assert_eq!(a.image, b.image);
+        assert_eq!(a.ivar, b.ivar);
+        assert_eq!(a.mask, b.mask);
+        assert_eq!(a.flux, b.flux);
+        assert_eq!(a.objtype, b.objtype);
+
+        let c = simulate(&psf, &small(8)).unwrap();
+        assert_ne!(a.flux, c.flux);
+        let differ = a.image.iter().zip(&c.image).filter(|(x, y)| x != y).count();
+        assert!(
+            differ > a.rows.len() * a.cols.len() / 2,
+            "only {differ} pixels differ"
+        );
+    }
+
+    #[test]
+    fn a_fiber_spectrum_depends_on_the_seed_and_fiber_only() {
+        let psf = psf_a();
+        let a = simulate(&psf, &small(3)).unwrap();
+        let mut o = small(3);
+        o.fibers = 12..17;
+        let b = simulate(&psf, &o).unwrap();
+        for fiber in 12..14 {
+            assert_eq!(a.truth(fiber).unwrap(), b.truth(fiber).unwrap());
+            assert_eq!(a.objtype[fiber], b.objtype[fiber]);
+        }
+        assert!(a.truth(9).is_none() && a.truth(14).is_none());
+    }
+
+    #[test]
+    fn truth_is_realistic() {
+        let psf = psf_a();
+        let mut o = SimulateOptions::new(0..40, 6250.0, 6400.0);
+        o.noise = false;
+        o.cosmic_density = 0.0;
+        let s = simulate(&psf, &o).unwrap();
+        assert_eq!(s.flux.len(), 40 * s.wave.len());
+        assert!(s.flux.iter().all(|v| v.is_finite() && *v >= 0.0));
+        let nsky = s.objtype[0..40]
+            .iter()
+            .filter(|t| **t == ObjType::Sky)
+            .count();
+        assert!(nsky > 0 && nsky < 40, "{nsky} sky fibers");
+        // [OI] 6300.30 A (air) is the brightest line of the range in every fiber.
+        let line = air_to_vacuum(6300.30);
+        let ibin = s.wave.iter().position(|w| (w - line).abs() <= 0.4).unwrap();
+        for fiber in 0..40 {
+            let t = s.truth(fiber).unwrap();
+            let mut sorted = t.to_vec();
+            sorted.sort_by(f64::total_cmp);
+            let median = sorted[sorted.len() / 2];
+            assert!(
+                (10.0..1000.0).contains(&median),
+                "fiber {fiber}: continuum {median}"
+            );
+            let peak = t[ibin.saturating_sub(1)..ibin + 2].iter().sum::<f64>();
+            assert!(peak > 2000.0, "fiber {fiber}: [OI] {peak}");
+            if s.objtype[fiber] == ObjType::Sky {
+                // Sky fibers share one spectrum up to the fiber throughput.
+                let t0 = s
+                    .truth(s.objtype.iter().position(|t| *t == ObjType::Sky).unwrap())
+                    .unwrap();
+                let ratio = t[0] / t0[0];
+                assert!(t.iter().zip(t0).all(|(a, b)| (a / b - ratio).abs() < 1e-9));
+            }
+        }
+    }
+
+    /// Spots are unit-normalised, so the noiseless image holds all of the truth except what
+    /// falls off the CCD, which is computed here from the spots themselves.
+    fn check_total(psf: &GaussHermitePsf, mut o: SimulateOptions) -> f64 {
+        o.noise = false;
+        o.cosmic_density = 0.0;
+        let s = simulate(psf, &o).unwrap();
+        let spots = psf.spots(o.fibers.clone(), &s.wave);
+        let c = &spots.corners;
+        let mut expected = 0.0;
+        let mut lost = 0.0;
+        for f in 0..o.fibers.len() {
+            for w in 0..s.wave.len() {
+                let (xc, yc) = c.corner(f, w);
+                let t = s.flux[f * s.wave.len() + w];
+                for iy in 0..c.ny {
+                    for ix in 0..c.nx {
+                        let (x, y) = (xc as i64 + ix as i64, yc as i64 + iy as i64);
+                        let v = t * spots.spot(f, w)[iy * c.nx + ix];
+                        if x >= 0 && y >= 0 && (x as usize) < s.ncols && (y as usize) < s.nrows {
+                            expected += v;
+                        } else {
+                            lost += v;
+                        }
+                    }
+                }
+            }
+        }
+        let total: f64 = s.image.iter().map(|&v| v as f64).sum();
+        let truth: f64 = s.flux.iter().sum();
+        assert!(
+            (expected + lost - truth).abs() < 1e-9 * truth,
+            "spots are not unit-normalised"
+        );
+        assert!(
+            (total - expected).abs() < 1e-6 * expected,
+            "image {total} vs truth on the CCD {expected}"
+        );
+        lost / truth
+    }
+
+    #[test]
+    fn noiseless_image_holds_the_truth() {
+        let psf = psf_a();
+        let lost = check_total(&psf, SimulateOptions::new(100..104, 6000.0, 6200.0));
+        assert_eq!(lost, 0.0);
+        // The first fibers at the blue end of the domain run off the CCD.
+        let (lo, _) = psf.wave_domain();
+        let lost = check_total(&psf, SimulateOptions::new(0..3, lo, lo + 60.0));
+        assert!(lost > 0.0 && lost < 1.0, "lost fraction {lost}");
+        let other = read_psf("psf-r0-00051060.fits");
+        check_total(&other, SimulateOptions::new(250..253, 7400.0, 7500.0));
+    }
+
+    #[test]
+    fn ivar_follows_the_model_and_the_region_is_masked_outside() {
+        let psf = psf_a();
+        let mut o = small(1);
+        o.noise = false;
+        o.cosmic_density = 0.0;
+        let s = simulate(&psf, &o).unwrap();
+        let rn2 = o.read_noise * o.read_noise;
+        for row in 0..s.nrows {
+            for col in 0..s.ncols {
+                let i = row * s.ncols + col;
+                if s.rows.contains(&row) && s.cols.contains(&col) {
+                    assert_eq!(s.mask[i], 0);
+                    let expected = 1.0 / (s.image[i] as f64 + rn2);
+                    assert!((s.ivar[i] as f64 - expected).abs() < 1e-6 * expected);
+                } else {
+                    assert_eq!((s.image[i], s.ivar[i], s.mask[i]), (0.0, 0.0, MASK_BAD));
+                }
+            }
+        }
+        // The margin holds only read noise: the spots are inside the box.
+        let row = s.rows.start;
+        assert!(
+            s.image[row * s.ncols + s.cols.start..row * s.ncols + s.cols.end]
+                .iter()
+                .all(|&v| v == 0.0)
+        );
+    }
+
+    #[test]
+    fn cosmics_and_bad_column_are_masked_where_they_are() {
+        let psf = psf_a();
+        let mut clean = small(5);
+        clean.cosmic_density = 0.0;
+        let a = simulate(&psf, &clean).unwrap();
+        let mut dirty = small(5);
+        dirty.bad_column = Some(a.cols.start + 7);
+        let b = simulate(&psf, &dirty).unwrap();
+        assert!(b.ncosmic > 0);
+        let column = a.cols.start + 7;
+        let mut ncosmic_pixels = 0;
+        for i in 0..a.image.len() {
+            let (row, col) = (i / a.ncols, i % a.ncols);
+            let inside = a.rows.contains(&row) && a.cols.contains(&col);
+            if col == column {
+                assert_eq!(b.mask[i] & MASK_BAD, MASK_BAD);
+                assert_eq!(b.ivar[i], 0.0);
+            }
+            if b.mask[i] & MASK_COSMIC != 0 {
+                assert!(inside);
+                assert_eq!(b.ivar[i], 0.0);
+                assert!(b.image[i] - a.image[i] >= 149.0);
+                ncosmic_pixels += 1;
+            } else if col != column {
+                assert_eq!(
+                    (a.image[i], a.ivar[i], a.mask[i]),
+                    (b.image[i], b.ivar[i], b.mask[i])
+                );
+            }
+        }
+        assert!(
+            ncosmic_pixels >= 2 * b.ncosmic,
+            "{ncosmic_pixels} pixels for {} tracks",
+            b.ncosmic
+        );
+    }
+
+    #[test]
+    fn written_files_read_back() {
+        let psf = psf_a();
+        let mut o = small(11);
+        o.bad_column = Some(2000);
+        let s = simulate(&psf, &o).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let image_path = dir.path().join("preproc.fits");
+        let truth_path = dir.path().join("truth.fits");
+        s.write(&image_path, &truth_path).unwrap();
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names.len(), 2, "{names:?}");
+
+        let mut f = Fits::open(&image_path).unwrap();
+        for (name, _) in [("IMAGE", 0), ("IVAR", 1), ("MASK", 2)] {
+            f.move_to(name).unwrap();
+            assert_eq!(f.image_shape().unwrap(), vec![psf.npix_y, psf.npix_x]);
+        }
+        f.move_to("IMAGE").unwrap();
+        assert_eq!(f.key_str("CAMERA").unwrap().as_deref(), Some("r0"));
+        assert_eq!(f.key_i64("SIMSEED").unwrap(), Some(11));
+        assert_eq!(
+            f.key_str("SIMPSF").unwrap().as_deref(),
+            Some("psf-r0-00067784.fits")
+        );
+        let (_, image) = f.read_image::<f32>().unwrap();
+        assert_eq!(image, s.image);
+        f.move_to("MASK").unwrap();
+        assert_eq!(f.read_image::<i32>().unwrap().1, s.mask);
+        f.move_to("FIBERMAP").unwrap();
+        assert_eq!(f.nrows().unwrap(), psf.nfiber);
+        let (_, fiber) = f.column::<i32>("FIBER").unwrap();
+        assert_eq!(fiber, (0..psf.nfiber as i32).collect::<Vec<_>>());
+        let (_, targetid) = f.column::<i64>("TARGETID").unwrap();
+        assert_eq!(targetid[3], 1003);
+        let objtype = f.column_str("OBJTYPE").unwrap();
+        let expected: Vec<&str> = s.objtype.iter().map(|t| t.as_str()).collect();
+        assert_eq!(objtype, expected);
+
+        let mut t = Fits::open(&truth_path).unwrap();
+        t.move_to_primary().unwrap();
+        assert_eq!(t.key_i64("FIBERMIN").unwrap(), Some(10));
+        t.move_to("WAVELENGTH").unwrap();
+        assert_eq!(
+            t.read_image::<f64>().unwrap(),
+            (vec![s.wave.len()], s.wave.clone())
+        );
+        t.move_to("FLUX").unwrap();
+        assert_eq!(t.key_i64("FIBERMIN").unwrap(), Some(10));
+        assert_eq!(
+            t.read_image::<f64>().unwrap(),
+            (vec![4, s.wave.len()], s.flux.clone())
+        );
+
+        // The extraction's reader accepts it and masks what the simulation masked.
+        let img = Image::read(&image_path, MaskRule::AnyBit).unwrap();
+        assert_eq!((img.nrows, img.ncols), (psf.npix_y, psf.npix_x));
+        let nmasked = s.mask.iter().filter(|&&m| m != 0).count();
+        assert_eq!(img.nmasked, nmasked);
+        assert!(img.has_fibermap);
+    }
+
+    #[test]
+    fn failed_write_leaves_nothing() {
+        let psf = psf_a();
+        let mut o = small(2);
+        o.fibers = 0..1;
+        o.wmax = 6260.0;
+        let s = simulate(&psf, &o).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let image_path = dir.path().join("preproc.fits");
+        let truth_path = dir.path().join("missing").join("truth.fits");
+        assert!(s.write(&image_path, &truth_path).is_err());
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+        assert!(matches!(
+            s.write(&image_path, &image_path),
+            Err(Error::Config(_))
+        ));
+    }
+
+    type Change = Box<dyn Fn(&mut SimulateOptions)>;
+
+    #[test]
+    fn invalid_options_are_rejected() {
+        let psf = psf_a();
+        let (lo, hi) = psf.wave_domain();
+        let base = SimulateOptions::new(0..5, 6000.0, 6100.0);
+        let cases: Vec<(&str, Change)> = vec![
+            ("below the domain", Box::new(move |o| o.wmin = lo - 10.0)),
+            ("above the domain", Box::new(move |o| o.wmax = hi + 10.0)),
+            (
+                "reversed range",
+                Box::new(|o| (o.wmin, o.wmax) = (6100.0, 6000.0)),
+            ),
+            ("NaN", Box::new(|o| o.wmin = f64::NAN)),
+            ("zero step", Box::new(|o| o.dw = 0.0)),
+            ("negative step", Box::new(|o| o.dw = -0.8)),
+            ("fibers beyond the PSF", Box::new(|o| o.fibers = 498..501)),
+            ("no fibers", Box::new(|o| o.fibers = 3..3)),
+            ("negative read noise", Box::new(|o| o.read_noise = -1.0)),
+            (
+                "negative cosmic density",
+                Box::new(|o| o.cosmic_density = -1.0),
+            ),
+            ("sky fraction", Box::new(|o| o.sky_fraction = 1.5)),
+            ("bad column", Box::new(|o| o.bad_column = Some(5000))),
+            ("nothing", Box::new(|o| (o.sky, o.objects) = (false, false))),
+        ];
+        for (what, change) in cases {
+            let mut o = base.clone();
+            change(&mut o);
+            match simulate(&psf, &o) {
+                Err(Error::Config(message)) => assert!(!message.is_empty()),
+                other => panic!(
+                    "{what}: expected a configuration error, got {:?}",
+                    other.map(|s| s.fibers)
+                ),
+            }
+        }
+        // The whole domain is fine.
+        let mut o = SimulateOptions::new(0..1, lo, hi);
+        o.dw = 20.0;
+        assert!(simulate(&psf, &o).is_ok());
+    }
+}

@@ -1,0 +1,426 @@
+//! CUDA backend against the CPU reference. These tests need a GPU: they run only with
+//! `SPEX_GPU_TESTS=1` and otherwise (or without a usable device) say why they were skipped.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use rand::{RngExt, SeedableRng};
+use rand_distr::{Distribution, Normal};
+
+use spex::backend::cpu::CpuBackend;
+use spex::backend::cuda::{self, CudaBackend};
+use spex::backend::{Backend, FrameInput, Progress};
+use spex::extract::{PatchResult, PatchStatus, SolveOptions};
+use spex::image::Image;
+use spex::plan::{Plan, PlanOptions};
+use spex::psf::GaussHermitePsf;
+
+/// Prints past the test harness's output capture, so that a skip is always visible.
+fn say(msg: &str) {
+    let _ = writeln!(std::io::stderr(), "{msg}");
+}
+
+fn gpu_enabled(test: &str) -> bool {
+    if std::env::var("SPEX_GPU_TESTS").as_deref() == Ok("1") {
+        true
+    } else {
+        say(&format!(
+            "{test}: skipped: set SPEX_GPU_TESTS=1 to run the CUDA tests"
+        ));
+        false
+    }
+}
+
+fn backend(test: &str) -> Option<CudaBackend> {
+    if !gpu_enabled(test) {
+        return None;
+    }
+    match CudaBackend::new(0) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            say(&format!("{test}: skipped: no CUDA device: {e}"));
+            None
+        }
+    }
+}
+
+fn psf() -> GaussHermitePsf {
+    // SPEX_TEST_DATA lets a copied test binary find its data away from the source tree.
+    let dir = std::env::var("SPEX_TEST_DATA")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data"));
+    let path = dir.join("psf-r0-00067784.fits");
+    GaussHermitePsf::read(&path).expect("test PSF")
+}
+
+/// An image of the plan's fibers: spots at smooth fluxes plus Gaussian noise of the right
+/// variance (seeded), with a masked cosmic-ray track and a masked column piece.
+fn synthetic_image(psf: &GaussHermitePsf, plan: &Plan, seed: u64) -> Image {
+    let (nrows, ncols) = (psf.npix_y, psf.npix_x);
+    let spots = psf.spots(plan.fibers(), &plan.fullwave);
+    let (ny, nx) = psf.spot_shape();
+    let mut model = vec![0f64; nrows * ncols];
+    let (mut rlo, mut rhi, mut clo, mut chi) = (usize::MAX, 0, usize::MAX, 0);
+    for f in 0..plan.fibers().len() {
+        for (w, &wl) in plan.fullwave.iter().enumerate() {
+            let flux = 300.0 + 200.0 * (wl / 5.0 + f as f64).sin().abs();
+            let (xc, yc) = spots.corners.corner(f, w);
+            let spot = spots.spot(f, w);
+            for iy in 0..ny {
+                for ix in 0..nx {
+                    let (r, c) = (yc as usize + iy, xc as usize + ix);
+                    model[r * ncols + c] += flux * spot[iy * nx + ix];
+                    (rlo, rhi, clo, chi) = (rlo.min(r), rhi.max(r + 1), clo.min(c), chi.max(c + 1));
+                }
+            }
+        }
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let normal = Normal::new(0.0, 1.0).unwrap();
+    let mut pix = vec![0f32; nrows * ncols];
+    let mut ivar = vec![1.0 / 9.0; nrows * ncols];
+    for r in rlo..rhi {
+        for c in clo..chi {
+            let m = model[r * ncols + c];
+            let var = m + 9.0;
+            pix[r * ncols + c] = (m + var.sqrt() * normal.sample(&mut rng)) as f32;
+            ivar[r * ncols + c] = (1.0 / var) as f32;
+        }
+    }
+    for k in 0..12 {
+        let (r, c) = ((rlo + rhi) / 2 + k / 2, clo + 40 + k);
+        ivar[r * ncols + c] = 0.0;
+    }
+    let c = rng.random_range(clo + 10..chi - 10);
+    for r in rlo + 30..rlo + 60 {
+        ivar[r * ncols + c] = 0.0;
+    }
+    Image {
+        path: "synthetic".into(),
+        nrows,
+        ncols,
+        pix,
+        ivar,
+        header: Vec::new(),
+        has_fibermap: false,
+        nmasked: 0,
+        nnonfinite: 0,
+    }
+}
+
+fn assert_agree(gpu: &[PatchResult], cpu: &[PatchResult]) {
+    assert_eq!(gpu.len(), cpu.len());
+    let (mut pull, mut ivar, mut res, mut chi2) = (0f64, 0f64, 0f64, 0f64);
+    for (g, c) in gpu.iter().zip(cpu) {
+        assert_eq!(g.patch, c.patch);
+        assert_eq!(g.status, c.status, "patch {}", c.patch);
+        assert_eq!((g.nfiber, g.nwave, g.ndiag), (c.nfiber, c.nwave, c.ndiag));
+        for i in 0..c.flux.len() {
+            pull = pull.max((g.flux[i] - c.flux[i]).abs() * c.ivar[i].sqrt());
+            if c.ivar[i] > 0.0 {
+                ivar = ivar.max((g.ivar[i] / c.ivar[i] - 1.0).abs());
+            }
+            if c.chi2pix[i] != 0.0 {
+                chi2 = chi2.max((g.chi2pix[i] / c.chi2pix[i] - 1.0).abs());
+            } else {
+                assert_eq!(g.chi2pix[i], 0.0);
+            }
+            assert!((g.pixmask_fraction[i] - c.pixmask_fraction[i]).abs() < 1e-12);
+        }
+        for (x, y) in g.resolution.iter().zip(&c.resolution) {
+            res = res.max((x - y).abs() / y.abs().max(1e-3));
+        }
+        match (&g.model, &c.model) {
+            (Some(a), Some(b)) => {
+                assert_eq!((&a.rows, &a.cols), (&b.rows, &b.cols));
+                let scale = b.data.iter().fold(0f64, |m, v| m.max(v.abs()));
+                for (x, y) in a.data.iter().zip(&b.data) {
+                    assert!((x - y).abs() <= 1e-8 * scale, "model {x} vs {y}");
+                }
+            }
+            (None, None) => {}
+            _ => panic!("model present in one backend only (patch {})", c.patch),
+        }
+    }
+    say(&format!(
+        "gpu vs cpu: max |df| sqrt(ivar) {pull:.2e}, ivar rel {ivar:.2e}, resolution rel {res:.2e}, chi2pix rel {chi2:.2e}"
+    ));
+    assert!(pull < 1e-6, "flux differs by {pull} sigma");
+    assert!(ivar < 1e-6, "ivar differs by {ivar} relative");
+    assert!(res < 1e-6, "resolution differs by {res}");
+    assert!(chi2 < 1e-6, "chi2pix differs by {chi2} relative");
+}
+
+#[test]
+fn kernels_compile_with_nvrtc() {
+    if !gpu_enabled("kernels_compile_with_nvrtc") {
+        return;
+    }
+    // The architecture of device 0 when there is one, else a common one: NVRTC needs no GPU.
+    let arch = match CudaBackend::new(0) {
+        Ok(b) => {
+            let d = b.describe();
+            say(&format!("compiling for {d}"));
+            match d.rsplit_once("(sm_") {
+                Some((_, a)) => {
+                    let a = a.trim_end_matches(')');
+                    let (maj, min) = a.split_at(a.len() - 1);
+                    cuda::arch_name((maj.parse().unwrap(), min.parse().unwrap()))
+                }
+                None => "sm_80",
+            }
+        }
+        Err(e) => {
+            say(&format!("no CUDA device ({e}); compiling for sm_80"));
+            "sm_80"
+        }
+    };
+    for (name, src, kernels) in cuda::SOURCES {
+        match cuda::compile(name, src, arch) {
+            Ok(ptx) => {
+                let text = ptx.to_src();
+                for k in *kernels {
+                    assert!(text.contains(k), "{name}: kernel {k} missing from the PTX");
+                }
+            }
+            Err(e) if e.to_string().contains("cannot load") => {
+                say(&format!("kernels_compile_with_nvrtc: skipped: {e}"));
+                return;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+#[test]
+fn gpu_matches_cpu_reference() {
+    let Some(mut gpu) = backend("gpu_matches_cpu_reference") else {
+        return;
+    };
+    let psf = psf();
+    let plan = Plan::new(PlanOptions::new(6000.0, 6100.0, 0.8, 0, 25)).unwrap();
+    let image = synthetic_image(&psf, &plan, 7);
+    for (regularize, model) in [(0.0, true), (1e-3, false)] {
+        let options = SolveOptions {
+            regularize,
+            psferr: 0.01,
+            model,
+        };
+        let input = FrameInput {
+            plan: &plan,
+            psf: &psf,
+            image: &image,
+            options: &options,
+        };
+        let cpu = CpuBackend::new(0)
+            .unwrap()
+            .extract(input, &plan.patches, &Progress::silent())
+            .unwrap();
+        let g = gpu
+            .extract(input, &plan.patches, &Progress::silent())
+            .unwrap();
+        assert!(cpu.iter().all(|r| r.status == PatchStatus::Ok));
+        assert!(
+            cpu.iter()
+                .any(|r| r.pixmask_fraction.iter().any(|&v| v > 0.0)),
+            "no masked pixel"
+        );
+        assert_agree(&g, &cpu);
+        // a subset, in another order, in small chunks
+        let subset: Vec<_> = plan.patches.iter().rev().step_by(2).cloned().collect();
+        gpu.set_max_chunk(Some(3));
+        let g2 = gpu.extract(input, &subset, &Progress::silent()).unwrap();
+        gpu.set_max_chunk(None);
+        let c2: Vec<_> = subset.iter().map(|p| cpu[p.index].clone()).collect();
+        assert_agree(&g2, &c2);
+    }
+}
+
+#[test]
+fn masked_patch_is_reported() {
+    let Some(mut gpu) = backend("masked_patch_is_reported") else {
+        return;
+    };
+    let psf = psf();
+    let plan = Plan::new(PlanOptions::new(6000.0, 6040.0, 0.8, 0, 25)).unwrap();
+    let mut image = synthetic_image(&psf, &plan, 3);
+    image.ivar.iter_mut().for_each(|v| *v = 0.0);
+    let options = SolveOptions {
+        regularize: 0.0,
+        psferr: 0.01,
+        model: false,
+    };
+    let input = FrameInput {
+        plan: &plan,
+        psf: &psf,
+        image: &image,
+        options: &options,
+    };
+    let cpu = CpuBackend::new(0)
+        .unwrap()
+        .extract(input, &plan.patches, &Progress::silent())
+        .unwrap();
+    let g = gpu
+        .extract(input, &plan.patches, &Progress::silent())
+        .unwrap();
+    for (a, b) in g.iter().zip(&cpu) {
+        assert_eq!(a.status, PatchStatus::Masked);
+        assert_eq!(b.status, PatchStatus::Masked);
+        assert!(a
+            .flux
+            .iter()
+            .chain(&a.ivar)
+            .chain(&a.resolution)
+            .all(|&v| v == 0.0));
+        assert!(a.model.is_none());
+        for (x, y) in a.pixmask_fraction.iter().zip(&b.pixmask_fraction) {
+            assert!((x - y).abs() < 1e-12);
+        }
+    }
+}
+
+#[test]
+fn failed_factorisations_follow_the_cpu() {
+    let Some(mut gpu) = backend("failed_factorisations_follow_the_cpu") else {
+        return;
+    };
+    let psf = psf();
+    let plan = Plan::new(PlanOptions::new(6000.0, 6100.0, 0.8, 0, 25)).unwrap();
+    let mut image = synthetic_image(&psf, &plan, 5);
+    // Negative weights on the core of a spot make icov indefinite while its fluxweight stays
+    // above the regularisation floor: the factorisation fails, the retry with regularize 1e-4
+    // fails too and the CPU reference takes over (eigendecomposition fallback).
+    for (fiber, wave) in [(2, 6020.0), (17, 6070.0)] {
+        let (x, y) = psf.xy(fiber, wave);
+        for dy in -1i64..=1 {
+            for dx in -1i64..=1 {
+                let r = (y.round() as i64 + dy) as usize;
+                let c = (x.round() as i64 + dx) as usize;
+                image.ivar[r * image.ncols + c] *= -0.4;
+            }
+        }
+    }
+    // A NaN pixel under another patch: a non-finite solution, reported as such.
+    let (x, y) = psf.xy(12, 6045.0);
+    image.pix[y.round() as usize * image.ncols + x.round() as usize] = f32::NAN;
+    let options = SolveOptions {
+        regularize: 0.0,
+        psferr: 0.01,
+        model: false,
+    };
+    let input = FrameInput {
+        plan: &plan,
+        psf: &psf,
+        image: &image,
+        options: &options,
+    };
+    let cpu = CpuBackend::new(0)
+        .unwrap()
+        .extract(input, &plan.patches, &Progress::silent())
+        .unwrap();
+    let g = gpu
+        .extract(input, &plan.patches, &Progress::silent())
+        .unwrap();
+    let statuses: Vec<_> = cpu
+        .iter()
+        .map(|r| r.status)
+        .filter(|s| *s != PatchStatus::Ok)
+        .collect();
+    say(&format!(
+        "statuses other than Ok: {statuses:?}; GPU retried {}, CPU fallback {}",
+        gpu.timings().retried,
+        gpu.timings().cpu_fallback
+    ));
+    assert!(
+        statuses.contains(&PatchStatus::NonFinite),
+        "the NaN pixel went unnoticed"
+    );
+    assert!(
+        gpu.timings().retried > 0,
+        "the negative weights did not break any factorisation"
+    );
+    assert_agree(&g, &cpu);
+}
+
+/// A random symmetric positive definite matrix with eigenvalues spread over `decades`.
+fn random_spd(n: usize, decades: f64, rng: &mut rand::rngs::StdRng) -> Vec<f64> {
+    // random orthogonal matrix by modified Gram-Schmidt
+    let normal = Normal::new(0.0, 1.0).unwrap();
+    let mut q: Vec<Vec<f64>> = (0..n)
+        .map(|_| (0..n).map(|_| normal.sample(rng)).collect())
+        .collect();
+    for i in 0..n {
+        for j in 0..i {
+            let (head, tail) = q.split_at_mut(i);
+            let (qi, qj) = (&mut tail[0], &head[j]);
+            let d: f64 = qi.iter().zip(qj).map(|(a, b)| a * b).sum();
+            qi.iter_mut().zip(qj).for_each(|(a, b)| *a -= d * b);
+        }
+        let norm = q[i].iter().map(|v| v * v).sum::<f64>().sqrt();
+        q[i].iter_mut().for_each(|v| *v /= norm);
+    }
+    let lam: Vec<f64> = (0..n)
+        .map(|i| 10f64.powf(-decades * i as f64 / (n - 1) as f64) * 3.7)
+        .collect();
+    let mut a = vec![0.0; n * n];
+    for r in 0..n {
+        for c in 0..n {
+            a[r * n + c] = (0..n).map(|k| q[k][r] * lam[k] * q[k][c]).sum();
+        }
+    }
+    for r in 0..n {
+        for c in 0..r {
+            let v = 0.5 * (a[r * n + c] + a[c * n + r]);
+            a[r * n + c] = v;
+            a[c * n + r] = v;
+        }
+    }
+    a
+}
+
+#[test]
+fn inverse_sqrt_residual() {
+    let Some(mut gpu) = backend("inverse_sqrt_residual") else {
+        return;
+    };
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    for n in [74usize, 31, 9] {
+        for decades in [0.5, 4.0, 8.0] {
+            let count = 40;
+            let mats: Vec<f64> = (0..count)
+                .flat_map(|_| random_spd(n, decades, &mut rng))
+                .collect();
+            let qs = gpu.inverse_sqrt_batched(&mats, n).unwrap();
+            let mut worst = 0f64;
+            for b in 0..count {
+                let c = &mats[b * n * n..(b + 1) * n * n];
+                let q = &qs[b * n * n..(b + 1) * n * n];
+                // Q C Q - I
+                let mut qc = vec![0.0; n * n];
+                for i in 0..n {
+                    for k in 0..n {
+                        qc[i * n + k] = (0..n).map(|l| q[i * n + l] * c[l * n + k]).sum();
+                    }
+                }
+                for i in 0..n {
+                    for k in 0..n {
+                        let v: f64 = (0..n).map(|l| qc[i * n + l] * q[l * n + k]).sum();
+                        let e = if i == k { v - 1.0 } else { v };
+                        worst = worst.max(e.abs());
+                        assert!(
+                            (q[i * n + k] - q[k * n + i]).abs()
+                                <= 1e-12 * q[i * n + i].abs().max(q[k * n + k].abs())
+                        );
+                    }
+                }
+            }
+            say(&format!(
+                "inverse sqrt n {n}, condition 1e{decades}: max |QCQ - I| {worst:.2e}"
+            ));
+            assert!(
+                worst < 1e-9 * 10f64.powf(decades / 2.0).max(1.0),
+                "residual {worst}"
+            );
+        }
+    }
+}
