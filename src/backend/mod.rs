@@ -18,6 +18,10 @@ pub mod cuda;
 pub mod cuda;
 
 /// Everything a backend needs to solve patches of one frame.
+///
+/// Under MPI a rank that did not read the frame receives only the box of pixels that the
+/// frame's spots can touch: elsewhere `image` is zero. Backends read pixels only inside a
+/// patch's [`crate::extract::PatchGeometry`], which lies within that box.
 #[derive(Clone, Copy)]
 pub struct FrameInput<'a> {
     pub plan: &'a Plan,
