@@ -283,3 +283,34 @@ fn compare_exits_3_outside_limits() {
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("different wavelength grids"));
 }
+
+/// `--gpu` where no CUDA driver can be loaded fails at once with one line naming what is
+/// missing. (On a GPU machine, where the driver loads, this is what scripts/gpu-check covers.)
+#[test]
+fn gpu_without_a_driver_is_one_clear_error() {
+    if std::env::var_os("SPEX_GPU_TESTS").is_some() {
+        eprintln!("skipped: SPEX_GPU_TESTS is set, a GPU is expected to be present");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("frame.fits");
+    let (input, psf) = (data("preproc-bundle0.fits"), data("psf-r0-00067784.fits"));
+    let mut args = bundle0_args(s(&input), s(&psf), s(&out));
+    args.push("--gpu");
+    let o = Command::new(env!("CARGO_BIN_EXE_spex"))
+        .args(&args)
+        .env("LD_LIBRARY_PATH", dir.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    if o.status.success() {
+        eprintln!("skipped: a CUDA driver is present on this machine");
+        return;
+    }
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr.contains("GPU: cannot load the CUDA driver library"),
+        "{stderr}"
+    );
+    assert!(!out.exists());
+}
