@@ -144,6 +144,7 @@ pub fn run(
                 }
             }
             rc.wait_quietly();
+            let _range = nvtx::LocalRange::new(c"broadcast");
             if let Err(e) = rc.broadcast_words(0, &mut header) {
                 fatal(&e);
             }
@@ -207,7 +208,10 @@ pub fn run(
         };
         let t_gather = Instant::now();
         wc.wait_quietly();
-        let gathered = wc.gather_words(0, &send).unwrap_or_else(|e| fatal(&e));
+        let gathered = {
+            let _range = nvtx::LocalRange::new(c"gather");
+            wc.gather_words(0, &send).unwrap_or_else(|e| fatal(&e))
+        };
         let Some(gathered) = gathered else { continue };
         let gather = t_gather.elapsed();
         let mut contributions = Vec::with_capacity(gathered.len());
@@ -381,6 +385,7 @@ type PixelBox = (Range<usize>, Range<usize>);
 /// Reads a frame and checks what can be checked before anyone solves (the output directory,
 /// the inputs, the plan); returns the inputs and the box of pixels the plan's patches can use.
 fn read_frame(request: &ExtractRequest) -> Result<(Inputs, PixelBox)> {
+    let _range = nvtx::LocalRange::new(c"read");
     request.check_outputs()?;
     let inputs = pipeline::read_inputs(request)?;
     let plan = request.plan(&inputs.psf)?;
@@ -467,6 +472,7 @@ fn solve_share(
     share: &Share,
     progress: &Progress,
 ) -> Result<Vec<PatchResult>> {
+    let _range = nvtx::LocalRange::new(c"extract");
     let plan = request.plan(&inputs.psf)?;
     let options = request.solve_options(&inputs.psf);
     let block = patch_block(plan.patches.len(), share.nworkers, share.worker);
