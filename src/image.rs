@@ -44,8 +44,22 @@ pub struct Image {
     pub nnonfinite: usize,
 }
 
+/// The result of a reader thread; a panic becomes an error naming the file.
+fn join<T>(handle: std::thread::ScopedJoinHandle<'_, Result<T>>, path: &Path) -> Result<T> {
+    handle.join().unwrap_or_else(|_| {
+        Err(Error::Image {
+            path: path.into(),
+            message: "reader thread panicked".into(),
+        })
+    })
+}
+
 impl Image {
     /// Reads IMAGE, IVAR and MASK (plain or tile-compressed) and applies the mask rule.
+    ///
+    /// The three HDUs are read by three threads with their own file handles (cfitsio is
+    /// built reentrant): reading a frame is mostly byte swapping or decompression, and it is
+    /// what limits a node's throughput once extraction runs on GPUs.
     pub fn read(path: &Path, rule: MaskRule) -> Result<Self> {
         let mut fits = Fits::open(path)?;
         fits.move_to("IMAGE")?;
@@ -54,17 +68,27 @@ impl Image {
             .into_iter()
             .filter(|c| !crate::fits::is_structural_card(c))
             .collect();
-        let (shape, pix) = fits.read_image::<f32>()?;
+        let shape = fits.image_shape()?;
         if shape.len() != 2 || shape[0] == 0 || shape[1] == 0 {
             return Err(Error::Image {
                 path: path.into(),
                 message: format!("IMAGE has shape {shape:?}, expected a 2-D image"),
             });
         }
-        fits.move_to("IVAR")?;
-        let (ivar_shape, mut ivar) = fits.read_image::<f32>()?;
-        fits.move_to("MASK")?;
-        let (mask_shape, mask) = fits.read_image::<i32>()?;
+        let read_hdu = |name: &str| -> Result<Fits> {
+            let mut f = Fits::open(path)?;
+            f.move_to(name)?;
+            Ok(f)
+        };
+        let (pix, ivar, mask) = std::thread::scope(|s| {
+            let pix = s.spawn(|| read_hdu("IMAGE")?.read_image::<f32>());
+            let ivar = s.spawn(|| read_hdu("IVAR")?.read_image::<f32>());
+            let mask = s.spawn(|| read_hdu("MASK")?.read_image::<i32>());
+            (join(pix, path), join(ivar, path), join(mask, path))
+        });
+        let (_, pix) = pix?;
+        let (ivar_shape, mut ivar) = ivar?;
+        let (mask_shape, mask) = mask?;
         for (name, s) in [("IVAR", &ivar_shape), ("MASK", &mask_shape)] {
             if *s != shape {
                 return Err(Error::Image {

@@ -283,14 +283,9 @@ pub fn extract_frame(
     let plan = request.plan(&inputs.psf)?;
     let options = request.solve_options(&inputs.psf);
     tracing::info!(
-        "{}: fibers {}..{}, {} bins {:.1}..{:.1} A, {} patches on {}",
+        "{}: {} on {}",
         request.input.display(),
-        plan.options.specmin,
-        plan.options.specmin + plan.options.nspec,
-        plan.nwave(),
-        plan.wave[0],
-        plan.wave[plan.nwave() - 1],
-        plan.patches.len(),
+        plan.summary(),
         backend.describe()
     );
     let input = FrameInput {

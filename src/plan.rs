@@ -197,6 +197,19 @@ impl Plan {
             .collect()
     }
 
+    /// One line for logs: fibers, output grid and number of patches.
+    pub fn summary(&self) -> String {
+        format!(
+            "fibers {}..{}, {} bins {:.1}..{:.1} A, {} patches",
+            self.options.specmin,
+            self.options.specmin + self.options.nspec,
+            self.nwave(),
+            self.wave[0],
+            self.wave[self.nwave() - 1],
+            self.patches.len()
+        )
+    }
+
     /// The padded-grid wavelengths solved by a patch.
     pub fn patch_waves(&self, patch: &Patch) -> Range<usize> {
         patch.padded_wave_start..patch.padded_wave_start + self.nwavetot

@@ -557,16 +557,7 @@ fn write_frame(
     timings.phases.push(("solve", secs(solve_max)));
     timings.phases.push(("gather", gather));
     let plan = request.plan(&inputs.psf)?;
-    tracing::info!(
-        "{}: fibers {}..{}, {} bins {:.1}..{:.1} A, {} patches",
-        request.input.display(),
-        plan.options.specmin,
-        plan.options.specmin + plan.options.nspec,
-        plan.nwave(),
-        plan.wave[0],
-        plan.wave[plan.nwave() - 1],
-        plan.patches.len(),
-    );
+    tracing::info!("{}: {}", request.input.display(), plan.summary());
     let (frame, _) = pipeline::finish(request, &plan, &inputs, &results, &mut timings)?;
     tracing::info!(
         "{}: {timings}; solve per rank {:.3}-{:.3} s",
