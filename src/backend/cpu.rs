@@ -138,7 +138,7 @@ impl Backend for CpuBackend {
 }
 
 /// The projection matrix of a patch restricted to its pixel box, with the box's pixels.
-struct PatchSystem<'a> {
+struct PatchSystem {
     geom: PatchGeometry,
     ny: usize,
     nx: usize,
@@ -149,11 +149,10 @@ struct PatchSystem<'a> {
     /// Box pixels and weights, `[row][col]` of the box.
     pix: Vec<f64>,
     ivar: Vec<f64>,
-    image: &'a Image,
 }
 
-impl<'a> PatchSystem<'a> {
-    fn new(geom: PatchGeometry, spots: &Spots, image: &'a Image) -> Self {
+impl PatchSystem {
+    fn new(geom: PatchGeometry, spots: &Spots, image: &Image) -> Self {
         let (ny, nx) = (spots.corners.ny, spots.corners.nx);
         let size = ny * nx;
         let m = geom.nunknowns();
@@ -207,7 +206,6 @@ impl<'a> PatchSystem<'a> {
             corner,
             pix,
             ivar,
-            image,
         }
     }
 
@@ -639,7 +637,6 @@ pub fn solve_patch(
         empty.pixmask_fraction = result.pixmask_fraction;
         return empty;
     }
-    let _ = sys.image;
     result
 }
 
