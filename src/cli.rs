@@ -156,6 +156,10 @@ pub struct ExtractArgs {
     /// With 3 or more ranks: dedicated reader and writer ranks overlap I/O with extraction.
     #[arg(long)]
     pub async_io: bool,
+    /// With --async-io: split the worker ranks into N groups that extract different frames at
+    /// the same time (frame k goes to group k mod N), e.g. one group per GPU.
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = parse_frame_groups)]
+    pub frame_groups: usize,
     /// Skip frames whose output already exists.
     #[arg(long)]
     pub skip_existing: bool,
@@ -221,6 +225,14 @@ pub fn parse_wavelength(s: &str) -> std::result::Result<(f64, f64, f64), String>
         return Err(format!("wmax {} is below wmin {}", v[1], v[0]));
     }
     Ok((v[0], v[1], v[2]))
+}
+
+/// Parses a number of frame groups: a positive integer.
+pub fn parse_frame_groups(s: &str) -> std::result::Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("expected a positive number of groups, got {s:?}")),
+    }
 }
 
 /// Parses `lo,hi`.

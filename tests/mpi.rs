@@ -395,3 +395,113 @@ fn failed_frames_are_counted_and_the_others_complete() {
         assert_eq!(files_in(&dir.path().join(&name)).len(), 2);
     }
 }
+
+/// Asserts that two files hold the same bytes, after the array comparison that says where
+/// they differ.
+fn assert_same_files(a: &Path, b: &Path) {
+    assert_same_frames(a, b);
+    let (x, y) = (std::fs::read(a).unwrap(), std::fs::read(b).unwrap());
+    assert!(x == y, "{} and {} differ", a.display(), b.display());
+}
+
+#[test]
+fn frame_groups_give_the_files_of_a_serial_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let inputs = [
+        "preproc-bundle0.fits",
+        "preproc-bundle1.fits",
+        "preproc-bundle0.fits",
+    ];
+    let (args, serial) = frame_list(dir.path(), "serial", &inputs);
+    let run = spex(None, &args, &[], TIMEOUT);
+    assert!(run.ok(), "serial run failed:\n{}", run.stderr);
+    // One worker per group, then groups of one and two workers.
+    for (ranks, layout) in [(4, "(2, 3)"), (5, "(2, 3-4)")] {
+        let (mut args, outputs) = frame_list(dir.path(), &format!("groups{ranks}"), &inputs);
+        args.extend(["--async-io", "--frame-groups", "2"].map(String::from));
+        let run = spex(Some(ranks), &args, &[], TIMEOUT);
+        assert!(
+            run.ok(),
+            "2 groups on {ranks} ranks failed:\n{}",
+            run.stderr
+        );
+        assert!(
+            run.stderr
+                .contains(&format!("extract in 2 frame groups {layout}")),
+            "no frame groups:\n{}",
+            run.stderr
+        );
+        for (a, b) in serial.iter().zip(&outputs) {
+            assert_same_files(a, b);
+        }
+    }
+}
+
+#[test]
+fn failed_frames_of_either_group_are_counted_and_the_others_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing-preproc.fits");
+    let missing = missing.display().to_string();
+    let inputs = [
+        "preproc-bundle1.fits",
+        missing.as_str(),
+        "preproc-bundle1.fits",
+        "preproc-bundle1.fits",
+    ];
+    let (mut args, outputs) = frame_list(dir.path(), "groups", &inputs);
+    args.extend(["--async-io", "--frame-groups", "2"].map(String::from));
+    // Groups: rank 2 (frames 0, 2) and ranks 3-4 (frames 1, 3). Frame 1 cannot be read; frame
+    // 2 fails on the only worker of group 0.
+    let run = spex(
+        Some(5),
+        &args,
+        &[("SPEX_TEST_FAULT", "error@2:2")],
+        FAIL_FAST,
+    );
+    assert_eq!(run.code, Some(2), "{}", run.stderr);
+    assert!(run.elapsed < FAIL_FAST, "took {:?}", run.elapsed);
+    assert!(
+        run.stderr.contains("spex: 2 of 4 frames failed"),
+        "{}",
+        run.stderr
+    );
+    for (k, written) in [(0, true), (1, false), (2, false), (3, true)] {
+        assert_eq!(outputs[k].is_file(), written, "frame {k}:\n{}", run.stderr);
+    }
+    assert_eq!(files_in(&dir.path().join("groups")).len(), 2);
+}
+
+#[test]
+fn frame_groups_without_async_io_or_workers_are_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("frame.fits");
+    for (ranks, extra, cause) in [
+        (Some(4), &["--frame-groups", "2"][..], "needs --async-io"),
+        (
+            Some(4),
+            &["--async-io", "--frame-groups", "3"][..],
+            "more than the 2 worker ranks",
+        ),
+        (
+            None,
+            &["--async-io", "--frame-groups", "2"][..],
+            "3 or more ranks",
+        ),
+    ] {
+        let mut args = single("preproc-bundle0.fits", &out);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let run = spex(ranks, &args, &[], FAIL_FAST);
+        assert_eq!(run.code, Some(1), "{extra:?}:\n{}", run.stderr);
+        let lines: Vec<&str> = run
+            .stderr
+            .lines()
+            .filter(|l| l.starts_with("spex:"))
+            .collect();
+        assert!(
+            lines.len() == 1 && lines[0].contains("--frame-groups") && lines[0].contains(cause),
+            "{extra:?}: expected one line about --frame-groups ({cause}):\n{}",
+            run.stderr
+        );
+        assert!(files_in(dir.path()).is_empty());
+    }
+}

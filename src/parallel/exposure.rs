@@ -6,14 +6,21 @@
 //! returns the results to the writer, which stitches the frame and writes it atomically. All
 //! of this is the same code for one process (then one rank is reader, worker and writer).
 //!
+//! With frame groups (`--async-io --frame-groups N`) frame k goes to the workers of group
+//! k mod N only: the reader broadcasts it to that group and the writer gathers it from that
+//! group, both in the order of the list, so the groups solve different frames at the same time
+//! and the output does not change. Each group has its own broadcast and gather communicators,
+//! which a worker touches only for the frames of its group.
+//!
 //! Errors: a frame that cannot be read, or fails on any worker, is counted by the writer and
-//! skipped by every rank: the reader broadcasts a failure header, a worker returns a failed
-//! contribution, so every rank still takes part in the same collectives. The rank that had the
-//! error prints one line `spex: rank R: error: frame ...: cause`; no output is written for that
-//! frame, and the writer writes only after every worker has delivered. What leaves ranks out of
-//! step (a malformed message, a buffer that cannot be allocated, a panic) aborts the whole job
-//! through `MPI_Abort` after its line. At the end every rank returns the exit status decided by
-//! the writer: the number of failed frames (capped at 100), 3 for a failed `--test`.
+//! skipped by every rank that handles it: the reader broadcasts a failure header, a worker
+//! returns a failed contribution, so every rank still takes part in the same collectives (those
+//! of the frame's group). The rank that had the error prints one line
+//! `spex: rank R: error: frame ...: cause`; no output is written for that frame, and the writer
+//! writes only after every worker has delivered. What leaves ranks out of step (a malformed
+//! message, a buffer that cannot be allocated, a panic) aborts the whole job through
+//! `MPI_Abort` after its line. At the end every rank returns the exit status decided by the
+//! writer: the number of failed frames (capped at 100), 3 for a failed `--test`.
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
@@ -43,9 +50,21 @@ pub fn run(
     args: &ExtractArgs,
     progress: &dyn Fn() -> Progress,
 ) -> u8 {
-    let roles = Roles::new(layout.size, args.async_io);
     let me = layout.rank;
     let prefix = layout.error_prefix();
+    // Every rank reaches the same verdict on its own, so a bad option needs no message; rank 0
+    // alone says why, and the others wait for its line: a launcher may kill the job as soon as
+    // one rank exits non-zero.
+    let roles = match Roles::grouped(layout.size, args.async_io, args.frame_groups) {
+        Ok(roles) => roles,
+        Err(e) => {
+            if me == 0 {
+                print_line(&format!("{prefix} {e}"));
+            }
+            world.all_max(0);
+            return 1;
+        }
+    };
     if args.async_io && !roles.is_async() && me == 0 {
         tracing::warn!(
             "--async-io needs 3 or more ranks ({} here): rank 0 reads and writes",
@@ -109,15 +128,33 @@ pub fn run(
     }
     log_layout(world, layout, &roles, backend.as_deref(), device);
 
-    // Reader and workers share the broadcasts, workers and writer the gathers; in both the
-    // reader (resp. writer) is rank 0. Without dedicated I/O ranks both are the whole world.
-    let read_comm = world.split((me != roles.writer || !roles.is_async()).then_some(0));
-    let write_comm = world.split((me != roles.reader || !roles.is_async()).then_some(0));
-    let world_rank_of_writer_peer = |j: usize| if roles.is_async() { j + 1 } else { j };
+    // Per frame group, the reader and the group's workers share the broadcasts, the group's
+    // workers and the writer the gathers; in both the reader (resp. writer) is rank 0. Without
+    // dedicated I/O ranks there is one group and both are the whole world. Frame k uses the
+    // communicators of group k mod N only, so that the groups' frames proceed concurrently
+    // while each communicator still sees its collectives in the order of the list.
+    let my_group = roles.group_of(me);
+    let read_comms: Vec<Option<Comm>> = (0..roles.groups)
+        .map(|g| world.split((me == roles.reader || my_group == Some(g)).then_some(0)))
+        .collect();
+    let write_comms: Vec<Option<Comm>> = (0..roles.groups)
+        .map(|g| world.split((me == roles.writer || my_group == Some(g)).then_some(0)))
+        .collect();
+    // Rank j of group g's write communicator in the world.
+    let world_rank_of_writer_peer = |g: usize, j: usize| match (roles.is_async(), j) {
+        (false, _) => j,
+        (true, 0) => roles.writer,
+        (true, _) => roles.group_workers(g).start + j - 1,
+    };
 
     let mut outcome = Outcome::default();
     let t_run = Instant::now();
     for (k, request) in requests.iter().enumerate() {
+        let g = roles.group_of_frame(k);
+        let (read_comm, write_comm) = (&read_comms[g], &write_comms[g]);
+        if read_comm.is_none() && write_comm.is_none() {
+            continue; // a frame of another group
+        }
         let frame_name = request.input.display().to_string();
 
         // 1. Read and distribute.
@@ -157,9 +194,12 @@ pub fn run(
         }
         let recv_s = t_recv.elapsed().as_secs_f64();
 
-        // 2. Solve this worker's block.
+        // 2. Solve this worker's block of the frame, among the workers of its group.
         let mut own: Option<Contribution> = None;
-        if let (Some(wi), Some(backend)) = (worker, backend.as_deref_mut()) {
+        let group_workers = roles.group_workers(g);
+        let in_group = my_group == Some(g);
+        if let (true, Some(backend)) = (in_group, backend.as_deref_mut()) {
+            let wi = me - group_workers.start;
             own = Some(match &inputs {
                 None => Contribution::Skipped,
                 Some(inputs) => {
@@ -171,7 +211,7 @@ pub fn run(
                     let t0 = Instant::now();
                     let share = Share {
                         worker: wi,
-                        nworkers: roles.nworkers(),
+                        nworkers: group_workers.len(),
                         frame: k,
                         rank: me,
                     };
@@ -223,10 +263,13 @@ pub fn run(
                 }
             } else {
                 Contribution::from_words(&words).unwrap_or_else(|e| {
-                    fatal(&format!("from rank {}: {e}", world_rank_of_writer_peer(j)))
+                    fatal(&format!(
+                        "from rank {}: {e}",
+                        world_rank_of_writer_peer(g, j)
+                    ))
                 })
             };
-            contributions.push((world_rank_of_writer_peer(j), c));
+            contributions.push((world_rank_of_writer_peer(g, j), c));
         }
         let written = write_frame(
             request,

@@ -6,6 +6,7 @@
 use std::ops::Range;
 
 use super::Comm;
+use crate::error::{Error, Result};
 
 /// Where this rank sits in the job.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -85,12 +86,19 @@ impl Layout {
 /// (rank 0 included) solves a share of it, and rank 0 writes it. With `--async-io` rank 0 only
 /// reads and rank 1 only writes, so that reading frame k+1 and writing frame k-1 overlap the
 /// extraction of frame k on ranks 2 and up.
+///
+/// Frame groups (`--frame-groups N`, with dedicated I/O ranks only) split the workers into N
+/// contiguous groups and give frame k of the list to group k mod N alone: the per-frame costs
+/// that do not shrink with more workers (the broadcast of the pixels, host-side tables, the
+/// gather) are then paid by one group while the others solve their own frames.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Roles {
     pub reader: usize,
     pub writer: usize,
     /// World ranks that solve patches; worker `i` is world rank `workers.start + i`.
     pub workers: Range<usize>,
+    /// Number of frame groups the workers form (1: every worker takes part in every frame).
+    pub groups: usize,
 }
 
 impl Roles {
@@ -101,14 +109,44 @@ impl Roles {
                 reader: 0,
                 writer: 1,
                 workers: 2..size,
+                groups: 1,
             }
         } else {
             Roles {
                 reader: 0,
                 writer: 0,
                 workers: 0..size.max(1),
+                groups: 1,
             }
         }
+    }
+
+    /// The roles for `size` ranks with the workers split into `groups` frame groups: an error
+    /// (the same on every rank) unless dedicated I/O ranks leave at least one worker per group.
+    pub fn grouped(size: usize, async_io: bool, groups: usize) -> Result<Self> {
+        let roles = Roles::new(size, async_io);
+        if groups <= 1 {
+            return Ok(roles);
+        }
+        if !async_io {
+            return Err(Error::config(format!(
+                "--frame-groups {groups} needs --async-io: without dedicated reader and writer \
+                 ranks every rank takes part in every frame"
+            )));
+        }
+        if !roles.is_async() {
+            return Err(Error::config(format!(
+                "--frame-groups {groups} needs --async-io on 3 or more ranks ({size} here)"
+            )));
+        }
+        if groups > roles.nworkers() {
+            return Err(Error::config(format!(
+                "--frame-groups {groups} is more than the {} worker ranks ({size} ranks less \
+                 the reader and the writer)",
+                roles.nworkers()
+            )));
+        }
+        Ok(Roles { groups, ..roles })
     }
 
     /// Whether reading and writing run on their own ranks.
@@ -127,6 +165,23 @@ impl Roles {
             .then(|| rank - self.workers.start)
     }
 
+    /// The world ranks of frame group `group`: a contiguous, balanced block of the workers.
+    pub fn group_workers(&self, group: usize) -> Range<usize> {
+        let block = patch_block(self.nworkers(), self.groups, group);
+        self.workers.start + block.start..self.workers.start + block.end
+    }
+
+    /// The frame group of world rank `rank`, if it is a worker.
+    pub fn group_of(&self, rank: usize) -> Option<usize> {
+        self.worker_index(rank)?;
+        (0..self.groups).find(|&g| self.group_workers(g).contains(&rank))
+    }
+
+    /// The group that handles frame `k` of the list.
+    pub fn group_of_frame(&self, k: usize) -> usize {
+        k % self.groups.max(1)
+    }
+
     /// One line for the log.
     pub fn describe(&self) -> String {
         let w = if self.workers.len() == 1 {
@@ -137,6 +192,25 @@ impl Roles {
                 self.workers.start,
                 self.workers.end - 1
             )
+        };
+        let w = if self.groups > 1 {
+            let groups: Vec<String> = (0..self.groups)
+                .map(|g| {
+                    let r = self.group_workers(g);
+                    if r.len() == 1 {
+                        r.start.to_string()
+                    } else {
+                        format!("{}-{}", r.start, r.end - 1)
+                    }
+                })
+                .collect();
+            format!(
+                "{w} in {} frame groups ({})",
+                self.groups,
+                groups.join(", ")
+            )
+        } else {
+            w
         };
         if self.is_async() {
             format!(
@@ -246,6 +320,29 @@ mod tests {
         let r = Roles::new(4, false);
         assert_eq!(r.worker_index(0), Some(0));
         assert_eq!(r.describe(), "rank 0 reads and writes, ranks 0-3 extract");
+    }
+
+    #[test]
+    fn frame_groups_split_the_workers_evenly() {
+        let r = Roles::grouped(7, true, 2).expect("2 groups of 5 workers");
+        assert_eq!((r.group_workers(0), r.group_workers(1)), (2..4, 4..7));
+        assert_eq!(r.group_of(1), None);
+        assert_eq!(r.group_of(3), Some(0));
+        assert_eq!(r.group_of(4), Some(1));
+        assert_eq!((r.group_of_frame(4), r.group_of_frame(5)), (0, 1));
+        assert_eq!(
+            r.describe(),
+            "rank 0 reads, rank 1 writes, ranks 2-6 extract in 2 frame groups (2-3, 4-6)"
+        );
+        let r = Roles::grouped(4, true, 2).expect("one worker per group");
+        assert_eq!((r.group_workers(0), r.group_workers(1)), (2..3, 3..4));
+        assert_eq!(Roles::grouped(4, false, 1).ok(), Some(Roles::new(4, false)));
+        assert_eq!(Roles::grouped(4, true, 1).ok(), Some(Roles::new(4, true)));
+        assert_eq!(Roles::new(4, true).group_of_frame(3), 0);
+        for (size, async_io, groups) in [(4, false, 2), (2, true, 2), (4, true, 3)] {
+            let e = Roles::grouped(size, async_io, groups).expect_err("rejected");
+            assert!(e.to_string().contains("--frame-groups"), "{e}");
+        }
     }
 
     #[test]
