@@ -4,6 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
+use rayon::prelude::*;
+
 use crate::error::{Error, Result};
 use crate::extract::{PatchResult, PatchStatus};
 use crate::fits::Fits;
@@ -161,6 +163,7 @@ impl Frame {
     fn set_mask(&mut self) {
         let nwave = self.nwave();
         let median_over_fibers: Vec<f64> = (0..nwave)
+            .into_par_iter()
             .map(|j| {
                 median(
                     (0..self.nspec)
@@ -170,6 +173,7 @@ impl Frame {
             })
             .collect();
         let median_over_waves: Vec<f64> = (0..self.nspec)
+            .into_par_iter()
             .map(|f| median(self.chi2pix[f * nwave..(f + 1) * nwave].to_vec()))
             .collect();
         for f in 0..self.nspec {
@@ -376,17 +380,19 @@ pub fn gradient(x: &[f64]) -> Vec<f64> {
         .collect()
 }
 
-/// Median (mean of the two middle values for an even count); 0 for no values.
+/// Median (mean of the two middle values for an even count); 0 for no values. Selection
+/// instead of a full sort: the mask needs one median per fiber and per wavelength bin.
 pub fn median(mut v: Vec<f64>) -> f64 {
-    if v.is_empty() {
+    let n = v.len();
+    if n == 0 {
         return 0.0;
     }
-    v.sort_by(|a, b| a.total_cmp(b));
-    let n = v.len();
+    let (lower, &mut upper, _) = v.select_nth_unstable_by(n / 2, |a, b| a.total_cmp(b));
     if n % 2 == 1 {
-        v[n / 2]
+        upper
     } else {
-        0.5 * (v[n / 2 - 1] + v[n / 2])
+        let below = lower.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        0.5 * (below + upper)
     }
 }
 
@@ -403,4 +409,22 @@ pub fn model_image(shape: (usize, usize), results: &[PatchResult]) -> Vec<f64> {
         }
     }
     image
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_of_odd_even_and_empty() {
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert_eq!(median(vec![5.0]), 5.0);
+        assert_eq!(median(vec![]), 0.0);
+    }
+
+    #[test]
+    fn gradient_is_one_sided_at_the_ends() {
+        assert_eq!(gradient(&[1.0, 2.0, 4.0, 7.0]), vec![1.0, 1.5, 2.5, 3.0]);
+    }
 }
