@@ -6,8 +6,8 @@
 //! gpu_vs_cpu --psf psf.fits --synthetic -w 5760,7620,0.8 -s 0 -n 500 --cpu-patches 100
 //! ```
 //!
-//! `--synthetic` draws a CCD image from the PSF's own spots plus Poisson-like and read noise
-//! (seeded), which is enough for timing a full frame; `--cpu-patches` limits the CPU
+//! `--synthetic` simulates the image in memory with `spex::simulate` (seeded), which is enough
+//! for timing a full frame; `--cpu-patches` limits the CPU
 //! reference to the first patches so that a full frame can be checked in reasonable time.
 
 use std::path::PathBuf;
@@ -15,9 +15,6 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use rand::{RngExt, SeedableRng};
-use rand_distr::{Distribution, Normal};
-use rayon::prelude::*;
 
 use spex::backend::cpu::CpuBackend;
 use spex::backend::cuda::CudaBackend;
@@ -26,6 +23,7 @@ use spex::extract::SolveOptions;
 use spex::image::{Image, MaskRule};
 use spex::plan::{Plan, PlanOptions};
 use spex::psf::GaussHermitePsf;
+use spex::simulate::{simulate, SimulateOptions};
 
 #[derive(Parser)]
 struct Args {
@@ -63,86 +61,6 @@ struct Args {
     seed: u64,
 }
 
-/// A CCD image with every fiber's spots at smooth fluxes, read noise 3 e- and Poisson-like
-/// noise, plus a few masked cosmic-ray tracks.
-fn synthetic(psf: &GaussHermitePsf, plan: &Plan, seed: u64) -> Image {
-    let (nrows, ncols) = (psf.npix_y, psf.npix_x);
-    let fibers = plan.fibers();
-    let waves = &plan.fullwave;
-    let (ny, nx) = psf.spot_shape();
-    // model, one bundle of fibers at a time, summed into per-thread images by row bands
-    type FiberSpots = (Vec<f64>, Vec<(i32, i32)>);
-    let per_fiber: Vec<FiberSpots> = fibers
-        .clone()
-        .into_par_iter()
-        .map(|f| {
-            let spots = psf.spots(f..f + 1, waves);
-            let mut vals = Vec::with_capacity(waves.len() * ny * nx);
-            let mut corners = Vec::with_capacity(waves.len());
-            for (w, &wl) in waves.iter().enumerate() {
-                let flux = 400.0 + 300.0 * (wl / 7.0 + f as f64).sin().abs();
-                vals.extend(spots.spot(0, w).iter().map(|v| v * flux));
-                corners.push(spots.corners.corner(0, w));
-            }
-            (vals, corners)
-        })
-        .collect();
-    let mut model = vec![0f64; nrows * ncols];
-    for (vals, corners) in &per_fiber {
-        for (w, &(xc, yc)) in corners.iter().enumerate() {
-            for iy in 0..ny {
-                let r = yc as i64 + iy as i64;
-                if r < 0 || r >= nrows as i64 {
-                    continue;
-                }
-                for ix in 0..nx {
-                    let c = xc as i64 + ix as i64;
-                    if c >= 0 && c < ncols as i64 {
-                        model[r as usize * ncols + c as usize] += vals[(w * ny + iy) * nx + ix];
-                    }
-                }
-            }
-        }
-    }
-    let read = 3.0f64;
-    let mut pix = vec![0f32; nrows * ncols];
-    let mut ivar = vec![0f32; nrows * ncols];
-    pix.par_chunks_mut(ncols)
-        .zip(ivar.par_chunks_mut(ncols))
-        .enumerate()
-        .for_each(|(r, (p, v))| {
-            let mut rng = rand::rngs::StdRng::seed_from_u64(
-                seed ^ (r as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
-            );
-            let normal = Normal::new(0.0, 1.0).expect("unit normal");
-            for c in 0..ncols {
-                let m = model[r * ncols + c];
-                let var = m.max(0.0) + read * read;
-                p[c] = (m + var.sqrt() * normal.sample(&mut rng)) as f32;
-                v[c] = (1.0 / var) as f32;
-            }
-        });
-    // cosmic rays: short masked tracks
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    for _ in 0..(nrows * ncols / 200_000) {
-        let (r, c) = (rng.random_range(0..nrows), rng.random_range(0..ncols - 8));
-        for k in 0..6 {
-            ivar[r * ncols + c + k] = 0.0;
-        }
-    }
-    Image {
-        path: "synthetic".into(),
-        nrows,
-        ncols,
-        pix,
-        ivar,
-        header: Vec::new(),
-        has_fibermap: false,
-        nmasked: 0,
-        nnonfinite: 0,
-    }
-}
-
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
@@ -163,7 +81,15 @@ fn main() -> anyhow::Result<()> {
     let t = Instant::now();
     let image = match (&args.preproc, args.synthetic) {
         (Some(p), _) => Image::read(p, MaskRule::AnyBit)?,
-        (None, true) => synthetic(&psf, &plan, args.seed),
+        (None, true) => {
+            let mut o = SimulateOptions::new(
+                plan.fibers(),
+                plan.fullwave[0],
+                plan.fullwave[plan.fullwave.len() - 1],
+            );
+            o.seed = args.seed;
+            simulate(&psf, &o)?.to_image()
+        }
         (None, false) => bail!("give --preproc or --synthetic"),
     };
     println!(

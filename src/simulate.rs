@@ -760,6 +760,23 @@ fn fiber_spectrum(
 // Output
 
 impl Simulation {
+    /// The simulated frame as an extraction input, without a round trip through a file
+    /// (masked pixels already carry IVAR 0).
+    pub fn to_image(&self) -> crate::image::Image {
+        let nmasked = self.mask.iter().filter(|&&m| m != 0).count();
+        crate::image::Image {
+            path: PathBuf::from("simulated"),
+            nrows: self.nrows,
+            ncols: self.ncols,
+            pix: self.image.clone(),
+            ivar: self.ivar.clone(),
+            header: Vec::new(),
+            has_fibermap: false,
+            nmasked,
+            nnonfinite: 0,
+        }
+    }
+
     /// The truth of fiber `fiber` (absolute), photons per bin.
     pub fn truth(&self, fiber: usize) -> Option<&[f64]> {
         if !self.fibers.contains(&fiber) {
