@@ -153,11 +153,12 @@ pub struct ExtractArgs {
     /// Accepted for compatibility: spex uses MPI whenever it runs under a launcher.
     #[arg(long)]
     pub mpi: bool,
-    /// With 3 or more ranks: dedicated reader and writer ranks overlap I/O with extraction.
+    /// Dedicated reader and writer ranks (in each frame group of 3 or more ranks) overlap I/O
+    /// with extraction.
     #[arg(long)]
     pub async_io: bool,
-    /// With --async-io: split the worker ranks into N groups that extract different frames at
-    /// the same time (frame k goes to group k mod N), e.g. one group per GPU.
+    /// Split the ranks into N groups that read, extract and write different frames at the same
+    /// time (frame k goes to group k mod N), e.g. one or two groups per GPU.
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = parse_frame_groups)]
     pub frame_groups: usize,
     /// Skip frames whose output already exists.

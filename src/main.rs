@@ -57,6 +57,12 @@ fn report(outcome: anyhow::Result<ExitCode>) -> ExitCode {
 
 /// `spex extract`: one process, or one rank of an MPI job when a launcher started it.
 fn extract(args: &ExtractArgs) -> ExitCode {
+    // Loading the CUDA libraries and initialising the driver take a few tenths of a second
+    // that need nothing from MPI: do them while MPI starts. Errors are reported later, by the
+    // backend's own start.
+    if args.use_gpu() {
+        std::thread::spawn(|| spex::backend::cuda::device_count().ok());
+    }
     // Locals drop in reverse order: every communicator goes before the universe finalises MPI.
     let universe = Universe::init();
     let world = universe.world();
@@ -64,8 +70,8 @@ fn extract(args: &ExtractArgs) -> ExitCode {
     universe.abort_on_panic(layout.rank);
     // Per-frame information comes from the ranks that read and write; the workers log only
     // warnings unless asked for debug output.
-    let roles = Roles::new(layout.size, args.async_io);
-    let io_rank = layout.rank == roles.reader || layout.rank == roles.writer;
+    let io_rank = Roles::new(layout.size, args.async_io, args.frame_groups)
+        .map_or(layout.rank == 0, |roles| roles.is_io_rank(layout.rank));
     init_logging(
         &args.loglevel,
         layout.launched.then_some(layout.rank),

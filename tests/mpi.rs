@@ -415,10 +415,18 @@ fn frame_groups_give_the_files_of_a_serial_run() {
     let (args, serial) = frame_list(dir.path(), "serial", &inputs);
     let run = spex(None, &args, &[], TIMEOUT);
     assert!(run.ok(), "serial run failed:\n{}", run.stderr);
-    // One worker per group, then groups of one and two workers.
-    for (ranks, layout) in [(4, "(2, 3)"), (5, "(2, 3-4)")] {
+    // Groups of one rank each, of two ranks that read, extract and write, and with dedicated
+    // I/O ranks, one and two workers.
+    for (ranks, async_io, layout) in [
+        (2, false, "[rank 0 reads and writes, rank 0 extracts] [rank 1 reads and writes, rank 1 extracts]"),
+        (4, false, "[rank 0 reads and writes, ranks 0-1 extract] [rank 2 reads and writes, ranks 2-3 extract]"),
+        (7, true, "[rank 0 reads, rank 1 writes, rank 2 extracts] [rank 3 reads, rank 4 writes, ranks 5-6 extract]"),
+    ] {
         let (mut args, outputs) = frame_list(dir.path(), &format!("groups{ranks}"), &inputs);
-        args.extend(["--async-io", "--frame-groups", "2"].map(String::from));
+        args.extend(["--frame-groups", "2"].map(String::from));
+        if async_io {
+            args.push("--async-io".into());
+        }
         let run = spex(Some(ranks), &args, &[], TIMEOUT);
         assert!(
             run.ok(),
@@ -426,9 +434,8 @@ fn frame_groups_give_the_files_of_a_serial_run() {
             run.stderr
         );
         assert!(
-            run.stderr
-                .contains(&format!("extract in 2 frame groups {layout}")),
-            "no frame groups:\n{}",
+            run.stderr.contains(&format!("2 frame groups: {layout}")),
+            "not the expected groups:\n{}",
             run.stderr
         );
         for (a, b) in serial.iter().zip(&outputs) {
@@ -450,10 +457,10 @@ fn failed_frames_of_either_group_are_counted_and_the_others_written() {
     ];
     let (mut args, outputs) = frame_list(dir.path(), "groups", &inputs);
     args.extend(["--async-io", "--frame-groups", "2"].map(String::from));
-    // Groups: rank 2 (frames 0, 2) and ranks 3-4 (frames 1, 3). Frame 1 cannot be read; frame
-    // 2 fails on the only worker of group 0.
+    // Groups: ranks 0-2 (frames 0, 2; rank 2 extracts) and ranks 3-5 (frames 1, 3). Frame 1
+    // cannot be read by rank 3; frame 2 fails on rank 2, the only worker of group 0.
     let run = spex(
-        Some(5),
+        Some(6),
         &args,
         &[("SPEX_TEST_FAULT", "error@2:2")],
         FAIL_FAST,
@@ -465,6 +472,15 @@ fn failed_frames_of_either_group_are_counted_and_the_others_written() {
         "{}",
         run.stderr
     );
+    for (rank, cause) in [(3, "missing-preproc.fits"), (2, "SPEX_TEST_FAULT")] {
+        assert!(
+            run.stderr.lines().any(
+                |l| l.starts_with(&format!("spex: rank {rank}: error: frame")) && l.contains(cause)
+            ),
+            "no error line of rank {rank}:\n{}",
+            run.stderr
+        );
+    }
     for (k, written) in [(0, true), (1, false), (2, false), (3, true)] {
         assert_eq!(outputs[k].is_file(), written, "frame {k}:\n{}", run.stderr);
     }
@@ -472,26 +488,17 @@ fn failed_frames_of_either_group_are_counted_and_the_others_written() {
 }
 
 #[test]
-fn frame_groups_without_async_io_or_workers_are_rejected() {
+fn more_frame_groups_than_ranks_are_rejected() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("frame.fits");
-    for (ranks, extra, cause) in [
-        (Some(4), &["--frame-groups", "2"][..], "needs --async-io"),
-        (
-            Some(4),
-            &["--async-io", "--frame-groups", "3"][..],
-            "more than the 2 worker ranks",
-        ),
-        (
-            None,
-            &["--async-io", "--frame-groups", "2"][..],
-            "3 or more ranks",
-        ),
+    for (ranks, groups, cause) in [
+        (Some(2), "3", "more than the 2 ranks"),
+        (None, "2", "more than the 1 rank"),
     ] {
         let mut args = single("preproc-bundle0.fits", &out);
-        args.extend(extra.iter().map(|s| s.to_string()));
+        args.extend(["--async-io", "--frame-groups", groups].map(String::from));
         let run = spex(ranks, &args, &[], FAIL_FAST);
-        assert_eq!(run.code, Some(1), "{extra:?}:\n{}", run.stderr);
+        assert_eq!(run.code, Some(1), "{groups} groups:\n{}", run.stderr);
         let lines: Vec<&str> = run
             .stderr
             .lines()
@@ -499,7 +506,7 @@ fn frame_groups_without_async_io_or_workers_are_rejected() {
             .collect();
         assert!(
             lines.len() == 1 && lines[0].contains("--frame-groups") && lines[0].contains(cause),
-            "{extra:?}: expected one line about --frame-groups ({cause}):\n{}",
+            "{groups} groups: expected one line about --frame-groups ({cause}):\n{}",
             run.stderr
         );
         assert!(files_in(dir.path()).is_empty());

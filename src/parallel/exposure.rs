@@ -1,26 +1,25 @@
 //! A run of frames (one, or a whole exposure from `--list`) over the ranks of the job.
 //!
-//! For each frame, in the order of the list, the reader reads the PSF and the image, checks
-//! the plan and broadcasts a header (the PSF, the image's shape and header cards) and the
-//! pixels as raw f32 buffers; each worker solves its block of patches on its backend and
-//! returns the results to the writer, which stitches the frame and writes it atomically. All
-//! of this is the same code for one process (then one rank is reader, worker and writer).
+//! The ranks form frame groups (`--frame-groups N`, one by default) and frame k of the list
+//! goes to group k mod N, which reads, extracts and writes it on its own ranks: the groups
+//! share nothing but the list and the final count, so they proceed at their own pace.
 //!
-//! With frame groups (`--async-io --frame-groups N`) frame k goes to the workers of group
-//! k mod N only: the reader broadcasts it to that group and the writer gathers it from that
-//! group, both in the order of the list, so the groups solve different frames at the same time
-//! and the output does not change. Each group has its own broadcast and gather communicators,
-//! which a worker touches only for the frames of its group.
+//! In a group, for each of its frames in the order of the list, the reader reads the PSF and
+//! the image, checks the plan and broadcasts a header (the PSF, the image's shape and header
+//! cards) and the pixels as raw f32 buffers; each worker solves its block of patches on its
+//! backend and returns the results to the writer, which stitches the frame and writes it
+//! atomically. All of this is the same code for one process (then one rank is reader, worker
+//! and writer). The output does not depend on the groups or the ranks.
 //!
 //! Errors: a frame that cannot be read, or fails on any worker, is counted by the writer and
 //! skipped by every rank that handles it: the reader broadcasts a failure header, a worker
-//! returns a failed contribution, so every rank still takes part in the same collectives (those
-//! of the frame's group). The rank that had the error prints one line
+//! returns a failed contribution, so every rank of the group still takes part in the same
+//! collectives. The rank that had the error prints one line
 //! `spex: rank R: error: frame ...: cause`; no output is written for that frame, and the writer
 //! writes only after every worker has delivered. What leaves ranks out of step (a malformed
 //! message, a buffer that cannot be allocated, a panic) aborts the whole job through
-//! `MPI_Abort` after its line. At the end every rank returns the exit status decided by the
-//! writer: the number of failed frames (capped at 100), 3 for a failed `--test`.
+//! `MPI_Abort` after its line. At the end the writers' counts are summed and every rank returns
+//! the same exit status: the number of failed frames (capped at 100), 3 for a failed `--test`.
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
@@ -28,7 +27,7 @@ use std::time::{Duration, Instant};
 use super::exchange::{
     frames_from_words, frames_to_words, pack_box, unpack_box, Contribution, FrameFiles, FrameHeader,
 };
-use super::layout::{device_for, patch_block, Layout, Roles};
+use super::layout::{device_for, patch_block, Group, Layout, Roles};
 use super::{print_line, Comm};
 use crate::backend::{self, Backend, BackendKind, FrameInput, Progress};
 use crate::cli::ExtractArgs;
@@ -50,12 +49,13 @@ pub fn run(
     args: &ExtractArgs,
     progress: &dyn Fn() -> Progress,
 ) -> u8 {
+    let t_start = Instant::now();
     let me = layout.rank;
     let prefix = layout.error_prefix();
     // Every rank reaches the same verdict on its own, so a bad option needs no message; rank 0
     // alone says why, and the others wait for its line: a launcher may kill the job as soon as
     // one rank exits non-zero.
-    let roles = match Roles::grouped(layout.size, args.async_io, args.frame_groups) {
+    let roles = match Roles::new(layout.size, args.async_io, args.frame_groups) {
         Ok(roles) => roles,
         Err(e) => {
             if me == 0 {
@@ -65,10 +65,10 @@ pub fn run(
             return 1;
         }
     };
-    if args.async_io && !roles.is_async() && me == 0 {
+    if roles.async_io_ignored() && me == 0 {
         tracing::warn!(
-            "--async-io needs 3 or more ranks ({} here): rank 0 reads and writes",
-            layout.size
+            "--async-io needs 3 or more ranks per frame group: groups smaller than that read \
+             and write on their first rank"
         );
     }
     let fatal = |e: &dyn std::fmt::Display| -> ! {
@@ -76,9 +76,9 @@ pub fn run(
         world.abort(1)
     };
 
-    // The work: the reader reads the list and decides what to skip; everyone gets the result.
+    // The work: rank 0 reads the list and decides what to skip; everyone gets the result.
     let mut message = Vec::new();
-    if me == roles.reader {
+    if me == 0 {
         message = match frames_of(args) {
             Ok(frames) => {
                 let mut m = vec![1];
@@ -91,7 +91,7 @@ pub fn run(
             }
         };
     }
-    if let Err(e) = world.broadcast_words(roles.reader, &mut message) {
+    if let Err(e) = world.broadcast_words(0, &mut message) {
         fatal(&e);
     }
     if message.first() != Some(&1) {
@@ -104,216 +104,278 @@ pub fn run(
             .collect(),
         Err(e) => fatal(&e),
     };
+    let group = roles.group_of(me);
+    let local = me - group.first;
+    let Some(group_comm) = world.split(Some(group.index as u32)) else {
+        fatal(&"no communicator for the frame group")
+    };
+    // The frames of this group, with their index in the list.
+    let mine: Vec<(usize, &ExtractRequest)> = requests
+        .iter()
+        .enumerate()
+        .filter(|(k, _)| roles.group_of_frame(*k) == group.index)
+        .collect();
 
     // Backends on the workers only, checked together: one rank that cannot start its device
-    // stops the job before any frame is read.
-    let worker = roles.worker_index(me);
-    // GPUs go round robin over the extracting ranks of each node: with --async-io the reader
-    // and writer ranks hold no device.
+    // stops the job before any frame is solved. GPUs go to contiguous blocks of the extracting
+    // ranks of each node: dedicated reader and writer ranks hold no device. Meanwhile the
+    // reader reads its first frame, which takes less time than opening a device.
+    let worker = group.worker_index(local);
     let workers_comm = world.split(worker.map(|_| 0));
-    let local_worker = workers_comm.as_ref().map(|c| c.split_shared().rank());
+    let node_workers = workers_comm.as_ref().map(|c| c.split_shared());
+    let first = mine.first().filter(|_| local == group.reader());
+    let (first_read, started) = std::thread::scope(|scope| {
+        let reading = first.map(|&(_, request)| scope.spawn(move || read_frame(request)));
+        let started = node_workers
+            .as_ref()
+            .map(|node| start_backend(args, layout, node.rank(), node.size()));
+        let first_read = reading.map(|r| {
+            r.join()
+                .unwrap_or_else(|_| Err(Error::Mpi("the reading thread panicked".into())))
+        });
+        (first_read, started)
+    });
     let mut device = None;
     let mut backend: Option<Box<dyn Backend>> = None;
-    if let Some(local_worker) = local_worker {
-        match start_backend(args, layout, local_worker) {
-            Ok((b, d)) => {
-                backend = Some(b);
-                device = d;
-            }
-            Err(e) => print_line(&format!("{prefix} cannot start the backend: {e}")),
+    match started {
+        Some(Ok((b, d))) => {
+            backend = Some(b);
+            device = d;
         }
+        Some(Err(e)) => print_line(&format!("{prefix} cannot start the backend: {e}")),
+        None => {}
     }
     if world.all_max((worker.is_some() && backend.is_none()) as u64) > 0 {
         return 1;
     }
     log_layout(world, layout, &roles, backend.as_deref(), device);
-
-    // Per frame group, the reader and the group's workers share the broadcasts, the group's
-    // workers and the writer the gathers; in both the reader (resp. writer) is rank 0. Without
-    // dedicated I/O ranks there is one group and both are the whole world. Frame k uses the
-    // communicators of group k mod N only, so that the groups' frames proceed concurrently
-    // while each communicator still sees its collectives in the order of the list.
-    let my_group = roles.group_of(me);
-    let read_comms: Vec<Option<Comm>> = (0..roles.groups)
-        .map(|g| world.split((me == roles.reader || my_group == Some(g)).then_some(0)))
-        .collect();
-    let write_comms: Vec<Option<Comm>> = (0..roles.groups)
-        .map(|g| world.split((me == roles.writer || my_group == Some(g)).then_some(0)))
-        .collect();
-    // Rank j of group g's write communicator in the world.
-    let world_rank_of_writer_peer = |g: usize, j: usize| match (roles.is_async(), j) {
-        (false, _) => j,
-        (true, 0) => roles.writer,
-        (true, _) => roles.group_workers(g).start + j - 1,
-    };
-
-    let mut outcome = Outcome::default();
-    let t_run = Instant::now();
-    for (k, request) in requests.iter().enumerate() {
-        let g = roles.group_of_frame(k);
-        let (read_comm, write_comm) = (&read_comms[g], &write_comms[g]);
-        if read_comm.is_none() && write_comm.is_none() {
-            continue; // a frame of another group
-        }
-        let frame_name = request.input.display().to_string();
-
-        // 1. Read and distribute.
-        let mut inputs: Option<Inputs> = None;
-        // The header as broadcast, which worker 0 forwards to a writer that did not read.
-        let mut header = Vec::new();
-        let mut read_s = 0.0;
-        let mut t_recv = Instant::now();
-        if let Some(rc) = &read_comm {
-            if me == roles.reader {
-                let read = read_frame(request);
-                read_s = t_recv.elapsed().as_secs_f64();
-                t_recv = Instant::now();
-                match read {
-                    Ok((i, pixel_box)) => {
-                        header = vec![1];
-                        header.extend(FrameHeader::to_words(&i.psf, &i.image, pixel_box, read_s));
-                        inputs = Some(i);
-                    }
-                    Err(e) => {
-                        print_line(&format!("{prefix} frame {frame_name}: {e}"));
-                        header = vec![0];
-                    }
-                }
-            }
-            rc.wait_quietly();
-            let _range = nvtx::LocalRange::new(c"broadcast");
-            if let Err(e) = rc.broadcast_words(0, &mut header) {
-                fatal(&e);
-            }
-            if header.first() == Some(&1) {
-                header.remove(0);
-                let received =
-                    distribute_pixels(rc, me == roles.reader, &header, inputs.take(), request);
-                inputs = Some(received.unwrap_or_else(|e| fatal(&e)));
-            }
-        }
-        let recv_s = t_recv.elapsed().as_secs_f64();
-
-        // 2. Solve this worker's block of the frame, among the workers of its group.
-        let mut own: Option<Contribution> = None;
-        let group_workers = roles.group_workers(g);
-        let in_group = my_group == Some(g);
-        if let (true, Some(backend)) = (in_group, backend.as_deref_mut()) {
-            let wi = me - group_workers.start;
-            own = Some(match &inputs {
-                None => Contribution::Skipped,
-                Some(inputs) => {
-                    let shown = if me == 0 {
-                        progress()
-                    } else {
-                        Progress::silent()
-                    };
-                    let t0 = Instant::now();
-                    let share = Share {
-                        worker: wi,
-                        nworkers: group_workers.len(),
-                        frame: k,
-                        rank: me,
-                    };
-                    match solve_share(request, inputs, backend, &share, &shown) {
-                        Ok(results) => Contribution::Solved {
-                            // The writer needs the header only when it did not read the frame.
-                            header: (wi == 0 && me != roles.writer)
-                                .then(|| std::mem::take(&mut header)),
-                            results,
-                            recv_s,
-                            solve_s: t0.elapsed().as_secs_f64(),
-                        },
-                        Err(e) => {
-                            print_line(&format!("{prefix} frame {frame_name}: {e}"));
-                            Contribution::Failed
-                        }
-                    }
-                }
-            });
-        }
-        // The reader needs nothing more of this frame: with --async-io it reads the next one
-        // while the workers solve this one.
-        drop(if me == roles.writer {
-            None
-        } else {
-            inputs.take()
-        });
-
-        // 3. Gather on the writer, which stitches and writes only once every worker delivered.
-        let Some(wc) = &write_comm else { continue };
-        let send = match (&own, me == roles.writer) {
-            (Some(c), false) => c.to_words(),
-            _ => Vec::new(),
-        };
-        let t_gather = Instant::now();
-        wc.wait_quietly();
-        let gathered = {
-            let _range = nvtx::LocalRange::new(c"gather");
-            wc.gather_words(0, &send).unwrap_or_else(|e| fatal(&e))
-        };
-        let Some(gathered) = gathered else { continue };
-        let gather = t_gather.elapsed();
-        let mut contributions = Vec::with_capacity(gathered.len());
-        for (j, words) in gathered.into_iter().enumerate() {
-            let c = if j == 0 {
-                match own.take() {
-                    Some(c) => c,
-                    None => continue, // a dedicated writer solves nothing
-                }
-            } else {
-                Contribution::from_words(&words).unwrap_or_else(|e| {
-                    fatal(&format!(
-                        "from rank {}: {e}",
-                        world_rank_of_writer_peer(g, j)
-                    ))
-                })
-            };
-            contributions.push((world_rank_of_writer_peer(g, j), c));
-        }
-        let written = write_frame(
-            request,
-            inputs,
-            read_s,
-            contributions,
-            gather,
-            args,
-            &mut outcome,
-        );
-        match written {
-            Ok(true) => outcome.written += 1,
-            Ok(false) => outcome.failed += 1,
-            Err(e) => {
-                print_line(&format!("{prefix} frame {frame_name}: {e}"));
-                outcome.failed += 1;
-            }
-        }
+    if me == 0 {
+        tracing::info!("backends ready in {:.2} s", t_start.elapsed().as_secs_f64());
     }
 
-    let code = if me == roles.writer {
-        let n = requests.len();
+    let t_run = Instant::now();
+    let context = GroupContext {
+        world,
+        comm: &group_comm,
+        group: &group,
+        local,
+        prefix: &prefix,
+        args,
+        progress,
+    };
+    let outcome = context.run(&mine, first_read, &mut backend);
+    let t_release = Instant::now();
+    drop(backend);
+    tracing::debug!(
+        "frames done; backend released in {:.3} s",
+        t_release.elapsed().as_secs_f64()
+    );
+
+    // Every group's writer counts its frames; the verdict is the job's.
+    let is_writer = local == group.writer();
+    let count = |n: usize| world.all_sum(if is_writer { n as u64 } else { 0 }) as usize;
+    let (written, failed) = (count(outcome.written), count(outcome.failed));
+    let comparison_failed = world.all_max((is_writer && outcome.comparison_failed) as u64) > 0;
+    let n = requests.len();
+    if me == 0 {
         let elapsed = t_run.elapsed().as_secs_f64();
         if n > 1 {
             tracing::info!(
-                "{} of {n} frames written in {elapsed:.2} s ({:.0} frames per hour)",
-                outcome.written,
-                outcome.written as f64 * 3600.0 / elapsed.max(1e-9)
+                "{written} of {n} frames written in {elapsed:.2} s ({:.0} frames per hour)",
+                written as f64 * 3600.0 / elapsed.max(1e-9)
             );
         }
-        if outcome.failed > 0 && n > 1 {
-            print_line(&format!("spex: {} of {n} frames failed", outcome.failed));
+        if failed > 0 && n > 1 {
+            print_line(&format!("spex: {failed} of {n} frames failed"));
         }
-        if outcome.failed > 0 {
-            outcome.failed.min(100) as u8
-        } else if outcome.comparison_failed {
-            EXIT_COMPARISON_FAILED
-        } else {
-            0
-        }
+    }
+    if failed > 0 {
+        failed.min(100) as u8
+    } else if comparison_failed {
+        EXIT_COMPARISON_FAILED
     } else {
         0
-    };
-    world.broadcast_u64(roles.writer, code as u64) as u8
+    }
+}
+
+/// What a rank needs to take part in the frames of its group.
+struct GroupContext<'a> {
+    world: &'a Comm,
+    comm: &'a Comm,
+    group: &'a Group,
+    /// This rank in the group.
+    local: usize,
+    prefix: &'a str,
+    args: &'a ExtractArgs,
+    progress: &'a dyn Fn() -> Progress,
+}
+
+impl GroupContext<'_> {
+    /// Prints the line of an error that leaves the ranks out of step and aborts the job.
+    fn fatal(&self, e: &dyn std::fmt::Display) -> ! {
+        print_line(&format!("{} {e}", self.prefix));
+        self.world.abort(1)
+    }
+
+    /// Reads, solves and writes the frames of the group (`(index in the list, request)`, in
+    /// the order of the list); `first_read` is the reader's read of the first of them.
+    ///
+    /// The reader and the workers share the broadcasts, the workers and the writer the
+    /// gathers; in both the reader (resp. writer) is rank 0. Without dedicated I/O ranks both
+    /// communicators are the whole group.
+    fn run(
+        &self,
+        frames: &[(usize, &ExtractRequest)],
+        mut first_read: Option<Result<(Inputs, PixelBox)>>,
+        backend: &mut Option<Box<dyn Backend>>,
+    ) -> Outcome {
+        let (group, me) = (self.group, self.local);
+        let (is_reader, is_writer) = (me == group.reader(), me == group.writer());
+        let worker = group.worker_index(me);
+        let read_comm = self
+            .comm
+            .split((is_reader || worker.is_some()).then_some(0));
+        let write_comm = self
+            .comm
+            .split((is_writer || worker.is_some()).then_some(0));
+        // World rank of rank j of the write communicator.
+        let writer_peer = |j: usize| match (group.async_io, j) {
+            (false, _) => group.world(j),
+            (true, 0) => group.world(group.writer()),
+            (true, _) => group.world(group.workers().start + j - 1),
+        };
+
+        let mut outcome = Outcome::default();
+        for &(k, request) in frames {
+            let frame_name = request.input.display().to_string();
+
+            // 1. Read and distribute.
+            let mut inputs: Option<Inputs> = None;
+            // The header as broadcast, which worker 0 forwards to a writer that did not read.
+            let mut header = Vec::new();
+            let mut read_s = 0.0;
+            let mut t_recv = Instant::now();
+            if let Some(rc) = &read_comm {
+                if is_reader {
+                    let read = first_read.take().unwrap_or_else(|| read_frame(request));
+                    read_s = t_recv.elapsed().as_secs_f64();
+                    t_recv = Instant::now();
+                    match read {
+                        Ok((i, pixel_box)) => {
+                            header = vec![1];
+                            header
+                                .extend(FrameHeader::to_words(&i.psf, &i.image, pixel_box, read_s));
+                            inputs = Some(i);
+                        }
+                        Err(e) => {
+                            print_line(&format!("{} frame {frame_name}: {e}", self.prefix));
+                            header = vec![0];
+                        }
+                    }
+                }
+                rc.wait_quietly();
+                let _range = nvtx::LocalRange::new(c"broadcast");
+                if let Err(e) = rc.broadcast_words(0, &mut header) {
+                    self.fatal(&e);
+                }
+                if header.first() == Some(&1) {
+                    header.remove(0);
+                    let received =
+                        distribute_pixels(rc, is_reader, &header, inputs.take(), request);
+                    inputs = Some(received.unwrap_or_else(|e| self.fatal(&e)));
+                }
+            }
+            let recv_s = t_recv.elapsed().as_secs_f64();
+
+            // 2. Solve this worker's block of the frame.
+            let mut own: Option<Contribution> = None;
+            if let (Some(wi), Some(backend)) = (worker, backend.as_deref_mut()) {
+                own = Some(match &inputs {
+                    None => Contribution::Skipped,
+                    Some(inputs) => {
+                        let rank = group.world(me);
+                        let shown = if rank == 0 {
+                            (self.progress)()
+                        } else {
+                            Progress::silent()
+                        };
+                        let t0 = Instant::now();
+                        let share = Share {
+                            worker: wi,
+                            nworkers: group.nworkers(),
+                            frame: k,
+                            rank,
+                        };
+                        match solve_share(request, inputs, backend, &share, &shown) {
+                            Ok(results) => Contribution::Solved {
+                                // The writer needs the header only when it did not read.
+                                header: (wi == 0 && !is_writer)
+                                    .then(|| std::mem::take(&mut header)),
+                                results,
+                                recv_s,
+                                solve_s: t0.elapsed().as_secs_f64(),
+                            },
+                            Err(e) => {
+                                print_line(&format!("{} frame {frame_name}: {e}", self.prefix));
+                                Contribution::Failed
+                            }
+                        }
+                    }
+                });
+            }
+            // The reader needs nothing more of this frame: with --async-io it reads the next
+            // one while the workers solve this one.
+            drop(if is_writer { None } else { inputs.take() });
+
+            // 3. Gather on the writer, which stitches and writes only once every worker
+            // delivered.
+            let Some(wc) = &write_comm else { continue };
+            let send = match (&own, is_writer) {
+                (Some(c), false) => c.to_words(),
+                _ => Vec::new(),
+            };
+            let t_gather = Instant::now();
+            wc.wait_quietly();
+            let gathered = {
+                let _range = nvtx::LocalRange::new(c"gather");
+                wc.gather_words(0, &send).unwrap_or_else(|e| self.fatal(&e))
+            };
+            let Some(gathered) = gathered else { continue };
+            let gather = t_gather.elapsed();
+            let mut contributions = Vec::with_capacity(gathered.len());
+            for (j, words) in gathered.into_iter().enumerate() {
+                let c = if j == 0 {
+                    match own.take() {
+                        Some(c) => c,
+                        None => continue, // a dedicated writer solves nothing
+                    }
+                } else {
+                    Contribution::from_words(&words).unwrap_or_else(|e| {
+                        self.fatal(&format!("from rank {}: {e}", writer_peer(j)))
+                    })
+                };
+                contributions.push((writer_peer(j), c));
+            }
+            let written = write_frame(
+                request,
+                inputs,
+                read_s,
+                contributions,
+                gather,
+                self.args,
+                &mut outcome,
+            );
+            match written {
+                Ok(true) => outcome.written += 1,
+                Ok(false) => outcome.failed += 1,
+                Err(e) => {
+                    print_line(&format!("{} frame {frame_name}: {e}", self.prefix));
+                    outcome.failed += 1;
+                }
+            }
+        }
+        outcome
+    }
 }
 
 /// What the writer counts.
@@ -338,13 +400,13 @@ fn frames_of(args: &ExtractArgs) -> Result<Vec<FrameFiles>> {
     Ok(frames)
 }
 
-/// The backend of a worker and, for the GPU, its device: `--device`, else the worker's rank
-/// among the node's workers (its node-local rank without dedicated I/O ranks) modulo the
-/// devices it sees.
+/// The backend of a worker and, for the GPU, its device: `--device`, else the one
+/// [`device_for`] gives the `node_worker`-th of the node's `node_workers` extracting ranks.
 fn start_backend(
     args: &ExtractArgs,
     layout: &Layout,
-    local_worker: usize,
+    node_worker: usize,
+    node_workers: usize,
 ) -> Result<(Box<dyn Backend>, Option<usize>)> {
     if !args.use_gpu() {
         return Ok((backend::create(BackendKind::Cpu, layout.threads, 0)?, None));
@@ -353,7 +415,7 @@ fn start_backend(
         Some(d) => d,
         None => {
             let n = backend::cuda::device_count()?;
-            device_for(local_worker, n)
+            device_for(node_worker, node_workers, n)
                 .ok_or_else(|| Error::Gpu("no CUDA device is visible to this rank".into()))?
         }
     };
@@ -416,7 +478,7 @@ fn log_layout(
             .map(|(r, d)| format!("{r}:cuda:{d}"))
             .collect();
         tracing::info!(
-            "rank to GPU (node-local worker rank mod devices): {}",
+            "rank to GPU (blocks of a node's extracting ranks): {}",
             map.join(" ")
         );
     }

@@ -80,145 +80,171 @@ impl Layout {
     }
 }
 
-/// The tasks of the ranks for a run of frames.
+/// The tasks of the ranks for a run of frames: the ranks form frame groups, and each group
+/// reads, extracts and writes its own frames.
 ///
-/// Without `--async-io` (or with fewer than 3 ranks) rank 0 reads each frame, every rank
-/// (rank 0 included) solves a share of it, and rank 0 writes it. With `--async-io` rank 0 only
-/// reads and rank 1 only writes, so that reading frame k+1 and writing frame k-1 overlap the
-/// extraction of frame k on ranks 2 and up.
+/// `--frame-groups N` splits the ranks into N contiguous, balanced groups and gives frame k of
+/// the list to group k mod N (one group by default). Groups share nothing but the node: each
+/// has its own reader and writer, so the per-frame costs that do not shrink with more workers
+/// (reading and decompressing, the broadcast of the pixels, the gather, the assembly and the
+/// write) are paid by each group for its own frames, at the same time as the other groups
+/// extract theirs. One group per GPU, or two per GPU under MPS, lets a node scale with its
+/// GPUs instead of with one writer.
 ///
-/// Frame groups (`--frame-groups N`, with dedicated I/O ranks only) split the workers into N
-/// contiguous groups and give frame k of the list to group k mod N alone: the per-frame costs
-/// that do not shrink with more workers (the broadcast of the pixels, host-side tables, the
-/// gather) are then paid by one group while the others solve their own frames.
+/// Inside a group, without `--async-io` (or with fewer than 3 ranks in it) its first rank
+/// reads each frame, every rank of the group (the first included) solves a share of it, and
+/// the first rank writes it. With `--async-io` its first rank only reads and its second only
+/// writes, so that reading frame k+1 and writing frame k-1 overlap the extraction of frame k
+/// on the group's other ranks.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Roles {
-    pub reader: usize,
-    pub writer: usize,
-    /// World ranks that solve patches; worker `i` is world rank `workers.start + i`.
-    pub workers: Range<usize>,
-    /// Number of frame groups the workers form (1: every worker takes part in every frame).
-    pub groups: usize,
+    size: usize,
+    groups: usize,
+    async_io: bool,
+}
+
+/// One frame group: a contiguous block of world ranks. Ranks inside it are counted from its
+/// first rank, as in the group's communicator.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Group {
+    /// Index of the group (it handles frames k with k mod groups == index).
+    pub index: usize,
+    /// World rank of the group's first rank.
+    pub first: usize,
+    /// Number of ranks in the group.
+    pub size: usize,
+    /// Whether the group has dedicated reader and writer ranks.
+    pub async_io: bool,
 }
 
 impl Roles {
-    /// The roles for `size` ranks; `async_io` is honoured only from 3 ranks on.
-    pub fn new(size: usize, async_io: bool) -> Self {
-        if async_io && size >= 3 {
-            Roles {
-                reader: 0,
-                writer: 1,
-                workers: 2..size,
-                groups: 1,
-            }
-        } else {
-            Roles {
-                reader: 0,
-                writer: 0,
-                workers: 0..size.max(1),
-                groups: 1,
-            }
-        }
-    }
-
-    /// The roles for `size` ranks with the workers split into `groups` frame groups: an error
-    /// (the same on every rank) unless dedicated I/O ranks leave at least one worker per group.
-    pub fn grouped(size: usize, async_io: bool, groups: usize) -> Result<Self> {
-        let roles = Roles::new(size, async_io);
-        if groups <= 1 {
-            return Ok(roles);
-        }
-        if !async_io {
+    /// The roles of `size` ranks in `groups` frame groups: an error (the same on every rank)
+    /// when there are more groups than ranks. `async_io` gives dedicated I/O ranks to the
+    /// groups of 3 ranks or more.
+    pub fn new(size: usize, async_io: bool, groups: usize) -> Result<Self> {
+        let size = size.max(1);
+        let groups = groups.max(1);
+        if groups > size {
             return Err(Error::config(format!(
-                "--frame-groups {groups} needs --async-io: without dedicated reader and writer \
-                 ranks every rank takes part in every frame"
+                "--frame-groups {groups} is more than the {size} rank{} of the job: every \
+                 group needs at least one rank (3 for dedicated I/O ranks with --async-io)",
+                if size == 1 { "" } else { "s" }
             )));
         }
-        if !roles.is_async() {
-            return Err(Error::config(format!(
-                "--frame-groups {groups} needs --async-io on 3 or more ranks ({size} here)"
-            )));
+        Ok(Roles {
+            size,
+            groups,
+            async_io,
+        })
+    }
+
+    /// Number of frame groups.
+    pub fn ngroups(&self) -> usize {
+        self.groups
+    }
+
+    /// Frame group `g`.
+    pub fn group(&self, g: usize) -> Group {
+        let ranks = patch_block(self.size, self.groups, g);
+        Group {
+            index: g,
+            first: ranks.start,
+            size: ranks.len(),
+            async_io: self.async_io && ranks.len() >= 3,
         }
-        if groups > roles.nworkers() {
-            return Err(Error::config(format!(
-                "--frame-groups {groups} is more than the {} worker ranks ({size} ranks less \
-                 the reader and the writer)",
-                roles.nworkers()
-            )));
-        }
-        Ok(Roles { groups, ..roles })
     }
 
-    /// Whether reading and writing run on their own ranks.
-    pub fn is_async(&self) -> bool {
-        self.reader != self.writer
-    }
-
-    pub fn nworkers(&self) -> usize {
-        self.workers.len()
-    }
-
-    /// Index of world rank `rank` among the workers, if it is one.
-    pub fn worker_index(&self, rank: usize) -> Option<usize> {
-        self.workers
-            .contains(&rank)
-            .then(|| rank - self.workers.start)
-    }
-
-    /// The world ranks of frame group `group`: a contiguous, balanced block of the workers.
-    pub fn group_workers(&self, group: usize) -> Range<usize> {
-        let block = patch_block(self.nworkers(), self.groups, group);
-        self.workers.start + block.start..self.workers.start + block.end
-    }
-
-    /// The frame group of world rank `rank`, if it is a worker.
-    pub fn group_of(&self, rank: usize) -> Option<usize> {
-        self.worker_index(rank)?;
-        (0..self.groups).find(|&g| self.group_workers(g).contains(&rank))
+    /// The frame group of world rank `rank`.
+    pub fn group_of(&self, rank: usize) -> Group {
+        let g = (0..self.groups)
+            .find(|&g| patch_block(self.size, self.groups, g).contains(&rank))
+            .unwrap_or(self.groups - 1);
+        self.group(g)
     }
 
     /// The group that handles frame `k` of the list.
     pub fn group_of_frame(&self, k: usize) -> usize {
-        k % self.groups.max(1)
+        k % self.groups
+    }
+
+    /// Whether `--async-io` was asked for but some group is too small to honour it.
+    pub fn async_io_ignored(&self) -> bool {
+        self.async_io && (0..self.groups).any(|g| !self.group(g).async_io)
+    }
+
+    /// Whether world rank `rank` reads or writes frames (the ranks whose log tells the story
+    /// of each frame).
+    pub fn is_io_rank(&self, rank: usize) -> bool {
+        let g = self.group_of(rank);
+        let local = rank - g.first;
+        local == g.reader() || local == g.writer()
     }
 
     /// One line for the log.
     pub fn describe(&self) -> String {
-        let w = if self.workers.len() == 1 {
-            format!("rank {} extracts", self.workers.start)
+        if self.groups == 1 {
+            return self.group(0).describe();
+        }
+        let groups: Vec<String> = (0..self.groups)
+            .map(|g| self.group(g))
+            .map(|g| format!("[{}]", g.describe()))
+            .collect();
+        format!("{} frame groups: {}", self.groups, groups.join(" "))
+    }
+}
+
+impl Group {
+    /// Rank in the group that reads the frames.
+    pub fn reader(&self) -> usize {
+        0
+    }
+
+    /// Rank in the group that writes the frames.
+    pub fn writer(&self) -> usize {
+        usize::from(self.async_io)
+    }
+
+    /// Ranks in the group that solve patches; worker `i` is rank `workers().start + i`.
+    pub fn workers(&self) -> Range<usize> {
+        if self.async_io {
+            2..self.size
         } else {
-            format!(
-                "ranks {}-{} extract",
-                self.workers.start,
-                self.workers.end - 1
-            )
+            0..self.size
+        }
+    }
+
+    pub fn nworkers(&self) -> usize {
+        self.workers().len()
+    }
+
+    /// Index of group rank `local` among the workers, if it is one.
+    pub fn worker_index(&self, local: usize) -> Option<usize> {
+        let workers = self.workers();
+        workers.contains(&local).then(|| local - workers.start)
+    }
+
+    /// The world rank of group rank `local`.
+    pub fn world(&self, local: usize) -> usize {
+        self.first + local
+    }
+
+    /// One line for the log, in world ranks.
+    pub fn describe(&self) -> String {
+        let w = self.workers();
+        let (a, b) = (self.world(w.start), self.world(w.end - 1));
+        let workers = if a == b {
+            format!("rank {a} extracts")
+        } else {
+            format!("ranks {a}-{b} extract")
         };
-        let w = if self.groups > 1 {
-            let groups: Vec<String> = (0..self.groups)
-                .map(|g| {
-                    let r = self.group_workers(g);
-                    if r.len() == 1 {
-                        r.start.to_string()
-                    } else {
-                        format!("{}-{}", r.start, r.end - 1)
-                    }
-                })
-                .collect();
+        if self.async_io {
             format!(
-                "{w} in {} frame groups ({})",
-                self.groups,
-                groups.join(", ")
+                "rank {} reads, rank {} writes, {workers}",
+                self.world(self.reader()),
+                self.world(self.writer())
             )
         } else {
-            w
-        };
-        if self.is_async() {
-            format!(
-                "rank {} reads, rank {} writes, {w}",
-                self.reader, self.writer
-            )
-        } else {
-            format!("rank {} reads and writes, {w}", self.reader)
+            format!("rank {} reads and writes, {workers}", self.world(0))
         }
     }
 }
@@ -238,10 +264,19 @@ pub fn patch_block(npatches: usize, nworkers: usize, worker: usize) -> Range<usi
     start(worker)..start(worker + 1)
 }
 
-/// The GPU of a rank: node-local rank modulo the devices it sees (`None` without devices).
-/// Ranks of one node share the devices round robin, several ranks per GPU under CUDA MPS.
-pub fn device_for(local_rank: usize, ndevices: usize) -> Option<usize> {
-    (ndevices > 0).then(|| local_rank % ndevices)
+/// The GPU of the `worker`-th of a node's `workers` extracting ranks (in rank order) among
+/// the `ndevices` it sees (`None` without devices): contiguous blocks of ranks share a GPU,
+/// several ranks per GPU under CUDA MPS. Blocks rather than round robin, so that the workers
+/// of one frame group (contiguous ranks) land on one GPU.
+pub fn device_for(worker: usize, workers: usize, ndevices: usize) -> Option<usize> {
+    (ndevices > 0).then(|| {
+        let workers = workers.max(worker + 1);
+        if workers <= ndevices {
+            worker
+        } else {
+            worker * ndevices / workers
+        }
+    })
 }
 
 /// Worker threads per rank when the user did not choose (`--threads 0`).
@@ -306,51 +341,77 @@ mod tests {
 
     #[test]
     fn roles_use_dedicated_io_ranks_only_from_three_ranks() {
-        let r = Roles::new(1, true);
-        assert!(!r.is_async());
-        assert_eq!(r.workers, 0..1);
-        let r = Roles::new(2, true);
-        assert!(!r.is_async());
-        assert_eq!(r.workers, 0..2);
-        let r = Roles::new(4, true);
-        assert!(r.is_async());
-        assert_eq!((r.reader, r.writer, r.workers.clone()), (0, 1, 2..4));
-        assert_eq!(r.worker_index(1), None);
-        assert_eq!(r.worker_index(3), Some(1));
-        let r = Roles::new(4, false);
-        assert_eq!(r.worker_index(0), Some(0));
+        let roles = |size, async_io| Roles::new(size, async_io, 1).expect("one group");
+        let g = roles(1, true).group(0);
+        assert!(!g.async_io);
+        assert_eq!(g.workers(), 0..1);
+        assert!(roles(1, true).async_io_ignored());
+        let g = roles(2, true).group(0);
+        assert!(!g.async_io);
+        assert_eq!(g.workers(), 0..2);
+        let r = roles(4, true);
+        assert!(!r.async_io_ignored());
+        let g = r.group_of(3);
+        assert!(g.async_io);
+        assert_eq!((g.reader(), g.writer(), g.workers()), (0, 1, 2..4));
+        assert_eq!(g.worker_index(1), None);
+        assert_eq!(g.worker_index(3), Some(1));
+        assert!(r.is_io_rank(1) && !r.is_io_rank(2));
+        assert_eq!(
+            r.describe(),
+            "rank 0 reads, rank 1 writes, ranks 2-3 extract"
+        );
+        let r = roles(4, false);
+        assert_eq!(r.group(0).worker_index(0), Some(0));
+        assert!(r.is_io_rank(0) && !r.is_io_rank(1));
         assert_eq!(r.describe(), "rank 0 reads and writes, ranks 0-3 extract");
     }
 
     #[test]
-    fn frame_groups_split_the_workers_evenly() {
-        let r = Roles::grouped(7, true, 2).expect("2 groups of 5 workers");
-        assert_eq!((r.group_workers(0), r.group_workers(1)), (2..4, 4..7));
-        assert_eq!(r.group_of(1), None);
-        assert_eq!(r.group_of(3), Some(0));
-        assert_eq!(r.group_of(4), Some(1));
+    fn frame_groups_split_the_ranks_evenly_and_each_has_its_own_io() {
+        let r = Roles::new(7, true, 2).expect("groups of 3 and 4 ranks");
+        let (g0, g1) = (r.group(0), r.group(1));
+        assert_eq!((g0.first, g0.size, g1.first, g1.size), (0, 3, 3, 4));
+        assert_eq!(r.group_of(2), g0);
+        assert_eq!(r.group_of(3), g1);
+        assert_eq!((g1.world(g1.reader()), g1.world(g1.writer())), (3, 4));
+        assert_eq!(g1.workers(), 2..4);
+        assert!(r.is_io_rank(3) && r.is_io_rank(4) && !r.is_io_rank(5));
         assert_eq!((r.group_of_frame(4), r.group_of_frame(5)), (0, 1));
         assert_eq!(
             r.describe(),
-            "rank 0 reads, rank 1 writes, ranks 2-6 extract in 2 frame groups (2-3, 4-6)"
+            "2 frame groups: [rank 0 reads, rank 1 writes, rank 2 extracts] \
+             [rank 3 reads, rank 4 writes, ranks 5-6 extract]"
         );
-        let r = Roles::grouped(4, true, 2).expect("one worker per group");
-        assert_eq!((r.group_workers(0), r.group_workers(1)), (2..3, 3..4));
-        assert_eq!(Roles::grouped(4, false, 1).ok(), Some(Roles::new(4, false)));
-        assert_eq!(Roles::grouped(4, true, 1).ok(), Some(Roles::new(4, true)));
-        assert_eq!(Roles::new(4, true).group_of_frame(3), 0);
-        for (size, async_io, groups) in [(4, false, 2), (2, true, 2), (4, true, 3)] {
-            let e = Roles::grouped(size, async_io, groups).expect_err("rejected");
+        // Groups too small for dedicated I/O read, extract and write on their own ranks.
+        let r = Roles::new(4, true, 2).expect("groups of 2 ranks");
+        assert!(r.async_io_ignored());
+        assert_eq!(r.group(1).workers(), 0..2);
+        assert_eq!(
+            r.describe(),
+            "2 frame groups: [rank 0 reads and writes, ranks 0-1 extract] \
+             [rank 2 reads and writes, ranks 2-3 extract]"
+        );
+        let r = Roles::new(4, false, 4).expect("one rank per group");
+        assert_eq!(r.group_of(3).world(0), 3);
+        assert_eq!(r.group_of_frame(6), 2);
+        for (size, groups) in [(1, 2), (4, 5)] {
+            let e = Roles::new(size, true, groups).expect_err("rejected");
             assert!(e.to_string().contains("--frame-groups"), "{e}");
         }
     }
 
     #[test]
-    fn devices_are_shared_round_robin() {
-        assert_eq!(device_for(0, 4), Some(0));
-        assert_eq!(device_for(5, 4), Some(1));
-        assert_eq!(device_for(3, 1), Some(0));
-        assert_eq!(device_for(3, 0), None);
+    fn devices_go_to_contiguous_blocks_of_workers() {
+        assert_eq!(device_for(0, 4, 4), Some(0));
+        assert_eq!(device_for(3, 4, 4), Some(3));
+        // two workers per GPU: those of one frame group share a GPU
+        let map: Vec<_> = (0..8).filter_map(|w| device_for(w, 8, 4)).collect();
+        assert_eq!(map, [0, 0, 1, 1, 2, 2, 3, 3]);
+        // fewer workers than GPUs each get their own
+        assert_eq!(device_for(1, 2, 4), Some(1));
+        assert_eq!(device_for(3, 6, 1), Some(0));
+        assert_eq!(device_for(3, 6, 0), None);
     }
 
     #[test]

@@ -25,7 +25,7 @@ mod comm;
 mod comm;
 
 pub use comm::{launched, Comm, Universe};
-pub use layout::{device_for, Layout, Roles};
+pub use layout::{device_for, Group, Layout, Roles};
 
 /// Prints one line on stderr in a single write, so that lines of several ranks sharing the
 /// launcher's stderr never interleave within a line (`eprintln!` may write in pieces).

@@ -92,18 +92,34 @@ pub(crate) struct Device {
 // is bound to the calling thread before each use.
 unsafe impl Send for Device {}
 
+/// The compute capability of device `ordinal`, without creating a context (the kernels can
+/// then be compiled while the context and the libraries open); an error if the libraries
+/// are missing or the device is not visible.
+pub(crate) fn compute_capability(ordinal: usize) -> Result<(i32, i32)> {
+    check_libraries()?;
+    let count = CudaContext::device_count().map_err(error::driver("cannot count CUDA devices"))?;
+    if ordinal >= count.max(0) as usize {
+        return Err(Error::Gpu(format!(
+            "CUDA device {ordinal} requested but {count} device(s) are visible (CUDA_VISIBLE_DEVICES={})",
+            std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "unset".into())
+        )));
+    }
+    let what = || error::driver(format!("device {ordinal}: compute capability"));
+    let dev = drv::device::get(ordinal as i32).map_err(what())?;
+    let attribute = |a| {
+        // SAFETY: `dev` comes from cuDeviceGet.
+        unsafe { drv::device::get_attribute(dev, a) }.map_err(what())
+    };
+    Ok((
+        attribute(drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+        attribute(drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+    ))
+}
+
 impl Device {
     /// Opens device `ordinal`, creates a stream and the cuBLAS / cuSOLVER handles.
     pub(crate) fn open(ordinal: usize) -> Result<Self> {
-        check_libraries()?;
-        let count =
-            CudaContext::device_count().map_err(error::driver("cannot count CUDA devices"))?;
-        if ordinal >= count.max(0) as usize {
-            return Err(Error::Gpu(format!(
-                "CUDA device {ordinal} requested but {count} device(s) are visible (CUDA_VISIBLE_DEVICES={})",
-                std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "unset".into())
-            )));
-        }
+        compute_capability(ordinal)?;
         let ctx = CudaContext::new(ordinal)
             .map_err(error::driver(format!("cannot open CUDA device {ordinal}")))?;
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());

@@ -51,12 +51,15 @@ fn expand(src: &str) -> String {
     )
 }
 
+/// NVRTC options besides the architecture.
+const OPTIONS: &[&str] = &["--std=c++17"];
+
 /// Compiles one source for `arch` (e.g. "sm_90") into PTX; the NVRTC log is in the error.
 pub fn compile(name: &str, src: &str, arch: &'static str) -> Result<cudarc::nvrtc::Ptx> {
     let opts = CompileOptions {
         arch: Some(arch),
         name: Some(name.to_string()),
-        options: vec!["--std=c++17".into()],
+        options: OPTIONS.iter().map(|o| o.to_string()).collect(),
         ..Default::default()
     };
     compile_ptx_with_opts(expand(src), opts).map_err(|e| match e {
@@ -93,6 +96,40 @@ pub fn arch_name(cc: (i32, i32)) -> &'static str {
     }
 }
 
+/// The PTX of every source for `arch`, in the order of [`SOURCES`]: from the kernel cache
+/// when it holds them, else compiled by NVRTC, one thread per source, and stored there.
+pub(crate) fn ptx_for(arch: &'static str) -> Result<Vec<String>> {
+    let cache = cache::Cache::open();
+    std::thread::scope(|scope| {
+        let jobs: Vec<_> = SOURCES
+            .iter()
+            .map(|&(name, src, _)| {
+                let cache = &cache;
+                scope.spawn(move || -> Result<String> {
+                    let text = expand(src);
+                    let key = cache::key(name, &text, arch);
+                    if let Some(ptx) = cache.as_ref().and_then(|c| c.get(&key)) {
+                        return Ok(ptx);
+                    }
+                    let _r =
+                        nvtx::LocalRange::new(nvtx::Str::from_str_lossy(&format!("nvrtc {name}")));
+                    let ptx = compile(name, src, arch)?.to_src();
+                    if let Some(c) = cache {
+                        c.put(&key, &ptx);
+                    }
+                    Ok(ptx)
+                })
+            })
+            .collect();
+        jobs.into_iter()
+            .map(|j| {
+                j.join()
+                    .unwrap_or_else(|_| Err(Error::Gpu("NVRTC thread panicked".into())))
+            })
+            .collect()
+    })
+}
+
 /// Compiled kernels of one device.
 pub(crate) struct Kernels {
     _modules: Vec<std::sync::Arc<CudaModule>>,
@@ -106,18 +143,18 @@ pub(crate) struct Kernels {
 }
 
 impl Kernels {
-    /// Compiles every source for the device and loads its kernels.
-    pub(crate) fn load(dev: &Device) -> Result<Self> {
-        let arch = arch_name(dev.arch);
+    /// Loads the kernels of `ptx` (from [`ptx_for`] for the device's architecture).
+    pub(crate) fn load(dev: &Device, ptx: Vec<String>) -> Result<Self> {
         let mut modules = Vec::new();
         let mut functions = std::collections::HashMap::new();
-        for (name, src, kernels) in SOURCES {
-            let _r = nvtx::LocalRange::new(nvtx::Str::from_str_lossy(&format!("nvrtc {name}")));
-            let ptx = compile(name, src, arch)?;
-            let module = dev.ctx.load_module(ptx).map_err(error::driver(format!(
-                "cannot load module {name} on device {}",
-                dev.ordinal
-            )))?;
+        for ((name, _, kernels), ptx) in SOURCES.iter().zip(ptx) {
+            let module = dev
+                .ctx
+                .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+                .map_err(error::driver(format!(
+                    "cannot load module {name} on device {}",
+                    dev.ordinal
+                )))?;
             for k in *kernels {
                 let f = module
                     .load_function(k)
@@ -141,6 +178,79 @@ impl Kernels {
             chi2pix: take("chi2pix_f64"),
             _modules: modules,
         })
+    }
+}
+
+/// A directory of compiled PTX, so that the ranks of later jobs skip NVRTC (about half a
+/// second per rank, paid again by every rank of every job): `SPEX_KERNEL_CACHE` (`off`
+/// disables it), else `$XDG_CACHE_HOME/spex/kernels`, else `$HOME/.cache/spex/kernels`. An
+/// entry is named after a digest of everything that shapes the PTX (the expanded source, the
+/// options, the architecture, the NVRTC version), written atomically, and every failure to
+/// read or write it falls back to compiling.
+mod cache {
+    use std::path::PathBuf;
+
+    pub(super) struct Cache {
+        dir: PathBuf,
+    }
+
+    impl Cache {
+        pub(super) fn open() -> Option<Cache> {
+            let dir = match std::env::var_os("SPEX_KERNEL_CACHE") {
+                Some(v) if v == "off" || v == "0" || v.is_empty() => return None,
+                Some(v) => PathBuf::from(v),
+                None => std::env::var_os("XDG_CACHE_HOME")
+                    .filter(|v| !v.is_empty())
+                    .map(PathBuf::from)
+                    .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?
+                    .join("spex/kernels"),
+            };
+            Some(Cache { dir })
+        }
+
+        pub(super) fn get(&self, key: &str) -> Option<String> {
+            let text = std::fs::read_to_string(self.dir.join(key)).ok()?;
+            // A complete entry ends with the marker written after the PTX.
+            let ptx = text.strip_suffix(END)?;
+            tracing::debug!("kernel cache: {key}");
+            Some(ptx.to_string())
+        }
+
+        pub(super) fn put(&self, key: &str, ptx: &str) {
+            let write = || -> std::io::Result<()> {
+                std::fs::create_dir_all(&self.dir)?;
+                let tmp = self.dir.join(format!(".{key}.{}.tmp", std::process::id()));
+                std::fs::write(&tmp, format!("{ptx}{END}"))?;
+                std::fs::rename(&tmp, self.dir.join(key))
+            };
+            if let Err(e) = write() {
+                tracing::debug!(
+                    "kernel cache {}: cannot store {key}: {e}",
+                    self.dir.display()
+                );
+            }
+        }
+    }
+
+    const END: &str = "\n// spex kernel cache entry end\n";
+
+    /// The file name of the PTX of source `name` (expanded `text`) for `arch`: two independent
+    /// 64-bit digests (FNV-1a and SipHash) of everything the PTX depends on.
+    pub(super) fn key(name: &str, text: &str, arch: &str) -> String {
+        use std::hash::{Hash, Hasher};
+        let (mut major, mut minor) = (0, 0);
+        // SAFETY: NVRTC writes two integers; the library was checked before any compile.
+        unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+        let version = format!("{major}.{minor}");
+        let material = format!("{name}\0{arch}\0{version}\0{:?}\0{text}", super::OPTIONS);
+        let mut fnv: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in material.bytes() {
+            fnv = (fnv ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        let mut sip = std::collections::hash_map::DefaultHasher::new();
+        material.hash(&mut sip);
+        let stem = name.trim_end_matches(".cu");
+        format!("{stem}-{arch}-{fnv:016x}{:016x}.ptx", sip.finish())
     }
 }
 

@@ -52,9 +52,26 @@ impl CudaBackend {
     /// Opens CUDA device `device` (an index among the visible devices) and compiles the
     /// kernels for it.
     pub fn new(device: usize) -> Result<Self> {
-        let dev = Device::open(device)?;
-        dev.bind()?;
-        let kernels = Kernels::load(&dev)?;
+        let t0 = Instant::now();
+        let arch = arch_name(device::compute_capability(device)?);
+        // NVRTC needs no context: the kernels compile (or come from the cache) while the
+        // context and the cuBLAS / cuSOLVER libraries open, which take as long.
+        let (ptx, opened) = std::thread::scope(|scope| {
+            let compiling = scope.spawn(|| {
+                let ptx = kernels::ptx_for(arch);
+                (ptx, t0.elapsed().as_secs_f64())
+            });
+            let opened = Device::open(device).and_then(|dev| dev.bind().map(|()| dev));
+            let t_open = t0.elapsed().as_secs_f64();
+            let ptx = compiling
+                .join()
+                .unwrap_or_else(|_| (Err(Error::Gpu("NVRTC thread panicked".into())), 0.0));
+            (ptx, opened.map(|dev| (dev, t_open)))
+        });
+        let (dev, t_open) = opened?;
+        let (ptx, t_ptx) = ptx;
+        let kernels = Kernels::load(&dev, ptx?)?;
+        let t_kernels = t0.elapsed().as_secs_f64();
         let budget = match std::env::var("SPEX_GPU_MEMORY_GB") {
             Ok(v) => {
                 let gb: f64 = v
@@ -69,7 +86,8 @@ impl CudaBackend {
             .ok()
             .and_then(|v| v.trim().parse().ok());
         tracing::info!(
-            "CUDA device {device}: {} (compute capability {}.{}), kernels compiled for {}",
+            "CUDA device {device}: {} (compute capability {}.{}), kernels for {}; ready in \
+             {t_kernels:.2} s (device and libraries {t_open:.2} s, PTX {t_ptx:.2} s)",
             dev.name,
             dev.arch.0,
             dev.arch.1,
