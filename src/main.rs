@@ -57,21 +57,33 @@ fn report(outcome: anyhow::Result<ExitCode>) -> ExitCode {
 
 /// `spex extract`: one process, or one rank of an MPI job when a launcher started it.
 fn extract(args: &ExtractArgs) -> ExitCode {
-    // Loading the CUDA libraries and initialising the driver take a few tenths of a second
-    // that need nothing from MPI: do them while MPI starts. Errors are reported later, by the
-    // backend's own start.
-    if args.use_gpu() {
-        std::thread::spawn(|| spex::backend::cuda::device_count().ok());
-    }
     // Locals drop in reverse order: every communicator goes before the universe finalises MPI.
     let universe = Universe::init();
     let world = universe.world();
-    let layout = Layout::discover(&world, universe.is_mpi(), args.threads);
+    let mut layout = Layout::discover(&world, universe.is_mpi(), args.threads);
     universe.abort_on_panic(layout.rank);
+    let roles = Roles::new(layout.size, args.async_io, args.frame_groups).ok();
+    let is_worker = roles.as_ref().map_or(true, |r| r.is_worker(layout.rank));
+    // Loading the CUDA libraries and initialising the driver take a few tenths of a second
+    // that need nothing from the other ranks: an extracting rank starts them now, while the
+    // ranks agree on the work. Errors are reported by the backend's own start.
+    if args.use_gpu() && is_worker {
+        std::thread::spawn(|| spex::backend::cuda::device_count().ok());
+    }
+    layout.share_cores_among_workers(&world, is_worker, args.threads);
+    // Data-parallel host work (PSF traces, pixel copies, assembly) runs on rayon's global pool:
+    // size it to this rank's share of the node rather than to every core of it.
+    if let Err(e) = rayon::ThreadPoolBuilder::new()
+        .num_threads(layout.threads)
+        .build_global()
+    {
+        tracing::debug!("rayon's global pool was already built: {e}");
+    }
     // Per-frame information comes from the ranks that read and write; the workers log only
     // warnings unless asked for debug output.
-    let io_rank = Roles::new(layout.size, args.async_io, args.frame_groups)
-        .map_or(layout.rank == 0, |roles| roles.is_io_rank(layout.rank));
+    let io_rank = roles
+        .as_ref()
+        .map_or(layout.rank == 0, |r| r.is_io_rank(layout.rank));
     init_logging(
         &args.loglevel,
         layout.launched.then_some(layout.rank),

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use super::exchange::{
     frames_from_words, frames_to_words, pack_box, unpack_box, Contribution, FrameFiles, FrameHeader,
 };
-use super::layout::{device_for, patch_block, Group, Layout, Roles};
+use super::layout::{self, device_for, patch_block, Group, Layout, Roles};
 use super::{print_line, Comm};
 use crate::backend::{self, Backend, BackendKind, FrameInput, Progress};
 use crate::cli::ExtractArgs;
@@ -150,7 +150,11 @@ pub fn run(
     }
     log_layout(world, layout, &roles, backend.as_deref(), device);
     if me == 0 {
-        tracing::info!("backends ready in {:.2} s", t_start.elapsed().as_secs_f64());
+        tracing::info!(
+            "backends ready in {:.2} s ({})",
+            t_start.elapsed().as_secs_f64(),
+            age()
+        );
     }
 
     let t_run = Instant::now();
@@ -181,8 +185,9 @@ pub fn run(
         let elapsed = t_run.elapsed().as_secs_f64();
         if n > 1 {
             tracing::info!(
-                "{written} of {n} frames written in {elapsed:.2} s ({:.0} frames per hour)",
-                written as f64 * 3600.0 / elapsed.max(1e-9)
+                "{written} of {n} frames written in {elapsed:.2} s ({:.0} frames per hour; {})",
+                written as f64 * 3600.0 / elapsed.max(1e-9),
+                age()
             );
         }
         if failed > 0 && n > 1 {
@@ -196,6 +201,14 @@ pub fn run(
     } else {
         0
     }
+}
+
+/// How long ago the process started, for the log.
+fn age() -> String {
+    layout::process_age().map_or_else(
+        || "process age unknown".into(),
+        |a| format!("process started {a:.2} s ago"),
+    )
 }
 
 /// What a rank needs to take part in the frames of its group.

@@ -69,6 +69,19 @@ impl Layout {
         }
     }
 
+    /// Gives the extracting ranks of each node its cores (collective over `world`): when the
+    /// user chose no thread count and the launcher bound no cores, an extracting rank takes its
+    /// share of the node among the node's extracting ranks only, since reader and writer ranks
+    /// are idle most of the time (they keep the share among all ranks).
+    pub fn share_cores_among_workers(&mut self, world: &Comm, is_worker: bool, requested: usize) {
+        let node = world.split_shared();
+        let workers = node.all_sum(is_worker as u64) as usize;
+        if requested == 0 && is_worker {
+            let (affinity, online) = cpu_counts();
+            self.threads = default_threads(affinity, online, workers);
+        }
+    }
+
     /// The start of an error line: `spex: rank R: error:` under a launcher, so that the
     /// interleaved stderr of many ranks says which rank failed; `spex: error:` alone.
     pub fn error_prefix(&self) -> String {
@@ -170,6 +183,12 @@ impl Roles {
     /// Whether `--async-io` was asked for but some group is too small to honour it.
     pub fn async_io_ignored(&self) -> bool {
         self.async_io && (0..self.groups).any(|g| !self.group(g).async_io)
+    }
+
+    /// Whether world rank `rank` solves patches.
+    pub fn is_worker(&self, rank: usize) -> bool {
+        let g = self.group_of(rank);
+        g.worker_index(rank - g.first).is_some()
     }
 
     /// Whether world rank `rank` reads or writes frames (the ranks whose log tells the story
@@ -283,14 +302,14 @@ pub fn device_for(worker: usize, workers: usize, ndevices: usize) -> Option<usiz
 ///
 /// A launcher that binds ranks to cores (`srun --cpu-bind=cores -c N`, Open MPI's default for
 /// few ranks) leaves each rank an affinity mask narrower than the node: use all of it. An
-/// unbound rank sees the whole node: share the cores among the node's `local_size` ranks so
+/// unbound rank sees the whole node: share the cores among the node's `sharing` ranks so
 /// that they do not oversubscribe it.
-pub fn default_threads(affinity_cpus: usize, online_cpus: usize, local_size: usize) -> usize {
+pub fn default_threads(affinity_cpus: usize, online_cpus: usize, sharing: usize) -> usize {
     let affinity_cpus = affinity_cpus.max(1);
     if affinity_cpus < online_cpus {
         affinity_cpus
     } else {
-        (affinity_cpus / local_size.max(1)).max(1)
+        (affinity_cpus / sharing.max(1)).max(1)
     }
 }
 
@@ -303,6 +322,25 @@ pub fn cpu_counts() -> (usize, usize) {
     let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
     let online = usize::try_from(online).unwrap_or(affinity).max(1);
     (affinity, online)
+}
+
+/// Seconds since this process started (Linux), to tell in the log how long the launcher, MPI
+/// and the devices took before the first frame.
+pub fn process_age() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name, which is in parentheses and may hold spaces; the start
+    // time is field 22 of the whole line, in clock ticks since boot.
+    let rest = stat.get(stat.rfind(')')? + 2..)?;
+    let start: f64 = rest.split_whitespace().nth(19)?.parse().ok()?;
+    let uptime: f64 = std::fs::read_to_string("/proc/uptime")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    // SAFETY: sysconf only reads a system constant.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (ticks > 0).then(|| uptime - start / ticks as f64)
 }
 
 /// The host name (for the layout log), or `?` if unknown.
@@ -357,6 +395,7 @@ mod tests {
         assert_eq!(g.worker_index(1), None);
         assert_eq!(g.worker_index(3), Some(1));
         assert!(r.is_io_rank(1) && !r.is_io_rank(2));
+        assert!(!r.is_worker(1) && r.is_worker(2));
         assert_eq!(
             r.describe(),
             "rank 0 reads, rank 1 writes, ranks 2-3 extract"
@@ -412,6 +451,14 @@ mod tests {
         assert_eq!(device_for(1, 2, 4), Some(1));
         assert_eq!(device_for(3, 6, 1), Some(0));
         assert_eq!(device_for(3, 6, 0), None);
+    }
+
+    #[test]
+    fn process_age_is_small_and_grows() {
+        let a = process_age().expect("Linux /proc");
+        assert!((0.0..3600.0).contains(&a), "{a}");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert!(process_age().expect("Linux /proc") >= a);
     }
 
     #[test]

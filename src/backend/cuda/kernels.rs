@@ -100,14 +100,15 @@ pub fn arch_name(cc: (i32, i32)) -> &'static str {
 /// when it holds them, else compiled by NVRTC, one thread per source, and stored there.
 pub(crate) fn ptx_for(arch: &'static str) -> Result<Vec<String>> {
     let cache = cache::Cache::open();
+    let version = cache::nvrtc_version();
     std::thread::scope(|scope| {
         let jobs: Vec<_> = SOURCES
             .iter()
             .map(|&(name, src, _)| {
-                let cache = &cache;
+                let (cache, version) = (&cache, &version);
                 scope.spawn(move || -> Result<String> {
                     let text = expand(src);
-                    let key = cache::key(name, &text, arch);
+                    let key = cache::key(name, &text, arch, version);
                     if let Some(ptx) = cache.as_ref().and_then(|c| c.get(&key)) {
                         return Ok(ptx);
                     }
@@ -195,6 +196,7 @@ mod cache {
     }
 
     impl Cache {
+        /// The cache the environment names, or none if it disables it or names no place.
         pub(super) fn open() -> Option<Cache> {
             let dir = match std::env::var_os("SPEX_KERNEL_CACHE") {
                 Some(v) if v == "off" || v == "0" || v.is_empty() => return None,
@@ -205,7 +207,11 @@ mod cache {
                     .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?
                     .join("spex/kernels"),
             };
-            Some(Cache { dir })
+            Some(Cache::at(dir))
+        }
+
+        pub(super) fn at(dir: PathBuf) -> Cache {
+            Cache { dir }
         }
 
         pub(super) fn get(&self, key: &str) -> Option<String> {
@@ -234,14 +240,19 @@ mod cache {
 
     const END: &str = "\n// spex kernel cache entry end\n";
 
-    /// The file name of the PTX of source `name` (expanded `text`) for `arch`: two independent
-    /// 64-bit digests (FNV-1a and SipHash) of everything the PTX depends on.
-    pub(super) fn key(name: &str, text: &str, arch: &str) -> String {
-        use std::hash::{Hash, Hasher};
+    /// The version of the NVRTC library, which shapes the PTX it writes.
+    pub(super) fn nvrtc_version() -> String {
         let (mut major, mut minor) = (0, 0);
         // SAFETY: NVRTC writes two integers; the library was checked before any compile.
         unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
-        let version = format!("{major}.{minor}");
+        format!("{major}.{minor}")
+    }
+
+    /// The file name of the PTX of source `name` (expanded `text`) for `arch` by NVRTC
+    /// `version`: two independent 64-bit digests (FNV-1a and SipHash) of everything the PTX
+    /// depends on.
+    pub(super) fn key(name: &str, text: &str, arch: &str, version: &str) -> String {
+        use std::hash::{Hash, Hasher};
         let material = format!("{name}\0{arch}\0{version}\0{:?}\0{text}", super::OPTIONS);
         let mut fnv: u64 = 0xcbf2_9ce4_8422_2325;
         for b in material.bytes() {
@@ -251,6 +262,52 @@ mod cache {
         material.hash(&mut sip);
         let stem = name.trim_end_matches(".cu");
         format!("{stem}-{arch}-{fnv:016x}{:016x}.ptx", sip.finish())
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn keys_change_with_everything_that_shapes_the_ptx() {
+            let base = key("spots.cu", "__global__ void f() {}", "sm_90", "12.4");
+            assert!(
+                base.starts_with("spots-sm_90-") && base.ends_with(".ptx"),
+                "{base}"
+            );
+            assert_eq!(
+                base,
+                key("spots.cu", "__global__ void f() {}", "sm_90", "12.4")
+            );
+            for other in [
+                key("spots.cu", "__global__ void g() {}", "sm_90", "12.4"),
+                key("spots.cu", "__global__ void f() {}", "sm_80", "12.4"),
+                key("spots.cu", "__global__ void f() {}", "sm_90", "12.6"),
+                key("assemble.cu", "__global__ void f() {}", "sm_90", "12.4"),
+            ] {
+                assert_ne!(base, other);
+            }
+        }
+
+        #[test]
+        fn entries_come_back_whole_or_not_at_all() {
+            let dir = tempfile::tempdir().expect("temporary directory");
+            let cache = Cache::at(dir.path().join("kernels"));
+            assert_eq!(cache.get("a.ptx"), None);
+            cache.put("a.ptx", ".version 8.4\n.target sm_90\n");
+            assert_eq!(
+                cache.get("a.ptx").as_deref(),
+                Some(".version 8.4\n.target sm_90\n")
+            );
+            // A file cut short (a writer killed before the rename cannot leave one, but a full
+            // disk or a copy can) is not an entry.
+            std::fs::write(dir.path().join("kernels/b.ptx"), ".version 8.4\n.tar").expect("write");
+            assert_eq!(cache.get("b.ptx"), None);
+            // An unwritable place only costs the compile.
+            let blocked = Cache::at(dir.path().join("kernels/a.ptx/sub"));
+            blocked.put("c.ptx", "x");
+            assert_eq!(blocked.get("c.ptx"), None);
+        }
     }
 }
 
