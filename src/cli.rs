@@ -8,6 +8,7 @@ use clap::{Args, Parser, Subcommand};
 use crate::error::{Error, Result};
 use crate::image::MaskRule;
 use crate::pipeline::ExtractRequest;
+use crate::plan::PatchLayout;
 
 /// spex: spectro-perfectionism extraction of DESI frames on CPUs and GPUs.
 #[derive(Debug, Parser)]
@@ -292,12 +293,14 @@ impl ExtractArgs {
             nspec: self.nspec,
             regularize: self.regularize,
             psferr: self.psferr,
-            bundlesize: self.bundlesize,
-            nsubbundles: self.nsubbundles,
-            nwavestep: self.nwavestep,
-            wavepad: self.wavepad,
-            wavepad_frac: self.wavepad_frac,
-            pixpad_frac: self.pixpad_frac,
+            layout: PatchLayout {
+                bundlesize: self.bundlesize,
+                nsubbundles: self.nsubbundles,
+                nwavestep: self.nwavestep,
+                wavepad: self.wavepad,
+                wavepad_frac: self.wavepad_frac,
+                pixpad_frac: self.pixpad_frac,
+            },
             mask_rule: self.mask_bits,
         }
     }

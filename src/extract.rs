@@ -140,7 +140,7 @@ impl PatchGeometry {
         let f0 = spots.fibers.start;
         let waves = plan.patch_waves(patch);
         let core_waves =
-            waves.start + plan.wavepad..waves.start + plan.wavepad + plan.options.nwavestep;
+            waves.start + plan.wavepad..waves.start + plan.wavepad + plan.options.layout.nwavestep;
         let (ny, nx) = (spots.ny as i64, spots.nx as i64);
 
         let mut x = (i64::MAX, i64::MIN);
@@ -157,7 +157,7 @@ impl PatchGeometry {
                 }
             }
         }
-        let frac = plan.options.pixpad_frac;
+        let frac = plan.options.layout.pixpad_frac;
         let lo = ((ycore.0 - ypad.0) as f64 * (1.0 - frac)).floor() as i64;
         let hi = ((ycore.1 - ypad.0) as f64 + (ypad.1 - ycore.1) as f64 * frac).floor() as i64;
         let clip = |a: i64, b: i64, n: usize| -> Range<usize> {

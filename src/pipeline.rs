@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::extract::{PatchResult, SolveOptions};
 use crate::frame::{self, Frame, FrameMeta, PatchCounts};
 use crate::image::{Image, MaskRule};
-use crate::plan::{Plan, PlanOptions};
+use crate::plan::{PatchLayout, Plan, PlanOptions};
 use crate::psf::{GaussHermitePsf, DEFAULT_PSFERR};
 
 /// How far (Angstrom) the output grid may reach beyond the PSF's wavelength domain.
@@ -31,12 +31,7 @@ pub struct ExtractRequest {
     pub regularize: f64,
     /// `None`: `PSFERR` of the PSF, else 0.01.
     pub psferr: Option<f64>,
-    pub bundlesize: usize,
-    pub nsubbundles: usize,
-    pub nwavestep: usize,
-    pub wavepad: usize,
-    pub wavepad_frac: f64,
-    pub pixpad_frac: f64,
+    pub layout: PatchLayout,
     pub mask_rule: MaskRule,
 }
 
@@ -57,12 +52,7 @@ impl ExtractRequest {
             nspec: None,
             regularize: 0.0,
             psferr: None,
-            bundlesize: 25,
-            nsubbundles: 5,
-            nwavestep: 50,
-            wavepad: 10,
-            wavepad_frac: 0.2,
-            pixpad_frac: 0.8,
+            layout: PatchLayout::default(),
             mask_rule: MaskRule::AnyBit,
         }
     }
@@ -125,12 +115,7 @@ impl ExtractRequest {
             )));
         }
         let mut o = PlanOptions::new(wmin, wmax, dw, self.specmin, nspec);
-        o.bundlesize = self.bundlesize;
-        o.nsubbundles = self.nsubbundles;
-        o.nwavestep = self.nwavestep;
-        o.wavepad = self.wavepad;
-        o.wavepad_frac = self.wavepad_frac;
-        o.pixpad_frac = self.pixpad_frac;
+        o.layout = self.layout.clone();
         Plan::new(o)
     }
 

@@ -15,12 +15,7 @@ pub struct PlanOptions {
     pub dw: f64,
     pub specmin: usize,
     pub nspec: usize,
-    pub bundlesize: usize,
-    pub nsubbundles: usize,
-    pub nwavestep: usize,
-    pub wavepad: usize,
-    pub wavepad_frac: f64,
-    pub pixpad_frac: f64,
+    pub layout: PatchLayout,
 }
 
 impl PlanOptions {
@@ -33,6 +28,28 @@ impl PlanOptions {
             dw,
             specmin,
             nspec,
+            layout: PatchLayout::default(),
+        }
+    }
+}
+
+/// How a frame is cut into patches and how much each patch is padded: the choices that do not
+/// depend on the PSF (a request carries them as they are, while its wavelength grid and fiber
+/// range are resolved against the PSF).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PatchLayout {
+    pub bundlesize: usize,
+    pub nsubbundles: usize,
+    pub nwavestep: usize,
+    pub wavepad: usize,
+    pub wavepad_frac: f64,
+    pub pixpad_frac: f64,
+}
+
+impl Default for PatchLayout {
+    /// The defaults of gpu_specter and desispec.
+    fn default() -> Self {
+        PatchLayout {
             bundlesize: 25,
             nsubbundles: 5,
             nwavestep: 50,
@@ -104,33 +121,33 @@ impl Plan {
                 o.wmin, o.wmax
             )));
         }
-        if o.bundlesize == 0 || o.nsubbundles == 0 || o.nwavestep == 0 {
+        if o.layout.bundlesize == 0 || o.layout.nsubbundles == 0 || o.layout.nwavestep == 0 {
             return Err(Error::config(
                 "bundlesize, nsubbundles and nwavestep must be positive",
             ));
         }
-        if o.bundlesize % o.nsubbundles != 0 {
+        if o.layout.bundlesize % o.layout.nsubbundles != 0 {
             return Err(Error::config(format!(
                 "bundlesize ({}) must be divisible by nsubbundles ({})",
-                o.bundlesize, o.nsubbundles
+                o.layout.bundlesize, o.layout.nsubbundles
             )));
         }
-        if o.specmin % o.bundlesize != 0 {
+        if o.specmin % o.layout.bundlesize != 0 {
             return Err(Error::config(format!(
                 "specmin ({}) must be a multiple of bundlesize ({})",
-                o.specmin, o.bundlesize
+                o.specmin, o.layout.bundlesize
             )));
         }
-        if o.nspec == 0 || o.nspec % o.bundlesize != 0 {
+        if o.nspec == 0 || o.nspec % o.layout.bundlesize != 0 {
             return Err(Error::config(format!(
                 "nspec ({}) must be a positive multiple of bundlesize ({})",
-                o.nspec, o.bundlesize
+                o.nspec, o.layout.bundlesize
             )));
         }
-        if !(0.0..=1.0).contains(&o.pixpad_frac) || !(o.wavepad_frac >= 0.0) {
+        if !(0.0..=1.0).contains(&o.layout.pixpad_frac) || !(o.layout.wavepad_frac >= 0.0) {
             return Err(Error::config(format!(
                 "pixpad-frac ({}) must be in [0, 1] and wavepad-frac ({}) non-negative",
-                o.pixpad_frac, o.wavepad_frac
+                o.layout.pixpad_frac, o.layout.wavepad_frac
             )));
         }
         let nbins = ((o.wmax - o.wmin) / o.dw + 0.5).floor() as usize + 1;
@@ -140,14 +157,15 @@ impl Plan {
             )));
         }
         let wave = output_grid(o.wmin, o.wmax, o.dw);
-        let wavepad = o.wavepad + (o.wavepad as f64 * o.wavepad_frac).floor() as usize;
-        let fullwave = padded_grid(&wave, o.dw, wavepad, o.nwavestep);
+        let wavepad =
+            o.layout.wavepad + (o.layout.wavepad as f64 * o.layout.wavepad_frac).floor() as usize;
+        let fullwave = padded_grid(&wave, o.dw, wavepad, o.layout.nwavestep);
         let nwave = wave.len();
 
-        let nper = o.bundlesize / o.nsubbundles;
+        let nper = o.layout.bundlesize / o.layout.nsubbundles;
         let mut patches = Vec::new();
-        for bundle_start in (o.specmin..o.specmin + o.nspec).step_by(o.bundlesize) {
-            let bundle_end = bundle_start + o.bundlesize;
+        for bundle_start in (o.specmin..o.specmin + o.nspec).step_by(o.layout.bundlesize) {
+            let bundle_end = bundle_start + o.layout.bundlesize;
             for sub in (bundle_start..bundle_end).step_by(nper) {
                 let fibers = sub..sub + nper;
                 let lo = if sub == bundle_start { sub } else { sub - 1 };
@@ -156,20 +174,20 @@ impl Plan {
                 } else {
                     fibers.end + 1
                 };
-                for start in (0..nwave).step_by(o.nwavestep) {
+                for start in (0..nwave).step_by(o.layout.nwavestep) {
                     patches.push(Patch {
                         index: patches.len(),
                         bundle_start,
                         fibers: fibers.clone(),
                         padded_fibers: lo..hi,
-                        waves: start..(start + o.nwavestep).min(nwave),
+                        waves: start..(start + o.layout.nwavestep).min(nwave),
                         padded_wave_start: start,
                     });
                 }
             }
         }
         Ok(Plan {
-            nwavetot: o.nwavestep + 2 * wavepad,
+            nwavetot: o.layout.nwavestep + 2 * wavepad,
             wavepad,
             wave,
             fullwave,
@@ -192,8 +210,8 @@ impl Plan {
     pub fn bundles(&self) -> Vec<Range<usize>> {
         let o = &self.options;
         (o.specmin..o.specmin + o.nspec)
-            .step_by(o.bundlesize)
-            .map(|s| s..s + o.bundlesize)
+            .step_by(o.layout.bundlesize)
+            .map(|s| s..s + o.layout.bundlesize)
             .collect()
     }
 
@@ -304,7 +322,7 @@ mod tests {
         o.nspec = 30;
         assert!(Plan::new(o).is_err());
         let mut o = base.clone();
-        o.nsubbundles = 4;
+        o.layout.nsubbundles = 4;
         assert!(Plan::new(o).is_err());
         let mut o = base;
         o.wmax = 5000.0;

@@ -165,9 +165,9 @@ fn geometry_orders_padding_first_and_respects_bundle_edges() {
     assert!(!g.is_empty());
     // pixpad 0 keeps only the core rows, 1 keeps all padded rows
     let mut o = plan.options.clone();
-    o.pixpad_frac = 0.0;
+    o.layout.pixpad_frac = 0.0;
     let tight = Plan::new(o.clone()).unwrap();
-    o.pixpad_frac = 1.0;
+    o.layout.pixpad_frac = 1.0;
     let loose = Plan::new(o).unwrap();
     let gt = PatchGeometry::new(&tight, &tight.patches[3], &corners, (4128, 4114));
     let gl = PatchGeometry::new(&loose, &loose.patches[3], &corners, (4128, 4114));
@@ -253,7 +253,7 @@ fn results_are_reproducible_across_threads_and_patch_sizes() {
     assert_eq!(one, two);
 
     let mut other = request.clone();
-    other.nwavestep = 30;
+    other.layout.nwavestep = 30;
     let plan30 = other.plan(&inputs.psf).unwrap();
     let input30 = FrameInput {
         plan: &plan30,

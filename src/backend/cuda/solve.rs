@@ -103,7 +103,7 @@ impl Shape {
     pub(crate) fn new(input: &FrameInput<'_>, patches: &[Patch]) -> Self {
         let plan = input.plan;
         let (ny, nx) = input.psf.spot_shape();
-        let ncore = plan.options.bundlesize / plan.options.nsubbundles;
+        let ncore = plan.options.layout.bundlesize / plan.options.layout.nsubbundles;
         let nblock = patches
             .iter()
             .map(|p| p.nspecpad())
@@ -114,12 +114,12 @@ impl Shape {
             nx,
             ny,
             nt: plan.nwavetot,
-            nws: plan.options.nwavestep,
+            nws: plan.options.layout.nwavestep,
             wavepad: plan.wavepad,
             ncore,
             nblock,
             nfull: plan.fullwave.len(),
-            bundlesize: plan.options.bundlesize,
+            bundlesize: plan.options.layout.bundlesize,
             ndiag: input.psf.hsizey,
         }
     }
