@@ -71,6 +71,29 @@ fn synthetic_image(psf: &GaussHermitePsf, plan: &Plan, seed: u64) -> Image {
     simulate(psf, &o).expect("simulation").to_image()
 }
 
+/// The options of these tests: PSF error 0.01 as gpu_specter's default.
+fn solve_options(regularize: f64, model: bool) -> SolveOptions {
+    SolveOptions {
+        regularize,
+        psferr: 0.01,
+        model,
+    }
+}
+
+/// The GPU's and the CPU reference's results for every patch of `input`'s plan.
+fn solve_both(
+    gpu: &mut CudaBackend,
+    input: FrameInput<'_>,
+) -> (Vec<PatchResult>, Vec<PatchResult>) {
+    let patches = &input.plan.patches;
+    let cpu = CpuBackend::new(0)
+        .unwrap()
+        .extract(input, patches, &Progress::silent())
+        .unwrap();
+    let g = gpu.extract(input, patches, &Progress::silent()).unwrap();
+    (g, cpu)
+}
+
 fn assert_agree(gpu: &[PatchResult], cpu: &[PatchResult]) {
     assert_eq!(gpu.len(), cpu.len());
     for (g, c) in gpu.iter().zip(cpu) {
@@ -144,24 +167,14 @@ fn gpu_matches_cpu_reference() {
     let plan = Plan::new(PlanOptions::new(6000.0, 6100.0, 0.8, 0, 25)).unwrap();
     let image = synthetic_image(&psf, &plan, 7);
     for (regularize, model) in [(0.0, true), (1e-3, false)] {
-        let options = SolveOptions {
-            regularize,
-            psferr: 0.01,
-            model,
-        };
+        let options = solve_options(regularize, model);
         let input = FrameInput {
             plan: &plan,
             psf: &psf,
             image: &image,
             options: &options,
         };
-        let cpu = CpuBackend::new(0)
-            .unwrap()
-            .extract(input, &plan.patches, &Progress::silent())
-            .unwrap();
-        let g = gpu
-            .extract(input, &plan.patches, &Progress::silent())
-            .unwrap();
+        let (g, cpu) = solve_both(&mut gpu, input);
         assert!(cpu.iter().all(|r| r.status == PatchStatus::Ok));
         assert!(
             cpu.iter()
@@ -188,24 +201,14 @@ fn masked_patch_is_reported() {
     let plan = Plan::new(PlanOptions::new(6000.0, 6040.0, 0.8, 0, 25)).unwrap();
     let mut image = synthetic_image(&psf, &plan, 3);
     image.ivar.iter_mut().for_each(|v| *v = 0.0);
-    let options = SolveOptions {
-        regularize: 0.0,
-        psferr: 0.01,
-        model: false,
-    };
+    let options = solve_options(0.0, false);
     let input = FrameInput {
         plan: &plan,
         psf: &psf,
         image: &image,
         options: &options,
     };
-    let cpu = CpuBackend::new(0)
-        .unwrap()
-        .extract(input, &plan.patches, &Progress::silent())
-        .unwrap();
-    let g = gpu
-        .extract(input, &plan.patches, &Progress::silent())
-        .unwrap();
+    let (g, cpu) = solve_both(&mut gpu, input);
     for (a, b) in g.iter().zip(&cpu) {
         assert_eq!(a.status, PatchStatus::Masked);
         assert_eq!(b.status, PatchStatus::Masked);
@@ -246,24 +249,14 @@ fn failed_factorisations_follow_the_cpu() {
     // A NaN pixel under another patch: a non-finite solution, reported as such.
     let (x, y) = psf.xy(12, 6045.0);
     image.pix[y.round() as usize * image.ncols + x.round() as usize] = f32::NAN;
-    let options = SolveOptions {
-        regularize: 0.0,
-        psferr: 0.01,
-        model: false,
-    };
+    let options = solve_options(0.0, false);
     let input = FrameInput {
         plan: &plan,
         psf: &psf,
         image: &image,
         options: &options,
     };
-    let cpu = CpuBackend::new(0)
-        .unwrap()
-        .extract(input, &plan.patches, &Progress::silent())
-        .unwrap();
-    let g = gpu
-        .extract(input, &plan.patches, &Progress::silent())
-        .unwrap();
+    let (g, cpu) = solve_both(&mut gpu, input);
     let statuses: Vec<_> = cpu
         .iter()
         .map(|r| r.status)
