@@ -1,8 +1,9 @@
 //! The SPMD layer: the same binary runs as every rank of an MPI job (`srun`, `mpiexec`) or as
 //! one process, and this module decides what each rank does.
 //!
-//! - [`layout`]: ranks, nodes, node-local ranks, threads per rank, the roles of the ranks
-//!   (reader, writer, workers), the split of a frame's patches and the rank-to-GPU mapping;
+//! - [`layout`]: ranks, nodes, node-local ranks, threads per rank, the frame groups and the
+//!   roles of their ranks (reader, writer, workers), the split of a frame's patches and the
+//!   rank-to-GPU mapping;
 //! - [`exchange`]: the flat word buffers that carry headers and patch results between ranks;
 //! - [`exposure`]: the loop over frames (one or a whole exposure) with its error protocol;
 //! - `Comm`/`Universe`: the communication primitives, through MPI when a launcher started
@@ -10,8 +11,9 @@
 //!   without the `mpi` feature a serial stand-in with the same API takes their place, so
 //!   nothing else carries a `cfg`.
 //!
-//! Rank 0 reads each frame and broadcasts host buffers; results come back to one writer rank
-//! by patch index, so the output is the same for any number of ranks and threads.
+//! In each frame group one rank reads each of the group's frames and broadcasts host buffers;
+//! results come back to the group's writer by patch index, so the output is the same for any
+//! number of groups, ranks and threads.
 
 pub mod exchange;
 pub mod exposure;
