@@ -512,3 +512,25 @@ fn more_frame_groups_than_ranks_are_rejected() {
         assert!(files_in(dir.path()).is_empty());
     }
 }
+
+#[test]
+fn groups_without_frames_wait_for_the_others_and_say_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut args, outputs) = frame_list(
+        dir.path(),
+        "idle",
+        &["preproc-bundle0.fits", "preproc-bundle1.fits"],
+    );
+    args.extend(["--frame-groups", "3"].map(String::from));
+    let run = spex(Some(3), &args, &[], TIMEOUT);
+    assert!(run.ok(), "3 groups for 2 frames failed:\n{}", run.stderr);
+    assert!(
+        run.stderr
+            .contains("3 frame groups for 2 frames: 1 group will have nothing to do"),
+        "no warning about the idle group:\n{}",
+        run.stderr
+    );
+    for o in &outputs {
+        assert!(o.is_file(), "{} missing:\n{}", o.display(), run.stderr);
+    }
+}

@@ -104,6 +104,20 @@ pub fn run(
             .collect(),
         Err(e) => fatal(&e),
     };
+    if requests.len() < roles.ngroups() && me == 0 {
+        tracing::warn!(
+            "{} frame groups for {} frame{}: {} group{} will have nothing to do",
+            roles.ngroups(),
+            requests.len(),
+            if requests.len() == 1 { "" } else { "s" },
+            roles.ngroups() - requests.len(),
+            if roles.ngroups() - requests.len() == 1 {
+                ""
+            } else {
+                "s"
+            },
+        );
+    }
     let group = roles.group_of(me);
     let local = me - group.first;
     let Some(group_comm) = world.split(Some(group.index as u32)) else {
