@@ -148,7 +148,8 @@ pub struct ExtractArgs {
     /// Never use a GPU (also set by the DESI_NO_GPU environment variable).
     #[arg(long)]
     pub no_gpu: bool,
-    /// CUDA device (default: node-local rank modulo the visible devices).
+    /// CUDA device (default: the node's extracting ranks go to its visible devices in
+    /// contiguous blocks).
     #[arg(long)]
     pub device: Option<usize>,
     /// Accepted for compatibility: spex uses MPI whenever it runs under a launcher.

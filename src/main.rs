@@ -11,7 +11,7 @@ use spex::cli::{with_default_subcommand, Cli, Command, CompareArgs, ExtractArgs,
 use spex::compare::{self, ParityLimits, PullLimits, Truth};
 use spex::frame::Frame;
 use spex::parallel::exposure::{self, EXIT_COMPARISON_FAILED};
-use spex::parallel::{Layout, Roles, Universe};
+use spex::parallel::{print_line, Layout, Roles, Universe};
 use spex::psf::GaussHermitePsf;
 use spex::simulate;
 use tracing_subscriber::fmt::format::{self, FormatEvent, FormatFields};
@@ -60,17 +60,29 @@ fn extract(args: &ExtractArgs) -> ExitCode {
     // Locals drop in reverse order: every communicator goes before the universe finalises MPI.
     let universe = Universe::init();
     let world = universe.world();
-    let mut layout = Layout::discover(&world, universe.is_mpi(), args.threads);
-    universe.abort_on_panic(layout.rank);
-    let roles = Roles::new(layout.size, args.async_io, args.frame_groups).ok();
-    let is_worker = roles.as_ref().map_or(true, |r| r.is_worker(layout.rank));
+    let roles = Roles::new(world.size(), args.async_io, args.frame_groups);
+    let is_worker = roles.as_ref().map_or(true, |r| r.is_worker(world.rank()));
     // Loading the CUDA libraries and initialising the driver take a few tenths of a second
     // that need nothing from the other ranks: an extracting rank starts them now, while the
     // ranks agree on the work. Errors are reported by the backend's own start.
     if args.use_gpu() && is_worker {
         std::thread::spawn(|| spex::backend::cuda::device_count().ok());
     }
-    layout.share_cores_among_workers(&world, is_worker, args.threads);
+    let layout = Layout::discover(&world, universe.is_mpi(), args.threads, is_worker);
+    universe.abort_on_panic(layout.rank);
+    // Every rank reaches the same verdict on bad options on its own, so it needs no message;
+    // rank 0 alone says why, and the others wait for its line: a launcher may kill the job as
+    // soon as one rank exits non-zero.
+    let roles = match roles {
+        Ok(roles) => roles,
+        Err(e) => {
+            if layout.rank == 0 {
+                print_line(&format!("{} {e}", layout.error_prefix()));
+            }
+            world.all_max(0);
+            return ExitCode::FAILURE;
+        }
+    };
     // Data-parallel host work (PSF traces, pixel copies, assembly) runs on rayon's global pool:
     // size it to this rank's share of the node rather than to every core of it.
     if let Err(e) = rayon::ThreadPoolBuilder::new()
@@ -81,15 +93,12 @@ fn extract(args: &ExtractArgs) -> ExitCode {
     }
     // Per-frame information comes from the ranks that read and write; the workers log only
     // warnings unless asked for debug output.
-    let io_rank = roles
-        .as_ref()
-        .map_or(layout.rank == 0, |r| r.is_io_rank(layout.rank));
     init_logging(
         &args.loglevel,
         layout.launched.then_some(layout.rank),
-        io_rank,
+        roles.is_io_rank(layout.rank),
     );
-    ExitCode::from(exposure::run(&world, &layout, args, &progress))
+    ExitCode::from(exposure::run(&world, &layout, &roles, args, &progress))
 }
 
 /// Logs to stderr at `level` (`SPEX_LOG` overrides), each line prefixed with the rank under

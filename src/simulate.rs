@@ -936,22 +936,21 @@ impl Simulation {
 
     fn write_truth(&self, path: &Path) -> Result<()> {
         let mut fits = Fits::create(path)?;
+        // Both HDUs carry the fiber range and the provenance.
+        let keys = |fits: &mut Fits| -> Result<()> {
+            fits.write_key_i64(
+                "FIBERMIN",
+                self.fibers.start as i64,
+                "fiber of the first FLUX row",
+            )?;
+            self.write_provenance(fits)
+        };
         fits.write_image("WAVELENGTH", &[self.wave.len()], &self.wave)?;
         fits.write_key_str("BUNIT", "Angstrom", "")?;
-        fits.write_key_i64(
-            "FIBERMIN",
-            self.fibers.start as i64,
-            "fiber of the first FLUX row",
-        )?;
-        self.write_provenance(&mut fits)?;
+        keys(&mut fits)?;
         fits.write_image("FLUX", &[self.fibers.len(), self.wave.len()], &self.flux)?;
         fits.write_key_str("BUNIT", "photon", "photons per bin")?;
-        fits.write_key_i64(
-            "FIBERMIN",
-            self.fibers.start as i64,
-            "fiber of the first FLUX row",
-        )?;
-        self.write_provenance(&mut fits)?;
+        keys(&mut fits)?;
         fits.close()
     }
 }

@@ -7,11 +7,14 @@
 //! runs to test.
 #![cfg(feature = "mpi")]
 
+mod common;
+
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::data;
 use spex::frame::Frame;
 
 /// Longest a run may take: a reference extraction takes a few seconds even on two busy cores;
@@ -19,12 +22,6 @@ use spex::frame::Frame;
 const TIMEOUT: Duration = Duration::from_secs(120);
 /// Longest a failing run may take before it exits.
 const FAIL_FAST: Duration = Duration::from_secs(30);
-
-fn data(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data")
-        .join(name)
-}
 
 /// The reference case of the tests: bundle 0, 25 fibers, 6000-6400 A, one thread per rank.
 fn options() -> Vec<String> {
@@ -242,38 +239,6 @@ fn frame_list(dir: &Path, name: &str, inputs: &[&str]) -> (Vec<String>, Vec<Path
     (args, outputs)
 }
 
-#[test]
-fn async_io_gives_the_frames_of_a_serial_run() {
-    let dir = tempfile::tempdir().unwrap();
-    // Bundle 1 holds fibers 25-49: with -s 0 its frame is fully masked, a cheap distinct frame.
-    let inputs = [
-        "preproc-bundle0.fits",
-        "preproc-bundle1.fits",
-        "preproc-bundle0.fits",
-    ];
-    let (args, serial) = frame_list(dir.path(), "serial", &inputs);
-    let run = spex(None, &args, &[], TIMEOUT);
-    assert!(run.ok(), "serial run failed:\n{}", run.stderr);
-    for ranks in [3, 4] {
-        let (mut args, outputs) = frame_list(dir.path(), &format!("async{ranks}"), &inputs);
-        args.push("--async-io".into());
-        let run = spex(Some(ranks), &args, &[], TIMEOUT);
-        assert!(
-            run.ok(),
-            "--async-io on {ranks} ranks failed:\n{}",
-            run.stderr
-        );
-        assert!(
-            run.stderr.contains("rank 0 reads, rank 1 writes"),
-            "no dedicated I/O ranks:\n{}",
-            run.stderr
-        );
-        for (a, b) in serial.iter().zip(&outputs) {
-            assert_same_frames(a, b);
-        }
-    }
-}
-
 /// A failing run: non-zero within seconds, one error line naming `rank`, no output left.
 fn assert_fails_cleanly(run: &Run, dir: &Path, rank: usize, cause: &str) {
     assert!(!run.ok(), "the run succeeded:\n{}", run.stderr);
@@ -405,8 +370,9 @@ fn assert_same_files(a: &Path, b: &Path) {
 }
 
 #[test]
-fn frame_groups_give_the_files_of_a_serial_run() {
+fn every_layout_of_a_list_gives_the_files_of_a_serial_run() {
     let dir = tempfile::tempdir().unwrap();
+    // Bundle 1 holds fibers 25-49: with -s 0 its frame is fully masked, a cheap distinct frame.
     let inputs = [
         "preproc-bundle0.fits",
         "preproc-bundle1.fits",
@@ -415,27 +381,50 @@ fn frame_groups_give_the_files_of_a_serial_run() {
     let (args, serial) = frame_list(dir.path(), "serial", &inputs);
     let run = spex(None, &args, &[], TIMEOUT);
     assert!(run.ok(), "serial run failed:\n{}", run.stderr);
-    // Groups of one rank each, of two ranks that read, extract and write, and with dedicated
-    // I/O ranks, one and two workers.
-    for (ranks, async_io, layout) in [
-        (2, false, "[rank 0 reads and writes, rank 0 extracts] [rank 1 reads and writes, rank 1 extracts]"),
-        (4, false, "[rank 0 reads and writes, ranks 0-1 extract] [rank 2 reads and writes, ranks 2-3 extract]"),
-        (7, true, "[rank 0 reads, rank 1 writes, rank 2 extracts] [rank 3 reads, rank 4 writes, ranks 5-6 extract]"),
-    ] {
-        let (mut args, outputs) = frame_list(dir.path(), &format!("groups{ranks}"), &inputs);
-        args.extend(["--frame-groups", "2"].map(String::from));
-        if async_io {
-            args.push("--async-io".into());
-        }
+    // Dedicated I/O ranks; then two frame groups of one rank each, of two ranks that read,
+    // extract and write, and with dedicated I/O ranks and one and two workers.
+    let layouts: [(usize, &[&str], &str); 5] = [
+        (
+            3,
+            &["--async-io"],
+            "rank 0 reads, rank 1 writes, rank 2 extracts",
+        ),
+        (
+            4,
+            &["--async-io"],
+            "rank 0 reads, rank 1 writes, ranks 2-3 extract",
+        ),
+        (
+            2,
+            &["--frame-groups", "2"],
+            "2 frame groups: [rank 0 reads and writes, rank 0 extracts] \
+             [rank 1 reads and writes, rank 1 extracts]",
+        ),
+        (
+            4,
+            &["--frame-groups", "2"],
+            "2 frame groups: [rank 0 reads and writes, ranks 0-1 extract] \
+             [rank 2 reads and writes, ranks 2-3 extract]",
+        ),
+        (
+            7,
+            &["--async-io", "--frame-groups", "2"],
+            "2 frame groups: [rank 0 reads, rank 1 writes, rank 2 extracts] \
+             [rank 3 reads, rank 4 writes, ranks 5-6 extract]",
+        ),
+    ];
+    for (k, (ranks, extra, layout)) in layouts.into_iter().enumerate() {
+        let (mut args, outputs) = frame_list(dir.path(), &format!("layout{k}"), &inputs);
+        args.extend(extra.iter().map(|s| s.to_string()));
         let run = spex(Some(ranks), &args, &[], TIMEOUT);
         assert!(
             run.ok(),
-            "2 groups on {ranks} ranks failed:\n{}",
+            "{extra:?} on {ranks} ranks failed:\n{}",
             run.stderr
         );
         assert!(
-            run.stderr.contains(&format!("2 frame groups: {layout}")),
-            "not the expected groups:\n{}",
+            run.stderr.contains(layout),
+            "{extra:?} on {ranks} ranks: not the layout '{layout}':\n{}",
             run.stderr
         );
         for (a, b) in serial.iter().zip(&outputs) {

@@ -41,30 +41,19 @@ use crate::plan::Plan;
 /// Exit status of a `--test` comparison outside its limits.
 pub const EXIT_COMPARISON_FAILED: u8 = 3;
 
-/// Runs every frame `args` asks for on the ranks of `world` and returns the exit status, the
-/// same on every rank. `progress` makes the progress display of rank 0's own patches.
+/// Runs every frame `args` asks for on the ranks of `world` in the frame groups of `roles`
+/// and returns the exit status, the same on every rank. `progress` makes the progress display
+/// of rank 0's own patches.
 pub fn run(
     world: &Comm,
     layout: &Layout,
+    roles: &Roles,
     args: &ExtractArgs,
     progress: &dyn Fn() -> Progress,
 ) -> u8 {
     let t_start = Instant::now();
     let me = layout.rank;
     let prefix = layout.error_prefix();
-    // Every rank reaches the same verdict on its own, so a bad option needs no message; rank 0
-    // alone says why, and the others wait for its line: a launcher may kill the job as soon as
-    // one rank exits non-zero.
-    let roles = match Roles::new(layout.size, args.async_io, args.frame_groups) {
-        Ok(roles) => roles,
-        Err(e) => {
-            if me == 0 {
-                print_line(&format!("{prefix} {e}"));
-            }
-            world.all_max(0);
-            return 1;
-        }
-    };
     if roles.async_io_ignored() && me == 0 {
         tracing::warn!(
             "--async-io needs 3 or more ranks per frame group: groups smaller than that read \
@@ -162,7 +151,7 @@ pub fn run(
     if world.all_max((worker.is_some() && backend.is_none()) as u64) > 0 {
         return 1;
     }
-    log_layout(world, layout, &roles, backend.as_deref(), device);
+    log_layout(world, layout, roles, backend.as_deref(), device);
     if me == 0 {
         tracing::info!(
             "backends ready in {:.2} s ({})",

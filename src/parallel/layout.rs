@@ -45,17 +45,21 @@ impl Layout {
     }
 
     /// Finds this rank's place (collective over `world`): node-local rank from a
-    /// shared-memory split, node count, and the threads of its CPU backend (`requested`, or
-    /// [`default_threads`] when 0).
-    pub fn discover(world: &Comm, launched: bool, requested: usize) -> Self {
+    /// shared-memory split, node count, and the threads of its CPU backend and host-side work
+    /// (`requested`, or [`default_threads`] when 0). Unbound, an extracting rank (`is_worker`)
+    /// shares the node's cores with the node's other extracting ranks only, since reader and
+    /// writer ranks are idle most of the time; those share them among all the node's ranks.
+    pub fn discover(world: &Comm, launched: bool, requested: usize, is_worker: bool) -> Self {
         let node = world.split_shared();
         let (local_rank, local_size) = (node.rank(), node.size());
         let nodes = world.all_sum((local_rank == 0) as u64) as usize;
+        let node_workers = node.all_sum(is_worker as u64) as usize;
         let threads = if requested > 0 {
             requested
         } else {
             let (affinity, online) = cpu_counts();
-            default_threads(affinity, online, local_size)
+            let sharing = if is_worker { node_workers } else { local_size };
+            default_threads(affinity, online, sharing)
         };
         Layout {
             rank: world.rank(),
@@ -66,19 +70,6 @@ impl Layout {
             threads,
             host: hostname(),
             launched,
-        }
-    }
-
-    /// Gives the extracting ranks of each node its cores (collective over `world`): when the
-    /// user chose no thread count and the launcher bound no cores, an extracting rank takes its
-    /// share of the node among the node's extracting ranks only, since reader and writer ranks
-    /// are idle most of the time (they keep the share among all ranks).
-    pub fn share_cores_among_workers(&mut self, world: &Comm, is_worker: bool, requested: usize) {
-        let node = world.split_shared();
-        let workers = node.all_sum(is_worker as u64) as usize;
-        if requested == 0 && is_worker {
-            let (affinity, online) = cpu_counts();
-            self.threads = default_threads(affinity, online, workers);
         }
     }
 

@@ -117,9 +117,9 @@ pub(crate) fn compute_capability(ordinal: usize) -> Result<(i32, i32)> {
 }
 
 impl Device {
-    /// Opens device `ordinal`, creates a stream and the cuBLAS / cuSOLVER handles.
+    /// Opens device `ordinal`, creates a stream and the cuBLAS / cuSOLVER handles. The
+    /// ordinal comes checked from [`compute_capability`], which also loads the libraries.
     pub(crate) fn open(ordinal: usize) -> Result<Self> {
-        compute_capability(ordinal)?;
         let ctx = CudaContext::new(ordinal)
             .map_err(error::driver(format!("cannot open CUDA device {ordinal}")))?;
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
