@@ -296,13 +296,18 @@ fn an_error_on_one_rank_fails_the_job_without_output() {
 
 #[test]
 fn a_rank_that_panics_or_dies_aborts_the_job() {
-    for (kind, rank) in [("panic", 1), ("abort", 2)] {
+    // The last case panics on a solver thread of a rank that overlaps its phases.
+    for (kind, rank, ranks) in [("panic", 1, 3), ("abort", 2, 3), ("panic", 0, 1)] {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("frame.fits");
         let fault = format!("{kind}@{rank}");
+        let mut args = single("preproc-bundle0.fits", &out);
+        if ranks == 1 {
+            args.push("--async-io".into());
+        }
         let run = spex(
-            Some(3),
-            &single("preproc-bundle0.fits", &out),
+            Some(ranks),
+            &args,
             &[("SPEX_TEST_FAULT", &fault)],
             FAIL_FAST,
         );
@@ -332,11 +337,16 @@ fn failed_frames_are_counted_and_the_others_complete() {
         "preproc-bundle1.fits",
         "preproc-bundle1.fits",
     ];
-    for (ranks, async_io) in [(2, false), (4, true)] {
+    // One rank overlaps its phases with two frames in flight; two ranks read, extract and
+    // write; four have dedicated reader and writer ranks.
+    for (ranks, async_io) in [(1, true), (2, false), (4, true)] {
         let name = format!("run{ranks}");
         let (mut args, outputs) = frame_list(dir.path(), &name, &inputs);
         if async_io {
             args.push("--async-io".into());
+        }
+        if ranks == 1 {
+            args.extend(["--frames-in-flight", "2"].map(String::from));
         }
         // Frame 1 cannot be read; frame 3 fails on the last rank only.
         let fault = format!("error@{}:3", ranks - 1);
@@ -381,9 +391,46 @@ fn every_layout_of_a_list_gives_the_files_of_a_serial_run() {
     let (args, serial) = frame_list(dir.path(), "serial", &inputs);
     let run = spex(None, &args, &[], TIMEOUT);
     assert!(run.ok(), "serial run failed:\n{}", run.stderr);
-    // Dedicated I/O ranks; then two frame groups of one rank each, of two ranks that read,
-    // extract and write, and with dedicated I/O ranks and one and two workers.
-    let layouts: [(usize, &[&str], &str); 5] = [
+    // One process without a launcher that overlaps its phases on threads.
+    let (mut args, outputs) = frame_list(dir.path(), "overlapped", &inputs);
+    args.extend(["--async-io", "--frames-in-flight", "2"].map(String::from));
+    let run = spex(None, &args, &[], TIMEOUT);
+    assert!(run.ok(), "overlapped run failed:\n{}", run.stderr);
+    assert!(
+        run.stderr.contains("2 frames in flight"),
+        "not overlapped:\n{}",
+        run.stderr
+    );
+    for (a, b) in serial.iter().zip(&outputs) {
+        assert_same_files(a, b);
+    }
+    // One rank that overlaps its phases on threads, with up to three frames in flight;
+    // dedicated I/O ranks; then two frame groups of one rank each (overlapped and not), of
+    // two ranks that read, extract and write, and with dedicated I/O ranks and one and two
+    // workers.
+    let layouts: [(usize, &[&str], &str); 8] = [
+        (
+            1,
+            &["--async-io", "--frames-in-flight", "3"],
+            "rank 0 reads, extracts and writes on threads",
+        ),
+        (
+            1,
+            &["--async-io", "--frames-in-flight", "1"],
+            "rank 0 reads, extracts and writes on threads",
+        ),
+        (
+            2,
+            &[
+                "--async-io",
+                "--frame-groups",
+                "2",
+                "--frames-in-flight",
+                "2",
+            ],
+            "2 frame groups: [rank 0 reads, extracts and writes on threads] \
+             [rank 1 reads, extracts and writes on threads]",
+        ),
         (
             3,
             &["--async-io"],

@@ -68,6 +68,10 @@ impl Backend for CpuBackend {
         format!("cpu ({} threads)", self.threads)
     }
 
+    fn sibling(&self) -> Result<Box<dyn Backend>> {
+        Ok(Box::new(CpuBackend::new(self.threads)?))
+    }
+
     fn extract(
         &mut self,
         input: FrameInput<'_>,

@@ -26,6 +26,10 @@ impl Backend for CudaBackend {
         unreachable!("CudaBackend cannot be constructed without the cuda feature")
     }
 
+    fn sibling(&self) -> Result<Box<dyn Backend>> {
+        unreachable!("CudaBackend cannot be constructed without the cuda feature")
+    }
+
     fn extract(
         &mut self,
         _: FrameInput<'_>,

@@ -70,10 +70,19 @@ impl Progress {
     }
 }
 
-/// A device that solves patches.
-pub trait Backend {
+/// A device that solves patches. Backends move between threads: a rank may solve several
+/// frames at once, each on its own backend.
+pub trait Backend: Send {
     /// A short description for logs ("cpu (8 threads)", "cuda:0 NVIDIA H100").
     fn describe(&self) -> String;
+
+    /// The CUDA device it drives, if any.
+    fn device(&self) -> Option<usize> {
+        None
+    }
+
+    /// Another backend on the same device, to solve a second frame at the same time.
+    fn sibling(&self) -> Result<Box<dyn Backend>>;
 
     /// Solves `patches` (any subset of the plan, in any order) and returns one result per
     /// patch, in the same order.

@@ -21,14 +21,15 @@
 //! `MPI_Abort` after its line. At the end the writers' counts are summed and every rank returns
 //! the same exit status: the number of failed frames (capped at 100), 3 for a failed `--test`.
 
+use std::cell::Cell;
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use super::exchange::{
     frames_from_words, frames_to_words, pack_box, unpack_box, Contribution, FrameFiles, FrameHeader,
 };
-use super::layout::{self, device_for, patch_block, Group, Layout, Roles};
-use super::{print_line, Comm};
+use super::layout::{self, device_for, devices_for, patch_block, Group, Layout, Roles};
+use super::{overlap, print_line, Comm};
 use crate::backend::{self, Backend, BackendKind, FrameInput, Progress};
 use crate::cli::ExtractArgs;
 use crate::compare::{self, ParityLimits};
@@ -56,8 +57,8 @@ pub fn run(
     let prefix = layout.error_prefix();
     if roles.async_io_ignored() && me == 0 {
         tracing::warn!(
-            "--async-io needs 3 or more ranks per frame group: groups smaller than that read \
-             and write on their first rank"
+            "--async-io needs 1 rank or 3 and more per frame group: groups of 2 read and write \
+             on their first rank"
         );
     }
     let fatal = |e: &dyn std::fmt::Display| -> ! {
@@ -109,6 +110,12 @@ pub fn run(
     }
     let group = roles.group_of(me);
     let local = me - group.first;
+    // A group of one rank overlaps its frames on threads, with a backend per frame in flight.
+    let in_flight = if group.overlapped {
+        args.frames_in_flight
+    } else {
+        1
+    };
     let Some(group_comm) = world.split(Some(group.index as u32)) else {
         fatal(&"no communicator for the frame group")
     };
@@ -122,61 +129,92 @@ pub fn run(
     // Backends on the workers only, checked together: one rank that cannot start its device
     // stops the job before any frame is solved. GPUs go to contiguous blocks of the extracting
     // ranks of each node: dedicated reader and writer ranks hold no device. Meanwhile the
-    // reader reads its first frame, which takes less time than opening a device.
+    // reader reads its first frames, which takes less time than opening a device.
     let worker = group.worker_index(local);
     let workers_comm = world.split(worker.map(|_| 0));
     let node_workers = workers_comm.as_ref().map(|c| c.split_shared());
-    let first = mine.first().filter(|_| local == group.reader());
-    let (first_read, started) = std::thread::scope(|scope| {
-        let reading = first.map(|&(_, request)| scope.spawn(move || read_frame(request)));
-        let started = node_workers
-            .as_ref()
-            .map(|node| start_backend(args, layout, node.rank(), node.size()));
-        let first_read = reading.map(|r| {
-            r.join()
-                .unwrap_or_else(|_| Err(Error::Mpi("the reading thread panicked".into())))
+    let t_run = Cell::new(Instant::now());
+    let open = || -> Option<Vec<Box<dyn Backend>>> {
+        let started = node_workers.as_ref().map(|node| {
+            let devices = devices_of(args, group.overlapped, node.rank(), node.size())?;
+            start_backends(args, layout, devices, in_flight)
         });
-        (first_read, started)
-    });
-    let mut device = None;
-    let mut backend: Option<Box<dyn Backend>> = None;
-    match started {
-        Some(Ok((b, d))) => {
-            backend = Some(b);
-            device = d;
+        let backends = match started {
+            Some(Ok(b)) => b,
+            Some(Err(e)) => {
+                print_line(&format!("{prefix} cannot start the backend: {e}"));
+                Vec::new()
+            }
+            None => Vec::new(),
+        };
+        if world.all_max((worker.is_some() && backends.is_empty()) as u64) > 0 {
+            return None;
         }
-        Some(Err(e)) => print_line(&format!("{prefix} cannot start the backend: {e}")),
-        None => {}
-    }
-    if world.all_max((worker.is_some() && backend.is_none()) as u64) > 0 {
-        return 1;
-    }
-    log_layout(world, layout, roles, backend.as_deref(), device);
-    if me == 0 {
-        tracing::info!(
-            "backends ready in {:.2} s ({})",
-            t_start.elapsed().as_secs_f64(),
-            age()
-        );
-    }
-
-    let t_run = Instant::now();
-    let context = GroupContext {
-        world,
-        comm: &group_comm,
-        group: &group,
-        local,
-        prefix: &prefix,
-        args,
-        progress,
+        log_layout(world, layout, roles, &backends, in_flight);
+        if me == 0 {
+            tracing::info!(
+                "backends ready in {:.2} s ({})",
+                t_start.elapsed().as_secs_f64(),
+                age()
+            );
+        }
+        t_run.set(Instant::now());
+        Some(backends)
     };
-    let outcome = context.run(&mine, first_read, &mut backend);
-    let t_release = Instant::now();
-    drop(backend);
-    tracing::debug!(
-        "frames done; backend released in {:.3} s",
-        t_release.elapsed().as_secs_f64()
-    );
+
+    let outcome = if group.overlapped {
+        let shown = if me == 0 {
+            progress()
+        } else {
+            Progress::silent()
+        };
+        let read_ahead = if args.use_gpu() {
+            backend::cuda::device_count().unwrap_or(1)
+        } else {
+            1
+        };
+        match overlap::run(&mine, open, read_ahead, me, &prefix, args, shown) {
+            Some(outcome) => outcome,
+            None => return 1,
+        }
+    } else {
+        let first = mine.first().filter(|_| local == group.reader());
+        let (first_read, opened) = std::thread::scope(|scope| {
+            let reading = first.map(|&(_, request)| scope.spawn(move || read_frame(request)));
+            let opened = open();
+            let first_read = reading.map(|r| {
+                r.join()
+                    .unwrap_or_else(|_| Err(Error::Mpi("the reading thread panicked".into())))
+            });
+            (first_read, opened)
+        });
+        let Some(mut backends) = opened else {
+            return 1;
+        };
+        let context = GroupContext {
+            world,
+            comm: &group_comm,
+            group: &group,
+            local,
+            prefix: &prefix,
+            args,
+            progress,
+        };
+        let outcome = {
+            let backend = backends
+                .first_mut()
+                .map(|b| -> &mut dyn Backend { b.as_mut() });
+            context.run(&mine, first_read, backend)
+        };
+        let t_release = Instant::now();
+        drop(backends);
+        tracing::debug!(
+            "frames done; backend released in {:.3} s",
+            t_release.elapsed().as_secs_f64()
+        );
+        outcome
+    };
+    let t_run = t_run.get();
 
     // Every group's writer counts its frames; the verdict is the job's.
     let is_writer = local == group.writer();
@@ -243,7 +281,7 @@ impl GroupContext<'_> {
         &self,
         frames: &[(usize, &ExtractRequest)],
         mut first_read: Option<Result<(Inputs, PixelBox)>>,
-        backend: &mut Option<Box<dyn Backend>>,
+        mut backend: Option<&mut dyn Backend>,
     ) -> Outcome {
         let (group, me) = (self.group, self.local);
         let (is_reader, is_writer) = (me == group.reader(), me == group.writer());
@@ -377,18 +415,11 @@ impl GroupContext<'_> {
                 inputs,
                 read_s,
                 contributions,
-                gather,
+                Some(gather),
                 self.args,
                 &mut outcome,
             );
-            match written {
-                Ok(true) => outcome.written += 1,
-                Ok(false) => outcome.failed += 1,
-                Err(e) => {
-                    print_line(&format!("{} frame {frame_name}: {e}", self.prefix));
-                    outcome.failed += 1;
-                }
-            }
+            record(&mut outcome, written, request, self.prefix);
         }
         outcome
     }
@@ -396,10 +427,27 @@ impl GroupContext<'_> {
 
 /// What the writer counts.
 #[derive(Default)]
-struct Outcome {
-    written: usize,
-    failed: usize,
-    comparison_failed: bool,
+pub(super) struct Outcome {
+    pub written: usize,
+    pub failed: usize,
+    pub comparison_failed: bool,
+}
+
+/// Counts the outcome of [`write_frame`] for `request`, printing the line of its error.
+pub(super) fn record(
+    outcome: &mut Outcome,
+    written: Result<bool>,
+    request: &ExtractRequest,
+    prefix: &str,
+) {
+    match written {
+        Ok(true) => outcome.written += 1,
+        Ok(false) => outcome.failed += 1,
+        Err(e) => {
+            print_line(&format!("{prefix} frame {}: {e}", request.input.display()));
+            outcome.failed += 1;
+        }
+    }
 }
 
 /// The frames of the run: `(input, psf, output, model)`, without those that exist already
@@ -416,48 +464,105 @@ fn frames_of(args: &ExtractArgs) -> Result<Vec<FrameFiles>> {
     Ok(frames)
 }
 
-/// The backend of a worker and, for the GPU, its device: `--device`, else the one
-/// [`device_for`] gives the `node_worker`-th of the node's `node_workers` extracting ranks.
-fn start_backend(
+/// The CUDA devices of the `node_worker`-th of the node's `node_workers` extracting ranks
+/// (empty for the CPU): `--device`, else the one [`device_for`] gives, or for a rank that
+/// solves whole frames (`whole_frames`) the block of [`devices_for`].
+fn devices_of(
     args: &ExtractArgs,
-    layout: &Layout,
+    whole_frames: bool,
     node_worker: usize,
     node_workers: usize,
-) -> Result<(Box<dyn Backend>, Option<usize>)> {
+) -> Result<Vec<usize>> {
     if !args.use_gpu() {
-        return Ok((backend::create(BackendKind::Cpu, layout.threads, 0)?, None));
+        return Ok(Vec::new());
     }
-    let device = match args.device {
-        Some(d) => d,
-        None => {
-            let n = backend::cuda::device_count()?;
-            device_for(node_worker, node_workers, n)
-                .ok_or_else(|| Error::Gpu("no CUDA device is visible to this rank".into()))?
-        }
+    if let Some(d) = args.device {
+        return Ok(vec![d]);
+    }
+    let n = backend::cuda::device_count()?;
+    let devices: Vec<usize> = if whole_frames {
+        devices_for(node_worker, node_workers, n).collect()
+    } else {
+        device_for(node_worker, node_workers, n)
+            .into_iter()
+            .collect()
     };
-    Ok((
-        backend::create(BackendKind::Cuda, layout.threads, device)?,
-        Some(device),
-    ))
+    if devices.is_empty() {
+        return Err(Error::Gpu("no CUDA device is visible to this rank".into()));
+    }
+    Ok(devices)
+}
+
+/// The backends of a worker: `per_device` on each of `devices` (opened at the same time),
+/// device by device, or `per_device` CPU backends when `devices` is empty.
+fn start_backends(
+    args: &ExtractArgs,
+    layout: &Layout,
+    devices: Vec<usize>,
+    per_device: usize,
+) -> Result<Vec<Box<dyn Backend>>> {
+    let on = |kind: BackendKind, device: usize| -> Result<Vec<Box<dyn Backend>>> {
+        let first = backend::create(kind, layout.threads, device)?;
+        let mut backends = Vec::with_capacity(per_device);
+        for _ in 1..per_device {
+            backends.push(first.sibling()?);
+        }
+        backends.insert(0, first);
+        Ok(backends)
+    };
+    if !args.use_gpu() {
+        return on(BackendKind::Cpu, 0);
+    }
+    let opened: Vec<Result<Vec<Box<dyn Backend>>>> = std::thread::scope(|scope| {
+        let opening: Vec<_> = devices
+            .iter()
+            .map(|&d| scope.spawn(move || on(BackendKind::Cuda, d)))
+            .collect();
+        opening
+            .into_iter()
+            .map(|t| {
+                t.join()
+                    .unwrap_or_else(|_| Err(Error::Gpu("a device-opening thread panicked".into())))
+            })
+            .collect()
+    });
+    let mut backends = Vec::new();
+    for b in opened {
+        backends.extend(b?);
+    }
+    Ok(backends)
 }
 
 /// Logs the layout once, on rank 0: ranks, nodes, ranks per node, threads, roles and, for the
-/// GPU, which device each rank drives. Collective.
+/// GPU, which devices each rank drives. Collective.
 fn log_layout(
     world: &Comm,
     layout: &Layout,
     roles: &Roles,
-    backend: Option<&dyn Backend>,
-    device: Option<usize>,
+    backends: &[Box<dyn Backend>],
+    per_device: usize,
 ) {
     let threads = world.all_gather(layout.threads as u64);
     let local = world.all_gather(layout.local_rank as u64);
-    let devices = world.all_gather(device.map_or(u64::MAX, |d| d as u64));
+    // The devices of a rank as a bit set (ordinals beyond 63 are left out of the map).
+    let mask = backends
+        .iter()
+        .filter_map(|b| b.device())
+        .filter(|&d| d < 64)
+        .fold(0u64, |m, d| m | 1 << d);
+    let devices = world.all_gather(mask);
     if layout.rank != 0 {
         return;
     }
-    if let Some(b) = backend {
-        tracing::info!("rank 0 extracts on {}", b.describe());
+    if !backends.is_empty() {
+        let mut names: Vec<String> = backends.iter().map(|b| b.describe()).collect();
+        names.dedup();
+        let in_flight = match per_device {
+            1 => String::new(),
+            n if names.len() == 1 => format!(", {n} frames in flight"),
+            n => format!(", {n} frames in flight on each"),
+        };
+        tracing::info!("rank 0 extracts on {}{in_flight}", names.join(", "));
     }
     if !layout.launched {
         return;
@@ -486,12 +591,18 @@ fn log_layout(
         range(&threads),
         roles.describe()
     );
-    if devices.iter().any(|&d| d != u64::MAX) {
+    if devices.iter().any(|&m| m != 0) {
         let map: Vec<String> = devices
             .iter()
             .enumerate()
-            .filter(|(_, &d)| d != u64::MAX)
-            .map(|(r, d)| format!("{r}:cuda:{d}"))
+            .filter(|(_, &m)| m != 0)
+            .map(|(r, &m)| {
+                let ordinals: Vec<String> = (0..64)
+                    .filter(|d| m >> d & 1 == 1)
+                    .map(|d| d.to_string())
+                    .collect();
+                format!("{r}:cuda:{}", ordinals.join(","))
+            })
             .collect();
         tracing::info!(
             "rank to GPU (blocks of a node's extracting ranks): {}",
@@ -501,11 +612,11 @@ fn log_layout(
 }
 
 /// A box of CCD rows and columns.
-type PixelBox = (Range<usize>, Range<usize>);
+pub(super) type PixelBox = (Range<usize>, Range<usize>);
 
 /// Reads a frame and checks what can be checked before anyone solves (the output directory,
 /// the inputs, the plan); returns the inputs and the box of pixels the plan's patches can use.
-fn read_frame(request: &ExtractRequest) -> Result<(Inputs, PixelBox)> {
+pub(super) fn read_frame(request: &ExtractRequest) -> Result<(Inputs, PixelBox)> {
     let _range = nvtx::LocalRange::new(c"read");
     request.check_outputs()?;
     let inputs = pipeline::read_inputs(request)?;
@@ -578,15 +689,15 @@ fn distribute_pixels(
 }
 
 /// Which block of a frame a worker solves.
-struct Share {
-    worker: usize,
-    nworkers: usize,
-    frame: usize,
-    rank: usize,
+pub(super) struct Share {
+    pub worker: usize,
+    pub nworkers: usize,
+    pub frame: usize,
+    pub rank: usize,
 }
 
 /// Solves a worker's block of patches.
-fn solve_share(
+pub(super) fn solve_share(
     request: &ExtractRequest,
     inputs: &Inputs,
     backend: &mut dyn Backend,
@@ -617,14 +728,14 @@ fn solve_share(
     backend.extract(input, patches, progress)
 }
 
-/// Stitches and writes a frame from the workers' contributions. `Ok(false)`: a rank failed on
-/// this frame (it reported why).
-fn write_frame(
+/// Stitches and writes a frame from the workers' contributions, gathered in `gather` (`None`:
+/// solved in this process). `Ok(false)`: a rank failed on this frame (it reported why).
+pub(super) fn write_frame(
     request: &ExtractRequest,
     local: Option<Inputs>,
     read_s: f64,
     contributions: Vec<(usize, Contribution)>,
-    gather: Duration,
+    gather: Option<Duration>,
     args: &ExtractArgs,
     outcome: &mut Outcome,
 ) -> Result<bool> {
@@ -672,11 +783,15 @@ fn write_frame(
     let secs = Duration::from_secs_f64;
     let mut timings = Timings::default();
     timings.phases.push(("read", secs(read_s)));
-    timings
-        .phases
-        .push(("receive", secs(recv_s.unwrap_or(0.0))));
-    timings.phases.push(("solve", secs(solve_max)));
-    timings.phases.push(("gather", gather));
+    if let Some(gather) = gather {
+        timings
+            .phases
+            .push(("receive", secs(recv_s.unwrap_or(0.0))));
+        timings.phases.push(("solve", secs(solve_max)));
+        timings.phases.push(("gather", gather));
+    } else {
+        timings.phases.push(("solve", secs(solve_max)));
+    }
     let plan = request.plan(&inputs.psf)?;
     tracing::info!("{}: {}", request.input.display(), plan.summary());
     let (frame, _) = pipeline::finish(request, &plan, &inputs, &results, &mut timings)?;

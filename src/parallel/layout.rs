@@ -95,11 +95,12 @@ impl Layout {
 /// extract theirs. One group per GPU, or two per GPU under MPS, lets a node scale with its
 /// GPUs instead of with one writer.
 ///
-/// Inside a group, without `--async-io` (or with fewer than 3 ranks in it) its first rank
-/// reads each frame, every rank of the group (the first included) solves a share of it, and
-/// the first rank writes it. With `--async-io` its first rank only reads and its second only
-/// writes, so that reading frame k+1 and writing frame k-1 overlap the extraction of frame k
-/// on the group's other ranks.
+/// Inside a group, without `--async-io` (or with 2 ranks in it) its first rank reads each
+/// frame, every rank of the group (the first included) solves a share of it, and the first
+/// rank writes it. With `--async-io` a group of 3 ranks or more has its first rank only read
+/// and its second only write, so that reading frame k+1 and writing frame k-1 overlap the
+/// extraction of frame k on the group's other ranks; a group of one rank overlaps the same
+/// phases on threads of its own (`overlap`), with several frames in flight.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Roles {
     size: usize,
@@ -119,6 +120,8 @@ pub struct Group {
     pub size: usize,
     /// Whether the group has dedicated reader and writer ranks.
     pub async_io: bool,
+    /// Whether the group is one rank that overlaps reading, solving and writing on threads.
+    pub overlapped: bool,
 }
 
 impl Roles {
@@ -155,6 +158,7 @@ impl Roles {
             first: ranks.start,
             size: ranks.len(),
             async_io: self.async_io && ranks.len() >= 3,
+            overlapped: self.async_io && ranks.len() == 1,
         }
     }
 
@@ -171,9 +175,9 @@ impl Roles {
         k % self.groups
     }
 
-    /// Whether `--async-io` was asked for but some group is too small to honour it.
+    /// Whether `--async-io` was asked for but some group (of 2 ranks) cannot honour it.
     pub fn async_io_ignored(&self) -> bool {
-        self.async_io && (0..self.groups).any(|g| !self.group(g).async_io)
+        self.async_io && (0..self.groups).any(|g| self.group(g).size == 2)
     }
 
     /// Whether world rank `rank` solves patches.
@@ -253,6 +257,11 @@ impl Group {
                 self.world(self.reader()),
                 self.world(self.writer())
             )
+        } else if self.overlapped {
+            format!(
+                "rank {} reads, extracts and writes on threads",
+                self.world(0)
+            )
         } else {
             format!("rank {} reads and writes, {workers}", self.world(0))
         }
@@ -287,6 +296,20 @@ pub fn device_for(worker: usize, workers: usize, ndevices: usize) -> Option<usiz
             worker * ndevices / workers
         }
     })
+}
+
+/// The GPUs of the `worker`-th of a node's `workers` extracting ranks when a rank may drive
+/// several (a frame group of one rank, which solves whole frames): a contiguous block of the
+/// `ndevices` when there are more GPUs than ranks, so that every GPU of the node works (one
+/// process may drive a whole node), else the one GPU of [`device_for`]. Empty without
+/// devices.
+pub fn devices_for(worker: usize, workers: usize, ndevices: usize) -> Range<usize> {
+    let workers = workers.max(worker + 1);
+    if workers < ndevices {
+        patch_block(ndevices, workers, worker)
+    } else {
+        device_for(worker, workers, ndevices).map_or(0..0, |d| d..d + 1)
+    }
 }
 
 /// Worker threads per rank when the user did not choose (`--threads 0`).
@@ -372,11 +395,17 @@ mod tests {
     fn roles_use_dedicated_io_ranks_only_from_three_ranks() {
         let roles = |size, async_io| Roles::new(size, async_io, 1).expect("one group");
         let g = roles(1, true).group(0);
-        assert!(!g.async_io);
+        assert!(!g.async_io && g.overlapped);
         assert_eq!(g.workers(), 0..1);
-        assert!(roles(1, true).async_io_ignored());
+        assert!(!roles(1, true).async_io_ignored());
+        assert_eq!(
+            roles(1, true).describe(),
+            "rank 0 reads, extracts and writes on threads"
+        );
+        assert!(!roles(1, false).group(0).overlapped);
         let g = roles(2, true).group(0);
-        assert!(!g.async_io);
+        assert!(!g.async_io && !g.overlapped);
+        assert!(roles(2, true).async_io_ignored());
         assert_eq!(g.workers(), 0..2);
         let r = roles(4, true);
         assert!(!r.async_io_ignored());
@@ -424,6 +453,16 @@ mod tests {
         );
         let r = Roles::new(4, false, 4).expect("one rank per group");
         assert_eq!(r.group_of(3).world(0), 3);
+        assert!(!r.group(0).overlapped);
+        let r = Roles::new(4, true, 4).expect("one rank per group, overlapped");
+        assert!(r.group_of(3).overlapped && !r.async_io_ignored());
+        assert_eq!(
+            r.describe(),
+            "4 frame groups: [rank 0 reads, extracts and writes on threads] \
+             [rank 1 reads, extracts and writes on threads] \
+             [rank 2 reads, extracts and writes on threads] \
+             [rank 3 reads, extracts and writes on threads]"
+        );
         assert_eq!(r.group_of_frame(6), 2);
         for (size, groups) in [(1, 2), (4, 5)] {
             let e = Roles::new(size, true, groups).expect_err("rejected");
@@ -442,6 +481,13 @@ mod tests {
         assert_eq!(device_for(1, 2, 4), Some(1));
         assert_eq!(device_for(3, 6, 1), Some(0));
         assert_eq!(device_for(3, 6, 0), None);
+        // ranks that can drive several GPUs share them out
+        assert_eq!(devices_for(0, 1, 4), 0..4);
+        assert_eq!(devices_for(1, 2, 4), 2..4);
+        assert_eq!((devices_for(0, 3, 4), devices_for(2, 3, 4)), (0..1, 2..4));
+        assert_eq!(devices_for(3, 4, 4), 3..4);
+        assert_eq!(devices_for(5, 8, 4), 2..3);
+        assert_eq!(devices_for(0, 1, 0), 0..0);
     }
 
     #[test]

@@ -6,6 +6,8 @@
 //!   rank-to-GPU mapping;
 //! - [`exchange`]: the flat word buffers that carry headers and patch results between ranks;
 //! - [`exposure`]: the loop over frames (one or a whole exposure) with its error protocol;
+//! - `overlap`: the same loop for a frame group of one rank under `--async-io`, whose reading,
+//!   solving and writing overlap on threads;
 //! - `Comm`/`Universe`: the communication primitives, through MPI when a launcher started
 //!   the process (the only user of the `mpi` crate), otherwise a world of one rank. Built
 //!   without the `mpi` feature a serial stand-in with the same API takes their place, so
@@ -18,6 +20,7 @@
 pub mod exchange;
 pub mod exposure;
 pub mod layout;
+mod overlap;
 
 #[cfg(feature = "mpi")]
 #[path = "comm_mpi.rs"]
@@ -27,7 +30,7 @@ mod comm;
 mod comm;
 
 pub use comm::{launched, Comm, Universe};
-pub use layout::{device_for, Group, Layout, Roles};
+pub use layout::{device_for, devices_for, Group, Layout, Roles};
 
 /// Prints one line on stderr in a single write, so that lines of several ranks sharing the
 /// launcher's stderr never interleave within a line (`eprintln!` may write in pieces).

@@ -122,6 +122,17 @@ impl Device {
     pub(crate) fn open(ordinal: usize) -> Result<Self> {
         let ctx = CudaContext::new(ordinal)
             .map_err(error::driver(format!("cannot open CUDA device {ordinal}")))?;
+        Self::on_context(ctx, ordinal)
+    }
+
+    /// Another stream with its own library handles on the same context, so that a second
+    /// frame can be solved while this device's stream works on the first. Memory statistics
+    /// are its own.
+    pub(crate) fn sibling(&self) -> Result<Self> {
+        Self::on_context(self.ctx.clone(), self.ordinal)
+    }
+
+    fn on_context(ctx: Arc<CudaContext>, ordinal: usize) -> Result<Self> {
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
         let arch = ctx.compute_capability().map_err(error::driver(format!(
             "device {ordinal}: compute capability"

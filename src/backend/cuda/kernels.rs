@@ -131,7 +131,8 @@ pub(crate) fn ptx_for(arch: &'static str) -> Result<Vec<String>> {
     })
 }
 
-/// Compiled kernels of one device.
+/// Compiled kernels of one device (clones share the loaded modules).
+#[derive(Clone)]
 pub(crate) struct Kernels {
     _modules: Vec<std::sync::Arc<CudaModule>>,
     pub spots: CudaFunction,

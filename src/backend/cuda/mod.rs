@@ -104,6 +104,22 @@ impl CudaBackend {
         })
     }
 
+    /// A second backend on the same device: its own stream, library handles and buffers, the
+    /// same kernels. Two of them solve two frames at once, so that one frame's host-side work
+    /// (tables, transfers, results) overlaps the other's kernels.
+    pub fn sibling(&self) -> Result<Self> {
+        let dev = self.dev.sibling()?;
+        Ok(CudaBackend {
+            dev,
+            kernels: self.kernels.clone(),
+            budget: self.budget,
+            max_chunk: self.max_chunk,
+            timings: GpuTimings::default(),
+            workspace: solve::Workspace::new(),
+            pinned: Vec::new(),
+        })
+    }
+
     /// Phase timings, chunking and memory of the last `extract` call.
     pub fn timings(&self) -> &GpuTimings {
         &self.timings
@@ -192,6 +208,14 @@ impl Backend for CudaBackend {
             "cuda:{} {} (sm_{}{})",
             self.dev.ordinal, self.dev.name, self.dev.arch.0, self.dev.arch.1
         )
+    }
+
+    fn device(&self) -> Option<usize> {
+        Some(self.dev.ordinal)
+    }
+
+    fn sibling(&self) -> Result<Box<dyn Backend>> {
+        Ok(Box::new(CudaBackend::sibling(self)?))
     }
 
     fn extract(

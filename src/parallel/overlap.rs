@@ -1,0 +1,232 @@
+//! A frame group of one rank under `--async-io`: the rank overlaps the phases of its frames
+//! on threads of its own instead of dedicated reader and writer ranks.
+//!
+//! Reader threads read the next frames while solver threads, one per backend, solve the
+//! frames before them, and writer threads stitch and write each frame as soon as it is
+//! solved. A rank may drive several GPUs (all those of the node when it is the node's only
+//! extracting rank) and hold several backends per GPU (`--frames-in-flight`): frames go to
+//! whichever backend is free, and there is a reader and a writer per GPU, so that one process
+//! can keep a whole node busy. Nothing is sent between processes: no MPS, broadcasts or
+//! gathers. The first reader starts while the devices open.
+//!
+//! Errors follow the protocol of the collective loop: a frame that cannot be read or solved
+//! is reported on one line, counted and skipped, and the other frames go on.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
+
+use super::exchange::Contribution;
+use super::exposure::{read_frame, record, solve_share, write_frame, Outcome, PixelBox, Share};
+use super::print_line;
+use crate::backend::{Backend, Progress};
+use crate::cli::ExtractArgs;
+use crate::error::Result;
+use crate::pipeline::{ExtractRequest, Inputs};
+
+/// A frame as read, on its way to a solver.
+struct Read<'a> {
+    /// Index of the frame in the list.
+    k: usize,
+    request: &'a ExtractRequest,
+    read: Result<(Inputs, PixelBox)>,
+    read_s: f64,
+}
+
+/// A frame as solved (`None`: it failed and its error was reported), on its way to a writer.
+struct Solved<'a> {
+    request: &'a ExtractRequest,
+    solved: Option<(Inputs, Contribution)>,
+    read_s: f64,
+}
+
+/// A queue that several threads take from; once every taker is gone, even by a panic, the
+/// senders find it closed and stop instead of waiting forever.
+type Shared<T> = Arc<Mutex<Receiver<T>>>;
+
+/// Reads, solves and writes `frames` (`(index in the list, request)`) on this rank alone.
+/// `open` starts the backends (collectively with the other ranks; `None` stops the run)
+/// while the first reader reads up to `read_ahead` frames. Returns what was written and
+/// what failed, or `None` when the backends did not open.
+pub(super) fn run(
+    frames: &[(usize, &ExtractRequest)],
+    open: impl FnOnce() -> Option<Vec<Box<dyn Backend>>>,
+    read_ahead: usize,
+    rank: usize,
+    prefix: &str,
+    args: &ExtractArgs,
+    progress: Progress,
+) -> Option<Outcome> {
+    let next_frame = AtomicUsize::new(0);
+    let (read_tx, read_rx) = sync_channel::<Read>(read_ahead.max(1));
+    let read_rx = Arc::new(Mutex::new(read_rx));
+    let next_frame = &next_frame;
+    std::thread::scope(|scope| {
+        let tx = read_tx.clone();
+        scope.spawn(move || read_all(frames, next_frame, tx));
+        let Some(backends) = open() else {
+            drop(read_rx);
+            return None;
+        };
+        // A reader and a writer per device keep up with it: reading or writing a frame takes
+        // less time than solving it.
+        let mut devices: Vec<Option<usize>> = backends.iter().map(|b| b.device()).collect();
+        devices.dedup();
+        let lanes = devices.len().max(1);
+        for _ in 1..lanes {
+            let tx = read_tx.clone();
+            scope.spawn(move || read_all(frames, next_frame, tx));
+        }
+        drop(read_tx);
+
+        let (solved_tx, solved_rx) = sync_channel::<Solved>(backends.len());
+        // The progress display follows the first solver's frames.
+        let mut progress = Some(progress);
+        for mut backend in backends {
+            let (read_rx, solved_tx) = (read_rx.clone(), solved_tx.clone());
+            let shown = progress.take().unwrap_or_else(Progress::silent);
+            scope.spawn(move || {
+                while let Some(frame) = take(&read_rx) {
+                    let solved = solve(frame, backend.as_mut(), rank, prefix, &shown);
+                    if solved_tx.send(solved).is_err() {
+                        break;
+                    }
+                }
+                let t0 = Instant::now();
+                drop(backend);
+                tracing::debug!("backend released in {:.3} s", t0.elapsed().as_secs_f64());
+            });
+        }
+        drop((read_rx, solved_tx));
+
+        let solved_rx: Shared<Solved> = Arc::new(Mutex::new(solved_rx));
+        let writers: Vec<_> = (0..lanes)
+            .map(|_| {
+                let solved_rx = solved_rx.clone();
+                scope.spawn(move || write_all(&solved_rx, rank, prefix, args))
+            })
+            .collect();
+        drop(solved_rx);
+        let mut outcome = Outcome::default();
+        for w in writers {
+            // A writer that panicked has reported it; the scope re-raises the panic.
+            if let Ok(o) = w.join() {
+                outcome.written += o.written;
+                outcome.failed += o.failed;
+                outcome.comparison_failed |= o.comparison_failed;
+            }
+        }
+        Some(outcome)
+    })
+}
+
+/// Reads frames, taking the next index from `next` (shared by the readers), until none are
+/// left or nobody takes them any more.
+fn read_all<'a>(
+    frames: &[(usize, &'a ExtractRequest)],
+    next: &AtomicUsize,
+    read_tx: SyncSender<Read<'a>>,
+) {
+    while let Some(&(k, request)) = frames.get(next.fetch_add(1, Ordering::Relaxed)) {
+        let t0 = Instant::now();
+        let read = read_frame(request);
+        let frame = Read {
+            k,
+            request,
+            read,
+            read_s: t0.elapsed().as_secs_f64(),
+        };
+        if read_tx.send(frame).is_err() {
+            break;
+        }
+    }
+}
+
+/// The next item of a shared queue, for whichever thread asks first; `None` once it is empty
+/// and closed.
+fn take<T>(queue: &Mutex<Receiver<T>>) -> Option<T> {
+    queue
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .recv()
+        .ok()
+}
+
+/// Writes solved frames until none are left; counts what was written and what failed.
+fn write_all(
+    solved: &Mutex<Receiver<Solved<'_>>>,
+    rank: usize,
+    prefix: &str,
+    args: &ExtractArgs,
+) -> Outcome {
+    let mut outcome = Outcome::default();
+    while let Some(frame) = take(solved) {
+        let Some((inputs, contribution)) = frame.solved else {
+            outcome.failed += 1;
+            continue;
+        };
+        let written = write_frame(
+            frame.request,
+            Some(inputs),
+            frame.read_s,
+            vec![(rank, contribution)],
+            None,
+            args,
+            &mut outcome,
+        );
+        record(&mut outcome, written, frame.request, prefix);
+    }
+    outcome
+}
+
+/// Solves a whole frame on `backend`, reporting a failure to read or to solve it.
+fn solve<'a>(
+    frame: Read<'a>,
+    backend: &mut dyn Backend,
+    rank: usize,
+    prefix: &str,
+    progress: &Progress,
+) -> Solved<'a> {
+    let Read {
+        k,
+        request,
+        read,
+        read_s,
+    } = frame;
+    let failed = |e: &dyn std::fmt::Display| {
+        print_line(&format!("{prefix} frame {}: {e}", request.input.display()));
+        Solved {
+            request,
+            solved: None,
+            read_s,
+        }
+    };
+    let inputs = match read {
+        Ok((inputs, _)) => inputs,
+        Err(e) => return failed(&e),
+    };
+    let share = Share {
+        worker: 0,
+        nworkers: 1,
+        frame: k,
+        rank,
+    };
+    let t0 = Instant::now();
+    match solve_share(request, &inputs, backend, &share, progress) {
+        Ok(results) => Solved {
+            request,
+            solved: Some((
+                inputs,
+                Contribution::Solved {
+                    header: None,
+                    results,
+                    recv_s: 0.0,
+                    solve_s: t0.elapsed().as_secs_f64(),
+                },
+            )),
+            read_s,
+        },
+        Err(e) => failed(&e),
+    }
+}
