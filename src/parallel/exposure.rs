@@ -9,7 +9,8 @@
 //! cards) and the pixels as raw f32 buffers; each worker solves its block of patches on its
 //! backend and returns the results to the writer, which stitches the frame and writes it
 //! atomically. All of this is the same code for one process (then one rank is reader, worker
-//! and writer). The output does not depend on the groups or the ranks.
+//! and writer). A group of one rank under `--async-io` runs its frames through `overlap`
+//! instead, on threads of its own. The output does not depend on the groups or the ranks.
 //!
 //! Errors: a frame that cannot be read, or fails on any worker, is counted by the writer and
 //! skipped by every rank that handles it: the reader broadcasts a failure header, a worker

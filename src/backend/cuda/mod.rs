@@ -3,7 +3,7 @@
 //! Nothing CUDA is needed to build it: the driver, NVRTC, cuBLAS and cuSOLVER are loaded at
 //! run time (cudarc's dynamic loading), and the kernels in `kernels/` are compiled by NVRTC
 //! for the device's architecture when the backend is created. The solve follows the CPU
-//! reference step by step (see [`solve`]); results agree with it to rounding.
+//! reference step by step (see `solve`); results agree with it to rounding.
 //!
 //! All patches of a call are solved in chunks as large as the device memory budget allows
 //! (`SPEX_GPU_MEMORY_GB`, default 8 GB per process), so that one batched factorisation covers
