@@ -164,8 +164,9 @@ pub struct ExtractArgs {
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = parse_count)]
     pub frame_groups: usize,
     /// Frames a rank that forms a frame group alone solves at the same time on each of its
-    /// devices under --async-io, each on a backend of its own: 2 gain a few percent on a lone
-    /// GPU, whose kernels then overlap the host-side work of the other frame.
+    /// devices under --async-io, each on a backend of its own (on the CPU they share the
+    /// rank's threads): 2 gain a few percent on a lone GPU, whose kernels then overlap the
+    /// host-side work of the other frame.
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = parse_count)]
     pub frames_in_flight: usize,
     /// Skip frames whose output already exists.

@@ -495,15 +495,22 @@ fn devices_of(
 }
 
 /// The backends of a worker: `per_device` on each of `devices` (opened at the same time),
-/// device by device, or `per_device` CPU backends when `devices` is empty.
+/// device by device, or for the CPU `per_device` backends that share the rank's threads.
 fn start_backends(
     args: &ExtractArgs,
     layout: &Layout,
     devices: Vec<usize>,
     per_device: usize,
 ) -> Result<Vec<Box<dyn Backend>>> {
-    let on = |kind: BackendKind, device: usize| -> Result<Vec<Box<dyn Backend>>> {
-        let first = backend::create(kind, layout.threads, device)?;
+    if !args.use_gpu() {
+        // CPU backends in flight share the rank's threads rather than oversubscribe them.
+        let threads = (layout.threads / per_device).max(1);
+        return (0..per_device)
+            .map(|_| backend::create(BackendKind::Cpu, threads, 0))
+            .collect();
+    }
+    let on = |device: usize| -> Result<Vec<Box<dyn Backend>>> {
+        let first = backend::create(BackendKind::Cuda, layout.threads, device)?;
         let mut backends = Vec::with_capacity(per_device);
         for _ in 1..per_device {
             backends.push(first.sibling()?);
@@ -511,13 +518,10 @@ fn start_backends(
         backends.insert(0, first);
         Ok(backends)
     };
-    if !args.use_gpu() {
-        return on(BackendKind::Cpu, 0);
-    }
     let opened: Vec<Result<Vec<Box<dyn Backend>>>> = std::thread::scope(|scope| {
         let opening: Vec<_> = devices
             .iter()
-            .map(|&d| scope.spawn(move || on(BackendKind::Cuda, d)))
+            .map(|&d| scope.spawn(move || on(d)))
             .collect();
         opening
             .into_iter()
