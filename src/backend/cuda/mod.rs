@@ -6,7 +6,7 @@
 //! reference step by step (see `solve`); results agree with it to rounding.
 //!
 //! All patches of a call are solved in chunks as large as the device memory budget allows
-//! (`SPEX_GPU_MEMORY_GB`, default 8 GB per process), so that one batched factorisation covers
+//! (`SPEX_GPU_MEMORY_GB`, default 8 GB per backend), so that one batched factorisation covers
 //! thousands of patches; the host tables of the next chunk are built while the device works.
 //! Device and pinned buffers are kept between calls (a process extracts frame after frame).
 //!
@@ -33,7 +33,7 @@ use device::Device;
 use kernels::Kernels;
 use solve::Shape;
 
-/// Default budget of device memory per process, in bytes.
+/// Default budget of device memory per backend, in bytes.
 const DEFAULT_BUDGET: f64 = 8e9;
 
 /// Solves patches on one CUDA device.
