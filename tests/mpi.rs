@@ -550,7 +550,7 @@ fn more_frame_groups_than_ranks_are_rejected() {
 }
 
 #[test]
-fn groups_without_frames_wait_for_the_others_and_say_so() {
+fn groups_without_frames_or_async_io_say_so() {
     let dir = tempfile::tempdir().unwrap();
     let (mut args, outputs) = frame_list(
         dir.path(),
@@ -569,4 +569,17 @@ fn groups_without_frames_wait_for_the_others_and_say_so() {
     for o in &outputs {
         assert!(o.is_file(), "{} missing:\n{}", o.display(), run.stderr);
     }
+    // A group of 2 ranks cannot honour --async-io: it says so and runs without.
+    let out = dir.path().join("pair.fits");
+    let mut args = single("preproc-bundle0.fits", &out);
+    args.push("--async-io".into());
+    let run = spex(Some(2), &args, &[], TIMEOUT);
+    assert!(run.ok(), "2 ranks with --async-io failed:\n{}", run.stderr);
+    assert!(
+        run.stderr
+            .contains("--async-io needs frame groups of 1 rank or of 3 or more"),
+        "no warning about the group of 2:\n{}",
+        run.stderr
+    );
+    assert!(out.is_file(), "{}", run.stderr);
 }

@@ -58,8 +58,8 @@ pub fn run(
     let prefix = layout.error_prefix();
     if roles.async_io_ignored() && me == 0 {
         tracing::warn!(
-            "--async-io needs 1 rank or 3 and more per frame group: groups of 2 read and write \
-             on their first rank"
+            "--async-io needs frame groups of 1 rank or of 3 or more: groups of 2 read and \
+             write on their first rank"
         );
     }
     let fatal = |e: &dyn std::fmt::Display| -> ! {
