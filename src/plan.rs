@@ -109,6 +109,7 @@ impl Plan {
     /// Validates the options and lays out every patch of the frame.
     pub fn new(options: PlanOptions) -> Result<Self> {
         let o = &options;
+        let l = &o.layout;
         if !(o.dw > 0.0) || !o.dw.is_finite() {
             return Err(Error::config(format!(
                 "wavelength step dw = {} must be positive",
@@ -121,33 +122,33 @@ impl Plan {
                 o.wmin, o.wmax
             )));
         }
-        if o.layout.bundlesize == 0 || o.layout.nsubbundles == 0 || o.layout.nwavestep == 0 {
+        if l.bundlesize == 0 || l.nsubbundles == 0 || l.nwavestep == 0 {
             return Err(Error::config(
                 "bundlesize, nsubbundles and nwavestep must be positive",
             ));
         }
-        if o.layout.bundlesize % o.layout.nsubbundles != 0 {
+        if l.bundlesize % l.nsubbundles != 0 {
             return Err(Error::config(format!(
                 "bundlesize ({}) must be divisible by nsubbundles ({})",
-                o.layout.bundlesize, o.layout.nsubbundles
+                l.bundlesize, l.nsubbundles
             )));
         }
-        if o.specmin % o.layout.bundlesize != 0 {
+        if o.specmin % l.bundlesize != 0 {
             return Err(Error::config(format!(
                 "specmin ({}) must be a multiple of bundlesize ({})",
-                o.specmin, o.layout.bundlesize
+                o.specmin, l.bundlesize
             )));
         }
-        if o.nspec == 0 || o.nspec % o.layout.bundlesize != 0 {
+        if o.nspec == 0 || o.nspec % l.bundlesize != 0 {
             return Err(Error::config(format!(
                 "nspec ({}) must be a positive multiple of bundlesize ({})",
-                o.nspec, o.layout.bundlesize
+                o.nspec, l.bundlesize
             )));
         }
-        if !(0.0..=1.0).contains(&o.layout.pixpad_frac) || !(o.layout.wavepad_frac >= 0.0) {
+        if !(0.0..=1.0).contains(&l.pixpad_frac) || !(l.wavepad_frac >= 0.0) {
             return Err(Error::config(format!(
                 "pixpad-frac ({}) must be in [0, 1] and wavepad-frac ({}) non-negative",
-                o.layout.pixpad_frac, o.layout.wavepad_frac
+                l.pixpad_frac, l.wavepad_frac
             )));
         }
         let nbins = ((o.wmax - o.wmin) / o.dw + 0.5).floor() as usize + 1;
@@ -157,15 +158,14 @@ impl Plan {
             )));
         }
         let wave = output_grid(o.wmin, o.wmax, o.dw);
-        let wavepad =
-            o.layout.wavepad + (o.layout.wavepad as f64 * o.layout.wavepad_frac).floor() as usize;
-        let fullwave = padded_grid(&wave, o.dw, wavepad, o.layout.nwavestep);
+        let wavepad = l.wavepad + (l.wavepad as f64 * l.wavepad_frac).floor() as usize;
+        let fullwave = padded_grid(&wave, o.dw, wavepad, l.nwavestep);
         let nwave = wave.len();
 
-        let nper = o.layout.bundlesize / o.layout.nsubbundles;
+        let nper = l.bundlesize / l.nsubbundles;
         let mut patches = Vec::new();
-        for bundle_start in (o.specmin..o.specmin + o.nspec).step_by(o.layout.bundlesize) {
-            let bundle_end = bundle_start + o.layout.bundlesize;
+        for bundle_start in (o.specmin..o.specmin + o.nspec).step_by(l.bundlesize) {
+            let bundle_end = bundle_start + l.bundlesize;
             for sub in (bundle_start..bundle_end).step_by(nper) {
                 let fibers = sub..sub + nper;
                 let lo = if sub == bundle_start { sub } else { sub - 1 };
@@ -174,20 +174,20 @@ impl Plan {
                 } else {
                     fibers.end + 1
                 };
-                for start in (0..nwave).step_by(o.layout.nwavestep) {
+                for start in (0..nwave).step_by(l.nwavestep) {
                     patches.push(Patch {
                         index: patches.len(),
                         bundle_start,
                         fibers: fibers.clone(),
                         padded_fibers: lo..hi,
-                        waves: start..(start + o.layout.nwavestep).min(nwave),
+                        waves: start..(start + l.nwavestep).min(nwave),
                         padded_wave_start: start,
                     });
                 }
             }
         }
         Ok(Plan {
-            nwavetot: o.layout.nwavestep + 2 * wavepad,
+            nwavetot: l.nwavestep + 2 * wavepad,
             wavepad,
             wave,
             fullwave,

@@ -326,17 +326,19 @@ fn a_rank_that_panics_or_dies_aborts_the_job() {
     }
 }
 
+/// Four inputs of a list whose second frame cannot be read (a file missing from `dir`); the
+/// others are bundle 1 of the reference case.
+fn second_frame_missing(dir: &Path) -> Vec<String> {
+    let good = "preproc-bundle1.fits".to_string();
+    let missing = dir.join("missing-preproc.fits").display().to_string();
+    vec![good.clone(), missing, good.clone(), good]
+}
+
 #[test]
 fn failed_frames_are_counted_and_the_others_complete() {
     let dir = tempfile::tempdir().unwrap();
-    let missing = dir.path().join("missing-preproc.fits");
-    let missing = missing.display().to_string();
-    let inputs = [
-        "preproc-bundle1.fits",
-        missing.as_str(),
-        "preproc-bundle1.fits",
-        "preproc-bundle1.fits",
-    ];
+    let inputs = second_frame_missing(dir.path());
+    let inputs: Vec<&str> = inputs.iter().map(String::as_str).collect();
     // One rank overlaps its phases with two frames in flight; two ranks read, extract and
     // write; four have dedicated reader and writer ranks.
     for (ranks, async_io) in [(1, true), (2, false), (4, true)] {
@@ -483,14 +485,8 @@ fn every_layout_of_a_list_gives_the_files_of_a_serial_run() {
 #[test]
 fn failed_frames_of_either_group_are_counted_and_the_others_written() {
     let dir = tempfile::tempdir().unwrap();
-    let missing = dir.path().join("missing-preproc.fits");
-    let missing = missing.display().to_string();
-    let inputs = [
-        "preproc-bundle1.fits",
-        missing.as_str(),
-        "preproc-bundle1.fits",
-        "preproc-bundle1.fits",
-    ];
+    let inputs = second_frame_missing(dir.path());
+    let inputs: Vec<&str> = inputs.iter().map(String::as_str).collect();
     let (mut args, outputs) = frame_list(dir.path(), "groups", &inputs);
     args.extend(["--async-io", "--frame-groups", "2"].map(String::from));
     // Groups: ranks 0-2 (frames 0, 2; rank 2 extracts) and ranks 3-5 (frames 1, 3). Frame 1

@@ -134,12 +134,17 @@ pub fn run(
     let worker = group.worker_index(local);
     let workers_comm = world.split(worker.map(|_| 0));
     let node_workers = workers_comm.as_ref().map(|c| c.split_shared());
+    let devices = node_workers
+        .as_ref()
+        .map(|node| devices_of(args, group.overlapped, node.rank(), node.size()));
+    // A rank that solves whole frames reads ahead as many frames as it has devices.
+    let read_ahead = match &devices {
+        Some(Ok(d)) => d.len().max(1),
+        _ => 1,
+    };
     let t_run = Cell::new(Instant::now());
     let open = || -> Option<Vec<Box<dyn Backend>>> {
-        let started = node_workers.as_ref().map(|node| {
-            let devices = devices_of(args, group.overlapped, node.rank(), node.size())?;
-            start_backends(args, layout, devices, in_flight)
-        });
+        let started = devices.map(|d| d.and_then(|d| start_backends(args, layout, d, in_flight)));
         let backends = match started {
             Some(Ok(b)) => b,
             Some(Err(e)) => {
@@ -168,11 +173,6 @@ pub fn run(
             progress()
         } else {
             Progress::silent()
-        };
-        let read_ahead = if args.use_gpu() {
-            backend::cuda::device_count().unwrap_or(1)
-        } else {
-            1
         };
         match overlap::run(&mine, open, read_ahead, me, &prefix, args, shown) {
             Some(outcome) => outcome,
@@ -502,15 +502,8 @@ fn start_backends(
     devices: Vec<usize>,
     per_device: usize,
 ) -> Result<Vec<Box<dyn Backend>>> {
-    if !args.use_gpu() {
-        // CPU backends in flight share the rank's threads rather than oversubscribe them.
-        let threads = (layout.threads / per_device).max(1);
-        return (0..per_device)
-            .map(|_| backend::create(BackendKind::Cpu, threads, 0))
-            .collect();
-    }
-    let on = |device: usize| -> Result<Vec<Box<dyn Backend>>> {
-        let first = backend::create(BackendKind::Cuda, layout.threads, device)?;
+    let on = |kind: BackendKind, threads: usize, device: usize| -> Result<Vec<Box<dyn Backend>>> {
+        let first = backend::create(kind, threads, device)?;
         let mut backends = Vec::with_capacity(per_device);
         for _ in 1..per_device {
             backends.push(first.sibling()?);
@@ -518,10 +511,14 @@ fn start_backends(
         backends.insert(0, first);
         Ok(backends)
     };
+    if !args.use_gpu() {
+        // CPU backends in flight share the rank's threads rather than oversubscribe them.
+        return on(BackendKind::Cpu, (layout.threads / per_device).max(1), 0);
+    }
     let opened: Vec<Result<Vec<Box<dyn Backend>>>> = std::thread::scope(|scope| {
         let opening: Vec<_> = devices
             .iter()
-            .map(|&d| scope.spawn(move || on(d)))
+            .map(|&d| scope.spawn(move || on(BackendKind::Cuda, layout.threads, d)))
             .collect();
         opening
             .into_iter()
