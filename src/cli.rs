@@ -5,10 +5,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::error::{Error, Result};
 use crate::image::MaskRule;
-use crate::pipeline::ExtractRequest;
-use crate::plan::PatchLayout;
 
 /// spex: spectro-perfectionism extraction of DESI frames on CPUs and GPUs.
 #[derive(Debug, Parser)]
@@ -103,6 +100,10 @@ pub struct ExtractArgs {
     /// Output model image.
     #[arg(short, long)]
     pub model: Option<PathBuf>,
+    /// Fibermap to copy into the frame (and to take the pointing from) instead of the
+    /// input's FIBERMAP HDU.
+    #[arg(short, long, conflicts_with = "list")]
+    pub fibermap: Option<PathBuf>,
     /// Wavelength grid `wmin,wmax,dw` in Angstrom (default: the PSF's range at 0.8).
     #[arg(short, long, value_parser = parse_wavelength, allow_hyphen_values = true)]
     pub wavelength: Option<(f64, f64, f64)>,
@@ -136,13 +137,28 @@ pub struct ExtractArgs {
     /// Fractional PSF error for chi2pix (default: PSFERR of the PSF, else 0.01).
     #[arg(long)]
     pub psferr: Option<f64>,
-    /// MASK bits that reject a pixel: `any` (default) or a bit mask such as 767 (desispec).
-    #[arg(long, default_value = "any", value_parser = parse_mask_bits)]
+    /// MASK bits that reject a pixel: a bit mask (default: desispec's extractmaskval, 767,
+    /// which keeps BADREADNOISE pixels) or `any` (gpu_specter's rule).
+    #[arg(long, default_value = "767", value_parser = parse_mask_bits)]
     pub mask_bits: MaskRule,
+    /// Divide the wavelength grid by the barycentric correction factor of the exposure
+    /// (from the image header, else the fibermap's) and record it as HELIOCOR.
+    #[arg(long)]
+    pub barycentric_correction: bool,
+    /// Do not compute the SCORES HDU.
+    #[arg(long)]
+    pub no_scores: bool,
+    /// Refused: desispec's default extraction does not decorrelate across fibers either.
+    #[arg(long)]
+    pub decorrelate_fibers: bool,
+    /// Accepted for compatibility with desi_extract_spectra: spex is the extractor.
+    #[arg(long)]
+    pub use_specter: bool,
     /// Worker threads per rank (default: the cores available to the rank).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
-    /// Extract on the GPU (also `--use-gpu`).
+    /// Require the GPU (also `--use-gpu`): without a usable one the job fails. By default a
+    /// usable GPU is used and the CPU otherwise.
     #[arg(long, visible_alias = "use-gpu", conflicts_with = "no_gpu")]
     pub gpu: bool,
     /// Never use a GPU (also set by the DESI_NO_GPU environment variable).
@@ -178,6 +194,20 @@ pub struct ExtractArgs {
     /// Log level: debug, info, warning, error.
     #[arg(long, default_value = "info", value_parser = ["trace", "debug", "info", "warning", "warn", "error", "critical"])]
     pub loglevel: String,
+    /// Log at debug level (desi_extract_spectra's spelling).
+    #[arg(short, long)]
+    pub verbose: bool,
+}
+
+impl ExtractArgs {
+    /// The log level: `--loglevel`, or debug with `-v`.
+    pub fn log_level(&self) -> &str {
+        if self.verbose {
+            "debug"
+        } else {
+            &self.loglevel
+        }
+    }
 }
 
 /// Options of `spex compare`.
@@ -275,96 +305,6 @@ pub fn parse_mask_bits(s: &str) -> std::result::Result<MaskRule, String> {
     Ok(MaskRule::Bits(bits))
 }
 
-impl ExtractArgs {
-    /// Whether the GPU backend is asked for (`--gpu`/`--use-gpu`, unless `--no-gpu` or
-    /// DESI_NO_GPU).
-    pub fn use_gpu(&self) -> bool {
-        self.gpu && !self.no_gpu && std::env::var_os("DESI_NO_GPU").is_none()
-    }
-
-    /// The request for one frame with these options.
-    pub fn request(
-        &self,
-        input: PathBuf,
-        psf: PathBuf,
-        output: PathBuf,
-        model: Option<PathBuf>,
-    ) -> ExtractRequest {
-        ExtractRequest {
-            input,
-            psf,
-            output,
-            model,
-            wavelength: self.wavelength,
-            specmin: self.specmin,
-            nspec: self.nspec,
-            regularize: self.regularize,
-            psferr: self.psferr,
-            layout: PatchLayout {
-                bundlesize: self.bundlesize,
-                nsubbundles: self.nsubbundles,
-                nwavestep: self.nwavestep,
-                wavepad: self.wavepad,
-                wavepad_frac: self.wavepad_frac,
-                pixpad_frac: self.pixpad_frac,
-            },
-            mask_rule: self.mask_bits,
-        }
-    }
-
-    /// Every frame these options ask for: the single `-i -p -o` frame or the `--list` lines.
-    pub fn requests(&self) -> Result<Vec<ExtractRequest>> {
-        if let Some(list) = &self.list {
-            let text = std::fs::read_to_string(list).map_err(|source| Error::Io {
-                path: list.clone(),
-                source,
-            })?;
-            return parse_list(&text)
-                .map_err(|e| Error::config(format!("{}: {e}", list.display())))
-                .map(|frames| {
-                    frames
-                        .into_iter()
-                        .map(|(i, p, o)| self.request(i, p, o, None))
-                        .collect()
-                });
-        }
-        match (&self.input, &self.psf, &self.output) {
-            (Some(i), Some(p), Some(o)) => Ok(vec![self.request(
-                i.clone(),
-                p.clone(),
-                o.clone(),
-                self.model.clone(),
-            )]),
-            _ => Err(Error::config(
-                "--input, --psf and --output are required without --list",
-            )),
-        }
-    }
-}
-
-/// Parses a frame list: `input psf output` per line, blank lines and `#` comments ignored.
-pub fn parse_list(text: &str) -> std::result::Result<Vec<(PathBuf, PathBuf, PathBuf)>, String> {
-    let mut frames = Vec::new();
-    for (n, line) in text.lines().enumerate() {
-        let line = line.split('#').next().unwrap_or("").trim();
-        if line.is_empty() {
-            continue;
-        }
-        let words: Vec<&str> = line.split_whitespace().collect();
-        if words.len() != 3 {
-            return Err(format!(
-                "line {}: expected 'input psf output', got {line:?}",
-                n + 1
-            ));
-        }
-        frames.push((words[0].into(), words[1].into(), words[2].into()));
-    }
-    if frames.is_empty() {
-        return Err("no frame listed".into());
-    }
-    Ok(frames)
-}
-
 /// Inserts the default `extract` subcommand when the first argument is an option, so that
 /// gpu_specter job lines (`spex -i ... -p ... -o ...`) run unchanged.
 pub fn with_default_subcommand(mut args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
@@ -412,7 +352,7 @@ mod tests {
         assert_eq!((a.specmin, a.nspec), (25, Some(25)));
         assert!(a.gpu && a.mpi);
         assert_eq!(a.nwavestep, 50);
-        assert_eq!(a.mask_bits, MaskRule::AnyBit);
+        assert_eq!(a.mask_bits, MaskRule::Bits(767));
     }
 
     #[test]
@@ -439,15 +379,6 @@ mod tests {
         assert_eq!(parse_mask_bits("767"), Ok(MaskRule::Bits(767)));
         assert_eq!(parse_mask_bits("0x2ff"), Ok(MaskRule::Bits(767)));
         assert!(parse_mask_bits("some").is_err());
-    }
-
-    #[test]
-    fn list_lines_need_three_paths() {
-        let ok = parse_list("# frames\na.fits p.fits o.fits\n\nb.fits p.fits q.fits # second\n")
-            .unwrap();
-        assert_eq!(ok.len(), 2);
-        assert!(parse_list("a.fits p.fits\n").is_err());
-        assert!(parse_list("# nothing\n").is_err());
     }
 
     #[test]

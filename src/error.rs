@@ -37,9 +37,18 @@ pub enum Error {
     #[error("GPU: {0}")]
     Gpu(String),
 
-    /// MPI communication or rank coordination.
+    /// MPI communication: a message that cannot be allocated or exchanged.
     #[error("MPI: {0}")]
     Mpi(String),
+
+    /// A message from another rank that does not decode into what it claims to be.
+    #[error("malformed message: {0}")]
+    Message(String),
+
+    /// A broken promise inside spex: a thread that panicked, a protocol step out of order,
+    /// a failure injected by a test.
+    #[error("internal error: {0}")]
+    Internal(String),
 
     /// Plain I/O outside cfitsio (renames, list files).
     #[error("{path}: {source}")]
@@ -54,7 +63,7 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
-    pub(crate) fn config(message: impl Into<String>) -> Self {
+    pub fn config(message: impl Into<String>) -> Self {
         Error::Config(message.into())
     }
 }

@@ -6,6 +6,8 @@
 
 use std::ops::Range;
 
+use serde::{Deserialize, Serialize};
+
 use crate::plan::{Patch, Plan};
 use crate::psf::Corners;
 
@@ -22,7 +24,7 @@ pub struct SolveOptions {
 }
 
 /// How a patch was solved, for logs and statistics.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum PatchStatus {
     /// Cholesky route as planned.
     Ok,
@@ -52,7 +54,7 @@ impl PatchStatus {
 }
 
 /// A model image of one patch: `A_core flux_core` on its pixel box.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelPatch {
     pub rows: Range<usize>,
     pub cols: Range<usize>,
@@ -62,7 +64,7 @@ pub struct ModelPatch {
 
 /// Core results of one patch: `nfiber` core fibers by `nwave` kept output bins, in photons
 /// per bin (the frame converts to per Angstrom).
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PatchResult {
     /// Index of the patch in the plan.
     pub patch: usize,

@@ -3,11 +3,13 @@
 
 use std::path::{Path, PathBuf};
 
+use serde::{Deserialize, Serialize};
+
 use crate::error::{Error, Result};
 use crate::fits::Fits;
 
 /// Which MASK bits make a pixel unusable.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum MaskRule {
     /// Any nonzero MASK value (gpu_specter's rule, the default).
     AnyBit,
@@ -25,7 +27,7 @@ impl MaskRule {
 }
 
 /// A CCD frame ready for extraction: `ivar` is zero wherever the pixel must not be used.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Image {
     pub path: PathBuf,
     pub nrows: usize,
@@ -55,6 +57,18 @@ fn join<T>(handle: std::thread::ScopedJoinHandle<'_, Result<T>>, path: &Path) ->
 }
 
 impl Image {
+    /// Everything but the pixel arrays, which stay empty: what other ranks are told of an
+    /// image before its pixels follow.
+    pub fn without_pixels(&self) -> Image {
+        Image {
+            path: self.path.clone(),
+            header: self.header.clone(),
+            pix: Vec::new(),
+            ivar: Vec::new(),
+            ..*self
+        }
+    }
+
     /// Reads IMAGE, IVAR and MASK (plain or tile-compressed) and applies the mask rule.
     ///
     /// The three HDUs are read by three threads with their own file handles (cfitsio is

@@ -9,6 +9,7 @@
 pub mod backend;
 pub mod cli;
 pub mod compare;
+pub mod config;
 pub mod error;
 pub mod extract;
 pub mod fits;
@@ -21,8 +22,3 @@ pub mod psf;
 pub mod simulate;
 
 pub use error::{Error, Result};
-
-// Patch solves allocate and free megabyte-sized matrices at a high rate; mimalloc keeps those
-// pages mapped instead of returning them to the kernel after every patch.
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;

@@ -4,19 +4,33 @@
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
+use std::path::Path;
+use std::sync::OnceLock;
+
 use anyhow::Context;
 use clap::Parser;
 use spex::backend::Progress;
 use spex::cli::{with_default_subcommand, Cli, Command, CompareArgs, ExtractArgs, SimulateArgs};
 use spex::compare::{self, ParityLimits, PullLimits, Truth};
+use spex::config::{BackendChoice, JobConfig};
 use spex::frame::Frame;
-use spex::parallel::exposure::{self, EXIT_COMPARISON_FAILED};
-use spex::parallel::{print_line, Layout, Roles, Universe};
+use spex::parallel::{
+    job, layout, print_line, FrameCheck, Hooks, JobOutcome, Layout, Roles, Universe,
+};
+use spex::pipeline::ExtractRequest;
 use spex::psf::GaussHermitePsf;
 use spex::simulate;
 use tracing_subscriber::fmt::format::{self, FormatEvent, FormatFields};
 use tracing_subscriber::fmt::FmtContext;
 use tracing_subscriber::registry::LookupSpan;
+
+/// Exit status of a comparison outside its limits.
+const EXIT_COMPARISON_FAILED: u8 = 3;
+
+// Patch solves allocate and free megabyte-sized matrices at a high rate; mimalloc keeps those
+// pages mapped instead of returning them to the kernel after every patch.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     let args = with_default_subcommand(std::env::args_os().collect());
@@ -60,29 +74,35 @@ fn extract(args: &ExtractArgs) -> ExitCode {
     // Locals drop in reverse order: every communicator goes before the universe finalises MPI.
     let universe = Universe::init();
     let world = universe.world();
-    let roles = Roles::new(world.size(), args.async_io, args.frame_groups);
-    let is_worker = roles.as_ref().map_or(true, |r| r.is_worker(world.rank()));
+    // Every rank reaches the same verdict on the configuration on its own, so it needs no
+    // message; rank 0 alone says why, and the others wait for its line: a launcher may kill
+    // the job as soon as one rank exits non-zero.
+    let refuse = |message: &dyn std::fmt::Display, code: u8| {
+        if world.rank() == 0 {
+            let prefix = layout::error_prefix(universe.is_mpi(), 0);
+            print_line(&format!("{prefix} {message}"));
+        }
+        world.all_max(0);
+        ExitCode::from(code)
+    };
+    let no_gpu_env = std::env::var_os("DESI_NO_GPU").is_some();
+    let config = match JobConfig::from_args(args, no_gpu_env) {
+        Ok(config) => config,
+        Err(e) => return refuse(&e, e.exit_code()),
+    };
+    let roles = match Roles::new(world.size(), config.async_io, config.frame_groups) {
+        Ok(roles) => roles,
+        Err(e) => return refuse(&e, 2),
+    };
+    let is_worker = roles.is_worker(world.rank());
     // Loading the CUDA libraries and initialising the driver take a few tenths of a second
     // that need nothing from the other ranks: an extracting rank starts them now, while the
     // ranks agree on the work. Errors are reported by the backend's own start.
-    if args.use_gpu() && is_worker {
+    if config.backend != BackendChoice::Cpu && is_worker {
         std::thread::spawn(|| spex::backend::cuda::device_count().ok());
     }
-    let layout = Layout::discover(&world, universe.is_mpi(), args.threads, is_worker);
+    let layout = Layout::discover(&world, universe.is_mpi(), config.threads, is_worker);
     universe.abort_on_panic(layout.rank);
-    // Every rank reaches the same verdict on bad options on its own, so it needs no message;
-    // rank 0 alone says why, and the others wait for its line: a launcher may kill the job as
-    // soon as one rank exits non-zero.
-    let roles = match roles {
-        Ok(roles) => roles,
-        Err(e) => {
-            if layout.rank == 0 {
-                print_line(&format!("{} {e}", layout.error_prefix()));
-            }
-            world.all_max(0);
-            return ExitCode::FAILURE;
-        }
-    };
     // Data-parallel host work (PSF traces, pixel copies, assembly) runs on rayon's global pool:
     // size it to this rank's share of the node rather than to every core of it.
     if let Err(e) = rayon::ThreadPoolBuilder::new()
@@ -94,11 +114,93 @@ fn extract(args: &ExtractArgs) -> ExitCode {
     // Per-frame information comes from the ranks that read and write; the workers log only
     // warnings unless asked for debug output.
     init_logging(
-        &args.loglevel,
+        args.log_level(),
         layout.launched.then_some(layout.rank),
         roles.is_io_rank(layout.rank),
     );
-    ExitCode::from(exposure::run(&world, &layout, &roles, args, &progress))
+    if args.use_specter && layout.rank == 0 {
+        tracing::info!("--use-specter: spex is the extractor, with specter's equations");
+    }
+    let reference = config.test_reference.as_deref().map(Reference::new);
+    if let Some(reference) = &reference {
+        // A reference that cannot be read stops the job before any work.
+        let readable = layout.rank != 0 || reference.get().is_ok();
+        if world.all_max(u64::from(!readable)) > 0 {
+            if let Err(e) = reference.get() {
+                print_line(&format!("{} {e:#}", layout.error_prefix()));
+            }
+            return ExitCode::FAILURE;
+        }
+    }
+    let check = |request: &ExtractRequest, frame: &Frame| -> spex::Result<bool> {
+        reference
+            .as_ref()
+            .map_or(Ok(true), |r| r.check(request, frame))
+    };
+    let hooks = Hooks {
+        progress: &progress,
+        check: reference.is_some().then_some(&check as &FrameCheck<'_>),
+    };
+    match job::run(&world, &layout, &roles, &config, &hooks) {
+        Some(outcome) => exit_status(&outcome, layout.rank),
+        None => ExitCode::FAILURE,
+    }
+}
+
+/// The exit status of a job: the number of failed frames (at most 100), else 3 for a
+/// comparison outside its limits, else 0. Rank 0 says how many frames failed.
+fn exit_status(outcome: &JobOutcome, rank: usize) -> ExitCode {
+    if outcome.failed > 0 {
+        if rank == 0 && outcome.frames > 1 {
+            print_line(&format!(
+                "spex: {} of {} frames failed",
+                outcome.failed, outcome.frames
+            ));
+        }
+        ExitCode::from(outcome.failed.min(100) as u8)
+    } else if outcome.comparison_failed > 0 {
+        ExitCode::from(EXIT_COMPARISON_FAILED)
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+/// The `--test` reference frame, read once by whichever thread first needs it.
+struct Reference<'a> {
+    path: &'a Path,
+    frame: OnceLock<spex::Result<Frame>>,
+}
+
+impl<'a> Reference<'a> {
+    fn new(path: &'a Path) -> Self {
+        Reference {
+            path,
+            frame: OnceLock::new(),
+        }
+    }
+
+    fn get(&self) -> std::result::Result<&Frame, &spex::Error> {
+        self.frame.get_or_init(|| Frame::read(self.path)).as_ref()
+    }
+
+    /// Compares a frame with the reference, printing the statistics and the failures.
+    fn check(&self, request: &ExtractRequest, frame: &Frame) -> spex::Result<bool> {
+        let reference = self
+            .get()
+            .map_err(|e| spex::Error::config(format!("--test {}: {e}", self.path.display())))?;
+        let limits = ParityLimits::default();
+        let parity = compare::parity(frame, reference, limits.rel_tolerance)?;
+        println!(
+            "{} vs {}:\n{parity}",
+            request.output.display(),
+            self.path.display()
+        );
+        let failures = parity.failures(&limits);
+        for f in &failures {
+            print_line(&format!("spex: test failed: {f}"));
+        }
+        Ok(failures.is_empty())
+    }
 }
 
 /// Logs to stderr at `level` (`SPEX_LOG` overrides), each line prefixed with the rank under

@@ -2,8 +2,11 @@
 //! stitch and write. Each phase is a `tracing` span (and so an NVTX range under `nsys`) and
 //! is timed for the log. The MPI layer calls the same phases, spread over ranks.
 
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
 
 use crate::backend::{Backend, FrameInput, Progress};
 use crate::error::{Error, Result};
@@ -17,12 +20,14 @@ use crate::psf::{GaussHermitePsf, DEFAULT_PSFERR};
 pub const WAVE_TOLERANCE: f64 = 5.0;
 
 /// A validated extraction request for one frame.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ExtractRequest {
     pub input: PathBuf,
     pub psf: PathBuf,
     pub output: PathBuf,
     pub model: Option<PathBuf>,
+    /// The fibermap to copy and take the pointing from (`None`: the input's FIBERMAP HDU).
+    pub fibermap: Option<PathBuf>,
     /// `wmin, wmax, dw`; `None`: the PSF's domain at 0.8 A.
     pub wavelength: Option<(f64, f64, f64)>,
     pub specmin: usize,
@@ -33,6 +38,10 @@ pub struct ExtractRequest {
     pub psferr: Option<f64>,
     pub layout: PatchLayout,
     pub mask_rule: MaskRule,
+    /// Extract on the grid divided by the exposure's barycentric correction factor.
+    pub barycentric_correction: bool,
+    /// Append desispec's SCORES HDU.
+    pub scores: bool,
 }
 
 impl ExtractRequest {
@@ -47,6 +56,7 @@ impl ExtractRequest {
             psf: psf.into(),
             output: output.into(),
             model: None,
+            fibermap: None,
             wavelength: None,
             specmin: 0,
             nspec: None,
@@ -54,7 +64,25 @@ impl ExtractRequest {
             psferr: None,
             layout: PatchLayout::default(),
             mask_rule: MaskRule::AnyBit,
+            barycentric_correction: false,
+            scores: false,
         }
+    }
+
+    /// Checks the options that need no file: what a user can be told before any work.
+    pub fn check_options(&self) -> Result<()> {
+        if !self.regularize.is_finite() || self.regularize < 0.0 {
+            return Err(Error::config(format!(
+                "regularize ({}) must be >= 0",
+                self.regularize
+            )));
+        }
+        if let Some(e) = self.psferr {
+            if !e.is_finite() || e < 0.0 {
+                return Err(Error::config(format!("psferr ({e}) must be >= 0")));
+            }
+        }
+        Ok(())
     }
 
     /// Checks what can be checked before reading anything: output directories exist.
@@ -74,18 +102,7 @@ impl ExtractRequest {
                 });
             }
         }
-        if !self.regularize.is_finite() || self.regularize < 0.0 {
-            return Err(Error::config(format!(
-                "regularize ({}) must be >= 0",
-                self.regularize
-            )));
-        }
-        if let Some(e) = self.psferr {
-            if !e.is_finite() || e < 0.0 {
-                return Err(Error::config(format!("psferr ({e}) must be >= 0")));
-            }
-        }
-        Ok(())
+        self.check_options()
     }
 
     /// The plan of this request for `psf`, checked against the PSF's fibers and wavelengths.
@@ -217,9 +234,62 @@ pub struct FrameReport {
     pub timings: Timings,
 }
 
-/// Stitches results into a frame and writes it (and the model image, if requested).
-pub fn finish(
+/// A box of CCD rows and columns.
+pub type PixelBox = (Range<usize>, Range<usize>);
+
+/// Reads a frame and checks what can be checked before anyone solves (the output directory,
+/// the inputs, the plan); returns the inputs and the box of pixels the plan's patches can use.
+pub fn read_frame(request: &ExtractRequest) -> Result<(Inputs, PixelBox)> {
+    let _range = nvtx::LocalRange::new(c"read");
+    request.check_outputs()?;
+    let inputs = read_inputs(request)?;
+    let plan = request.plan(&inputs.psf)?;
+    let pixel_box = plan_box(&plan, &inputs);
+    Ok((inputs, pixel_box))
+}
+
+/// The CCD box covered by every spot of every fiber of the plan on its padded wavelength grid,
+/// clipped to the image. Patch pixel boxes lie inside it, so workers need no other pixel: a
+/// frame of a few bundles or a short wavelength range broadcasts a small part of the CCD.
+fn plan_box(plan: &Plan, inputs: &Inputs) -> PixelBox {
+    let corners = inputs.psf.corners(plan.fibers(), &plan.fullwave);
+    let (ny, nx) = (corners.ny as i64, corners.nx as i64);
+    let bounds = |v: &[i32], n: i64, limit: usize| -> Range<usize> {
+        let lo = v.iter().copied().min().map_or(0, i64::from);
+        let hi = v.iter().copied().max().map_or(0, |m| i64::from(m) + n);
+        let clip = |x: i64| x.clamp(0, limit as i64) as usize;
+        clip(lo)..clip(hi).max(clip(lo))
+    };
+    (
+        bounds(&corners.yc, ny, inputs.image.nrows),
+        bounds(&corners.xc, nx, inputs.image.ncols),
+    )
+}
+
+/// Solves the patches `block` of the frame's plan on `backend`.
+pub fn solve(
     request: &ExtractRequest,
+    inputs: &Inputs,
+    plan: &Plan,
+    block: Range<usize>,
+    backend: &mut dyn Backend,
+    progress: &Progress,
+) -> Result<Vec<PatchResult>> {
+    let _range = nvtx::LocalRange::new(c"extract");
+    let options = request.solve_options(&inputs.psf);
+    let patches = &plan.patches[block];
+    let input = FrameInput {
+        plan,
+        psf: &inputs.psf,
+        image: &inputs.image,
+        options: &options,
+    };
+    progress.start(patches.len());
+    backend.extract(input, patches, progress)
+}
+
+/// Stitches the results of every patch of `plan` into a frame.
+pub fn assemble(
     plan: &Plan,
     inputs: &Inputs,
     results: &[PatchResult],
@@ -228,6 +298,17 @@ pub fn finish(
     let ndiag = inputs.psf.hsizey;
     let (frame, counts) = timings.time("assemble", || Frame::assemble(plan, ndiag, results))?;
     log_counts(&counts);
+    Ok((frame, counts))
+}
+
+/// Writes the frame and, if requested, the model image of the patch results.
+pub fn write(
+    request: &ExtractRequest,
+    inputs: &Inputs,
+    frame: &Frame,
+    results: &[PatchResult],
+    timings: &mut Timings,
+) -> Result<()> {
     timings.time("write", || -> Result<()> {
         frame.write(&request.output, &request.frame_meta(&inputs.image))?;
         if let Some(path) = &request.model {
@@ -240,8 +321,7 @@ pub fn finish(
             )?;
         }
         Ok(())
-    })?;
-    Ok((frame, counts))
+    })
 }
 
 fn log_counts(c: &PatchCounts) {
@@ -262,26 +342,21 @@ pub fn extract_frame(
     backend: &mut dyn Backend,
     progress: &Progress,
 ) -> Result<FrameReport> {
-    request.check_outputs()?;
     let mut timings = Timings::default();
-    let inputs = timings.time("read", || read_inputs(request))?;
+    let (inputs, _) = timings.time("read", || read_frame(request))?;
     let plan = request.plan(&inputs.psf)?;
-    let options = request.solve_options(&inputs.psf);
     tracing::info!(
         "{}: {} on {}",
         request.input.display(),
         plan.summary(),
         backend.describe()
     );
-    let input = FrameInput {
-        plan: &plan,
-        psf: &inputs.psf,
-        image: &inputs.image,
-        options: &options,
-    };
-    progress.start(plan.patches.len());
-    let results = timings.time("solve", || backend.extract(input, &plan.patches, progress))?;
-    let (frame, counts) = finish(request, &plan, &inputs, &results, &mut timings)?;
+    let all = 0..plan.patches.len();
+    let results = timings.time("solve", || {
+        solve(request, &inputs, &plan, all, backend, progress)
+    })?;
+    let (frame, counts) = assemble(&plan, &inputs, &results, &mut timings)?;
+    write(request, &inputs, &frame, &results, &mut timings)?;
     tracing::info!("{}: {timings}", request.output.display());
     Ok(FrameReport {
         frame,

@@ -36,7 +36,7 @@ impl PlanOptions {
 /// How a frame is cut into patches and how much each patch is padded: the choices that do not
 /// depend on the PSF (a request carries them as they are, while its wavelength grid and fiber
 /// range are resolved against the PSF).
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PatchLayout {
     pub bundlesize: usize,
     pub nsubbundles: usize,

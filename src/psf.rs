@@ -12,6 +12,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::fits::Fits;
@@ -20,7 +21,7 @@ use crate::fits::Fits;
 pub const DEFAULT_PSFERR: f64 = 0.01;
 
 /// A set of Legendre series, one per fiber, over a wavelength domain.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Legendre {
     pub wavemin: f64,
     pub wavemax: f64,
@@ -87,8 +88,14 @@ pub struct SpotParams {
     pub gh: Vec<f64>,
 }
 
+/// Largest spot half size (HSIZEX, HSIZEY) accepted; DESI PSFs use 8 and 5.
+const MAX_HSIZE: usize = 64;
+
+/// Largest Gauss-Hermite degree accepted; DESI PSFs use 6.
+const MAX_GHDEG: usize = 20;
+
 /// A Gauss-Hermite PSF as read from a specex file.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct GaussHermitePsf {
     pub path: PathBuf,
     /// Number of fibers described (FIBERMAX - FIBERMIN + 1).
@@ -142,17 +149,10 @@ impl GaussHermitePsf {
         let npix_x = key(&mut fits, "NPIX_X")?;
         let npix_y = key(&mut fits, "NPIX_Y")?;
         let psferr = fits.key_f64("PSFERR")?;
-        if wavemax <= wavemin {
-            return Err(bad(format!("WAVEMAX {wavemax} <= WAVEMIN {wavemin}")));
-        }
-        if hsizex == 0 || hsizey == 0 || hsizex > 64 || hsizey > 64 {
+        // Bounds first: the degrees size the parameter lookups below.
+        if ghdegx > MAX_GHDEG || ghdegy > MAX_GHDEG {
             return Err(bad(format!(
-                "spot half sizes HSIZEX {hsizex}, HSIZEY {hsizey} out of range 1..64"
-            )));
-        }
-        if ghdegx > 20 || ghdegy > 20 {
-            return Err(bad(format!(
-                "Gauss-Hermite degrees {ghdegx}, {ghdegy} above 20"
+                "Gauss-Hermite degrees {ghdegx}, {ghdegy} above {MAX_GHDEG}"
             )));
         }
 
@@ -170,15 +170,11 @@ impl GaussHermitePsf {
                 .iter()
                 .position(|n| n.trim() == name)
                 .ok_or_else(|| bad(format!("parameter {name} missing from the PSF table")))?;
-            let c = coeff[row * repeat..(row + 1) * repeat].to_vec();
-            if c.iter().any(|v| !v.is_finite()) {
-                return Err(bad(format!("parameter {name} has non-finite coefficients")));
-            }
             Ok(Legendre {
                 wavemin,
                 wavemax,
                 ncoef,
-                coeff: c,
+                coeff: coeff[row * repeat..(row + 1) * repeat].to_vec(),
             })
         };
         let ghsigx = param("GHSIGX")?;
@@ -200,12 +196,6 @@ impl GaussHermitePsf {
                     "{name} has shape {shape:?}, expected [{nfiber}, ncoef]"
                 )));
             }
-            if wmax <= wmin {
-                return Err(bad(format!("{name} WAVEMAX {wmax} <= WAVEMIN {wmin}")));
-            }
-            if data.iter().any(|v| !v.is_finite()) {
-                return Err(bad(format!("{name} has non-finite coefficients")));
-            }
             Ok(Legendre {
                 wavemin: wmin,
                 wavemax: wmax,
@@ -216,7 +206,7 @@ impl GaussHermitePsf {
         let xtrace = trace("XTRACE")?;
         let ytrace = trace("YTRACE")?;
 
-        Ok(GaussHermitePsf {
+        let psf = GaussHermitePsf {
             path: path.into(),
             nfiber,
             hsizex,
@@ -232,7 +222,72 @@ impl GaussHermitePsf {
             ghsigx,
             ghsigy,
             gh,
-        })
+        };
+        psf.validate()?;
+        Ok(psf)
+    }
+
+    /// Checks what the model relies on, whether the PSF comes from its file or from another
+    /// rank: spot sizes, degrees, one series per Gauss-Hermite term, and finite coefficients
+    /// for every fiber on a non-empty wavelength domain.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |message: String| Error::Psf {
+            path: self.path.clone(),
+            message,
+        };
+        let (hx, hy) = (self.hsizex, self.hsizey);
+        if !(1..=MAX_HSIZE).contains(&hx) || !(1..=MAX_HSIZE).contains(&hy) {
+            return Err(bad(format!(
+                "spot half sizes HSIZEX {hx}, HSIZEY {hy} out of range 1..{MAX_HSIZE}"
+            )));
+        }
+        if self.ghdegx > MAX_GHDEG || self.ghdegy > MAX_GHDEG {
+            return Err(bad(format!(
+                "Gauss-Hermite degrees {}, {} above {MAX_GHDEG}",
+                self.ghdegx, self.ghdegy
+            )));
+        }
+        if self.gh.len() != self.ngh() {
+            return Err(bad(format!(
+                "{} Gauss-Hermite terms for degrees {}, {}",
+                self.gh.len(),
+                self.ghdegx,
+                self.ghdegy
+            )));
+        }
+        if self.nfiber == 0 {
+            return Err(bad("no fibers".into()));
+        }
+        let named = [
+            ("XTRACE".to_string(), &self.xtrace),
+            ("YTRACE".to_string(), &self.ytrace),
+            ("GHSIGX".to_string(), &self.ghsigx),
+            ("GHSIGY".to_string(), &self.ghsigy),
+        ];
+        let gh = self.gh.iter().enumerate().map(|(k, l)| {
+            let (i, j) = (k / (self.ghdegy + 1), k % (self.ghdegy + 1));
+            (format!("GH-{i}-{j}"), l)
+        });
+        for (name, l) in named.into_iter().chain(gh) {
+            if !(l.wavemax > l.wavemin) {
+                return Err(bad(format!(
+                    "{name} WAVEMAX {} <= WAVEMIN {}",
+                    l.wavemax, l.wavemin
+                )));
+            }
+            if l.ncoef == 0 || l.coeff.len() != self.nfiber * l.ncoef {
+                return Err(bad(format!(
+                    "{name} has {} coefficients for {} fibers of degree {}",
+                    l.coeff.len(),
+                    self.nfiber,
+                    l.ncoef as i64 - 1
+                )));
+            }
+            if l.coeff.iter().any(|v| !v.is_finite()) {
+                return Err(bad(format!("{name} has non-finite coefficients")));
+            }
+        }
+        Ok(())
     }
 
     /// Spot size (ny, nx).

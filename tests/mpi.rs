@@ -530,7 +530,7 @@ fn more_frame_groups_than_ranks_are_rejected() {
         let mut args = single("preproc-bundle0.fits", &out);
         args.extend(["--async-io", "--frame-groups", groups].map(String::from));
         let run = spex(ranks, &args, &[], FAIL_FAST);
-        assert_eq!(run.code, Some(1), "{groups} groups:\n{}", run.stderr);
+        assert_eq!(run.code, Some(2), "{groups} groups:\n{}", run.stderr);
         let lines: Vec<&str> = run
             .stderr
             .lines()

@@ -122,19 +122,19 @@ impl Comm {
     }
 
     /// Broadcasts a message of any length from `root`.
-    pub fn broadcast_words(&self, root: usize, words: &mut Vec<u64>) -> Result<()> {
+    pub fn broadcast_bytes(&self, root: usize, bytes: &mut Vec<u8>) -> Result<()> {
         let Some(c) = &self.0 else { return Ok(()) };
-        let mut len = words.len() as u64;
+        let mut len = bytes.len() as u64;
         c.process_at_rank(root as i32).broadcast_into(&mut len);
         if c.rank() as usize != root {
             let len = usize::try_from(len).map_err(|_| Error::Mpi("message too long".into()))?;
-            words.clear();
-            words
+            bytes.clear();
+            bytes
                 .try_reserve_exact(len)
-                .map_err(|_| out_of_memory(len * 8))?;
-            words.resize(len, 0);
+                .map_err(|_| out_of_memory(len))?;
+            bytes.resize(len, 0);
         }
-        for chunk in words.chunks_mut(MAX_COUNT) {
+        for chunk in bytes.chunks_mut(MAX_COUNT) {
             c.process_at_rank(root as i32).broadcast_into(chunk);
         }
         Ok(())
@@ -148,24 +148,16 @@ impl Comm {
         }
     }
 
-    /// Broadcasts one value from `root`.
-    pub fn broadcast_u64(&self, root: usize, value: u64) -> u64 {
-        let Some(c) = &self.0 else { return value };
-        let mut v = value;
-        c.process_at_rank(root as i32).broadcast_into(&mut v);
-        v
-    }
-
     /// Gathers every rank's message on `root`, in rank order (`None` on the other ranks).
-    /// Messages may have any length: large ones go in rounds of at most `i32::MAX` words.
-    pub fn gather_words(&self, root: usize, words: &[u64]) -> Result<Option<Vec<Vec<u64>>>> {
+    /// Messages may have any length: large ones go in rounds of at most `i32::MAX` bytes.
+    pub fn gather_bytes(&self, root: usize, bytes: &[u8]) -> Result<Option<Vec<Vec<u8>>>> {
         let Some(c) = &self.0 else {
-            return Ok(Some(vec![words.to_vec()]));
+            return Ok(Some(vec![bytes.to_vec()]));
         };
         let size = c.size() as usize;
         let me = c.rank() as usize;
         let proc = c.process_at_rank(root as i32);
-        let len = words.len() as u64;
+        let len = bytes.len() as u64;
         let mut lens = vec![0u64; if me == root { size } else { 0 }];
         if me == root {
             proc.gather_into_root(&len, &mut lens[..]);
@@ -173,15 +165,15 @@ impl Comm {
             proc.gather_into(&len);
         }
         let longest = self.all_max(len) as usize;
-        // Words per rank per round, so that a round's total fits a C int.
+        // Bytes per rank per round, so that a round's total fits a C int.
         let per_round = (MAX_COUNT / size).max(1);
         let rounds = longest.div_ceil(per_round);
-        let mut out: Vec<Vec<u64>> = Vec::new();
+        let mut out: Vec<Vec<u8>> = Vec::new();
         if me == root {
             for &l in &lens {
                 let l = l as usize;
                 let mut v = Vec::new();
-                v.try_reserve_exact(l).map_err(|_| out_of_memory(l * 8))?;
+                v.try_reserve_exact(l).map_err(|_| out_of_memory(l))?;
                 out.push(v);
             }
         }
@@ -190,7 +182,7 @@ impl Comm {
                 let start = (round * per_round).min(l);
                 start..(start + per_round).min(l)
             };
-            let mine = &words[piece(words.len())];
+            let mine = &bytes[piece(bytes.len())];
             if me == root {
                 let counts: Vec<i32> = lens
                     .iter()
@@ -205,7 +197,7 @@ impl Comm {
                     })
                     .collect();
                 let total: usize = counts.iter().map(|&n| n as usize).sum();
-                let mut buf = vec![0u64; total];
+                let mut buf = vec![0u8; total];
                 {
                     let mut part = PartitionMut::new(&mut buf[..], &counts[..], &displs[..]);
                     proc.gather_varcount_into_root(mine, &mut part);

@@ -62,18 +62,14 @@ impl Comm {
         Comm(())
     }
 
-    pub fn broadcast_words(&self, _root: usize, _words: &mut Vec<u64>) -> Result<()> {
+    pub fn broadcast_bytes(&self, _root: usize, _bytes: &mut Vec<u8>) -> Result<()> {
         Ok(())
     }
 
     pub fn broadcast_f32(&self, _root: usize, _buf: &mut [f32]) {}
 
-    pub fn broadcast_u64(&self, _root: usize, value: u64) -> u64 {
-        value
-    }
-
-    pub fn gather_words(&self, _root: usize, words: &[u64]) -> Result<Option<Vec<Vec<u64>>>> {
-        Ok(Some(vec![words.to_vec()]))
+    pub fn gather_bytes(&self, _root: usize, bytes: &[u8]) -> Result<Option<Vec<Vec<u8>>>> {
+        Ok(Some(vec![bytes.to_vec()]))
     }
 
     pub fn wait_quietly(&self) {}

@@ -76,11 +76,17 @@ impl Layout {
     /// The start of an error line: `spex: rank R: error:` under a launcher, so that the
     /// interleaved stderr of many ranks says which rank failed; `spex: error:` alone.
     pub fn error_prefix(&self) -> String {
-        if self.launched {
-            format!("spex: rank {}: error:", self.rank)
-        } else {
-            "spex: error:".to_string()
-        }
+        error_prefix(self.launched, self.rank)
+    }
+}
+
+/// The start of an error line of rank `rank`: `spex: rank R: error:` under a launcher,
+/// `spex: error:` alone.
+pub fn error_prefix(launched: bool, rank: usize) -> String {
+    if launched {
+        format!("spex: rank {rank}: error:")
+    } else {
+        "spex: error:".to_string()
     }
 }
 

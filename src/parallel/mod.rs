@@ -1,13 +1,16 @@
 //! The SPMD layer: the same binary runs as every rank of an MPI job (`srun`, `mpiexec`) or as
-//! one process, and this module decides what each rank does.
+//! one process, and this module decides what each rank does with a [`JobConfig`].
 //!
-//! - [`layout`]: ranks, nodes, node-local ranks, threads per rank, the frame groups and the
-//!   roles of their ranks (reader, writer, workers), the split of a frame's patches and the
-//!   rank-to-GPU mapping;
-//! - [`exchange`]: the flat word buffers that carry headers and patch results between ranks;
-//! - [`exposure`]: the loop over frames (one or a whole exposure) with its error protocol;
-//! - `overlap`: the same loop for a frame group of one rank under `--async-io`, whose reading,
+//! - [`job`]: the job's run over frame groups and the final vote;
+//! - `collective`: the loop of a frame group of several ranks (read and broadcast, solve,
+//!   gather, write);
+//! - `overlap`: the loop of a frame group of one rank under `--async-io`, whose reading,
 //!   solving and writing overlap on threads;
+//! - `phases`: what both loops do to a frame around `pipeline`'s phases (a worker's share,
+//!   the writer's assembly, check, write and count);
+//! - [`layout`] and `devices`: ranks, nodes, threads, frame groups and roles, the split of a
+//!   frame's patches, the rank-to-GPU mapping, starting backends, and their logging;
+//! - `messages`: what ranks send each other, through serde;
 //! - `Comm`/`Universe`: the communication primitives, through MPI when a launcher started
 //!   the process (the only user of the `mpi` crate), otherwise a world of one rank. Built
 //!   without the `mpi` feature a serial stand-in with the same API takes their place, so
@@ -16,11 +19,16 @@
 //! In each frame group one rank reads each of the group's frames and broadcasts host buffers;
 //! results come back to the group's writer by patch index, so the output is the same for any
 //! number of groups, ranks and threads.
+//!
+//! [`JobConfig`]: crate::config::JobConfig
 
-pub mod exchange;
-pub mod exposure;
+mod collective;
+mod devices;
+pub mod job;
 pub mod layout;
+pub mod messages;
 mod overlap;
+mod phases;
 
 #[cfg(feature = "mpi")]
 #[path = "comm_mpi.rs"]
@@ -31,6 +39,34 @@ mod comm;
 
 pub use comm::{launched, Comm, Universe};
 pub use layout::{device_for, devices_for, Group, Layout, Roles};
+
+use crate::backend::Progress;
+use crate::error::Result;
+use crate::frame::Frame;
+use crate::pipeline::ExtractRequest;
+
+/// A check of each assembled frame before it is written (`--test`): `Ok(true)` passes,
+/// `Ok(false)` is outside its limits (the frame is written and counted), an error fails the
+/// frame, which is then not written.
+pub type FrameCheck<'a> = dyn Fn(&ExtractRequest, &Frame) -> Result<bool> + Sync + 'a;
+
+/// What the binary's edge lends the parallel layer.
+pub struct Hooks<'a> {
+    /// Makes the progress display of rank 0's own patches.
+    pub progress: &'a dyn Fn() -> Progress,
+    pub check: Option<&'a FrameCheck<'a>>,
+}
+
+/// What became of a job's frames, the same on every rank.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct JobOutcome {
+    /// Frames the job had to extract (after `--skip-existing`).
+    pub frames: usize,
+    pub written: usize,
+    pub failed: usize,
+    /// Frames written whose check found them outside its limits.
+    pub comparison_failed: usize,
+}
 
 /// Prints one line on stderr in a single write, so that lines of several ranks sharing the
 /// launcher's stderr never interleave within a line (`eprintln!` may write in pieces).

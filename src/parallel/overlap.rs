@@ -17,13 +17,12 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
-use super::exchange::Contribution;
-use super::exposure::{read_frame, record, solve_share, write_frame, Outcome, PixelBox, Share};
-use super::print_line;
+use super::messages::Contribution;
+use super::phases::{solve_share, write_frame, Outcome, Share};
+use super::{print_line, FrameCheck};
 use crate::backend::{Backend, Progress};
-use crate::cli::ExtractArgs;
 use crate::error::Result;
-use crate::pipeline::{ExtractRequest, Inputs};
+use crate::pipeline::{read_frame, ExtractRequest, Inputs, PixelBox};
 
 /// A frame as read, on its way to a solver.
 struct Read<'a> {
@@ -55,7 +54,7 @@ pub(super) fn run(
     read_ahead: usize,
     rank: usize,
     prefix: &str,
-    args: &ExtractArgs,
+    check: Option<&FrameCheck<'_>>,
     progress: Progress,
 ) -> Option<Outcome> {
     let next_frame = AtomicUsize::new(0);
@@ -104,7 +103,7 @@ pub(super) fn run(
         let writers: Vec<_> = (0..lanes)
             .map(|_| {
                 let solved_rx = solved_rx.clone();
-                scope.spawn(move || write_all(&solved_rx, rank, prefix, args))
+                scope.spawn(move || write_all(&solved_rx, rank, prefix, check))
             })
             .collect();
         drop(solved_rx);
@@ -112,9 +111,7 @@ pub(super) fn run(
         for w in writers {
             // A writer that panicked has reported it; the scope re-raises the panic.
             if let Ok(o) = w.join() {
-                outcome.written += o.written;
-                outcome.failed += o.failed;
-                outcome.comparison_failed |= o.comparison_failed;
+                outcome.add(o);
             }
         }
         Some(outcome)
@@ -158,7 +155,7 @@ fn write_all(
     solved: &Mutex<Receiver<Solved<'_>>>,
     rank: usize,
     prefix: &str,
-    args: &ExtractArgs,
+    check: Option<&FrameCheck<'_>>,
 ) -> Outcome {
     let mut outcome = Outcome::default();
     while let Some(frame) = take(solved) {
@@ -172,10 +169,9 @@ fn write_all(
             frame.read_s,
             vec![(rank, contribution)],
             None,
-            args,
-            &mut outcome,
+            check,
         );
-        record(&mut outcome, written, frame.request, prefix);
+        outcome.record(written, frame.request, prefix);
     }
     outcome
 }

@@ -1,0 +1,224 @@
+//! The backends of an extracting rank: which CUDA devices it drives, starting a backend (or
+//! several, for frames in flight) on each, the fall-back to the CPU when a GPU was not
+//! required, and the log of the job's layout once every rank has started.
+
+use super::layout::{device_for, devices_for, Layout, Roles};
+use super::Comm;
+use crate::backend::{self, Backend, BackendKind};
+use crate::config::BackendChoice;
+use crate::error::{Error, Result};
+
+/// Where an extracting rank solves.
+pub(super) struct DeviceRequest {
+    pub choice: BackendChoice,
+    /// `--device`: this ordinal, whatever the rank.
+    pub device: Option<usize>,
+    /// Backends per device (frames in flight).
+    pub per_device: usize,
+    /// Whether the rank solves whole frames, and may so take a block of the node's GPUs.
+    pub whole_frames: bool,
+}
+
+/// The CUDA devices of the `node_worker`-th of the node's `node_workers` extracting ranks
+/// (empty: the CPU): `--device`, else the one [`device_for`] gives, or for a rank that
+/// solves whole frames the block of [`devices_for`]. Without a usable device, a GPU that was
+/// not required gives way to the CPU.
+pub(super) fn devices_of(
+    request: &DeviceRequest,
+    node_worker: usize,
+    node_workers: usize,
+) -> Result<Vec<usize>> {
+    let BackendChoice::Gpu { required } = request.choice else {
+        return Ok(Vec::new());
+    };
+    if let Some(d) = request.device {
+        return Ok(vec![d]);
+    }
+    let found = backend::cuda::device_count().and_then(|n| {
+        let devices: Vec<usize> = if request.whole_frames {
+            devices_for(node_worker, node_workers, n).collect()
+        } else {
+            device_for(node_worker, node_workers, n)
+                .into_iter()
+                .collect()
+        };
+        if devices.is_empty() {
+            return Err(Error::Gpu("no CUDA device is visible to this rank".into()));
+        }
+        Ok(devices)
+    });
+    match found {
+        Err(e) if !required => {
+            tracing::debug!("no usable GPU ({e}); extracting on the CPU");
+            Ok(Vec::new())
+        }
+        found => found,
+    }
+}
+
+/// The backends of a worker: `per_device` on each of `devices` (opened at the same time),
+/// device by device, or for the CPU `per_device` backends that share the rank's threads. A
+/// GPU that fails to start and was not required gives way to the CPU, with a warning.
+pub(super) fn start_backends(
+    request: &DeviceRequest,
+    threads: usize,
+    devices: Vec<usize>,
+) -> Result<Vec<Box<dyn Backend>>> {
+    let per_device = request.per_device;
+    // CPU backends in flight share the rank's threads rather than oversubscribe them.
+    let cpu = || {
+        on(
+            BackendKind::Cpu,
+            (threads / per_device).max(1),
+            0,
+            per_device,
+        )
+    };
+    if devices.is_empty() {
+        return cpu();
+    }
+    match open_devices(&devices, threads, per_device) {
+        Err(e) if request.choice == (BackendChoice::Gpu { required: false }) => {
+            tracing::warn!("the GPU did not start ({e}); extracting on the CPU");
+            cpu()
+        }
+        opened => opened,
+    }
+}
+
+/// `per_device` backends of `kind`: the first, then its siblings.
+fn on(
+    kind: BackendKind,
+    threads: usize,
+    device: usize,
+    per_device: usize,
+) -> Result<Vec<Box<dyn Backend>>> {
+    let first = backend::create(kind, threads, device)?;
+    let mut backends = Vec::with_capacity(per_device);
+    for _ in 1..per_device {
+        backends.push(first.sibling()?);
+    }
+    backends.insert(0, first);
+    Ok(backends)
+}
+
+/// Opens the CUDA backends of every device in parallel: a context takes tenths of a second.
+fn open_devices(
+    devices: &[usize],
+    threads: usize,
+    per_device: usize,
+) -> Result<Vec<Box<dyn Backend>>> {
+    let opened: Vec<Result<Vec<Box<dyn Backend>>>> = std::thread::scope(|scope| {
+        let opening: Vec<_> = devices
+            .iter()
+            .map(|&d| scope.spawn(move || on(BackendKind::Cuda, threads, d, per_device)))
+            .collect();
+        opening
+            .into_iter()
+            .map(|t| {
+                t.join().unwrap_or_else(|_| {
+                    Err(Error::Internal("a device-opening thread panicked".into()))
+                })
+            })
+            .collect()
+    });
+    let mut backends = Vec::new();
+    for b in opened {
+        backends.extend(b?);
+    }
+    Ok(backends)
+}
+
+/// Logs the layout once, on rank 0: ranks, nodes, ranks per node, threads, roles and which
+/// backend each rank drives. Collective.
+pub(super) fn log_layout(
+    world: &Comm,
+    layout: &Layout,
+    roles: &Roles,
+    backends: &[Box<dyn Backend>],
+    per_device: usize,
+) {
+    let threads = world.all_gather(layout.threads as u64);
+    let local = world.all_gather(layout.local_rank as u64);
+    // The devices of a rank as a bit set (ordinals beyond 63 are left out of the map).
+    let mask = backends
+        .iter()
+        .filter_map(|b| b.device())
+        .filter(|&d| d < 64)
+        .fold(0u64, |m, d| m | 1 << d);
+    let devices = world.all_gather(mask);
+    if layout.rank != 0 {
+        return;
+    }
+    log_own_backends(backends, per_device);
+    if layout.launched {
+        log_ranks(layout, roles, &threads, &local);
+        log_device_map(&devices);
+    }
+}
+
+/// Rank 0's backends: the backend that runs is named in the log.
+fn log_own_backends(backends: &[Box<dyn Backend>], per_device: usize) {
+    if backends.is_empty() {
+        return;
+    }
+    let mut names: Vec<String> = backends.iter().map(|b| b.describe()).collect();
+    names.dedup();
+    let in_flight = match per_device {
+        1 => String::new(),
+        n if names.len() == 1 => format!(", {n} frames in flight"),
+        n => format!(", {n} frames in flight on each"),
+    };
+    tracing::info!("rank 0 extracts on {}{in_flight}", names.join(", "));
+}
+
+/// Ranks, nodes, threads and roles of an MPI job.
+fn log_ranks(layout: &Layout, roles: &Roles, threads: &[u64], local: &[u64]) {
+    let range = |v: &[u64]| {
+        let lo = v.iter().min().copied().unwrap_or(0);
+        let hi = v.iter().max().copied().unwrap_or(0);
+        if lo == hi {
+            format!("{lo}")
+        } else {
+            format!("{lo}-{hi}")
+        }
+    };
+    let per_node = local.iter().max().copied().unwrap_or(0) + 1;
+    tracing::info!(
+        "MPI: {} ranks on {} node{} ({} ranks per node, node-local ranks 0-{}), threads per rank: {}; {}",
+        layout.size,
+        layout.nodes,
+        if layout.nodes == 1 { "" } else { "s" },
+        if layout.nodes == 1 {
+            layout.local_size.to_string()
+        } else {
+            format!("up to {per_node}")
+        },
+        per_node - 1,
+        range(threads),
+        roles.describe()
+    );
+}
+
+/// Which GPUs each rank drives, from every rank's device bit set.
+fn log_device_map(devices: &[u64]) {
+    if devices.iter().all(|&m| m == 0) {
+        return;
+    }
+    let map: Vec<String> = devices
+        .iter()
+        .enumerate()
+        .filter(|(_, &m)| m != 0)
+        .map(|(r, &m)| {
+            let ordinals: Vec<String> = (0..64)
+                .filter(|d| m >> d & 1 == 1)
+                .map(|d| d.to_string())
+                .collect();
+            format!("{r}:cuda:{}", ordinals.join(","))
+        })
+        .collect();
+    tracing::info!(
+        "rank to GPU (blocks of a node's extracting ranks): {}",
+        map.join(" ")
+    );
+}
