@@ -151,7 +151,10 @@ impl ExtractRequest {
             header: image.header.clone(),
             input: Some(self.input.clone()),
             psf: Some(self.psf.clone()),
-            fibermap_from: image.has_fibermap.then(|| self.input.clone()),
+            fibermap_from: self
+                .fibermap
+                .clone()
+                .or_else(|| image.has_fibermap.then(|| self.input.clone())),
         }
     }
 }

@@ -1,7 +1,5 @@
 //! Helpers shared by the integration tests: paths of the bundled data and synthetic images.
 
-#![allow(dead_code)]
-
 use std::path::PathBuf;
 
 use spex::image::Image;

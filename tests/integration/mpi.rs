@@ -5,16 +5,13 @@
 //! These tests need `mpiexec` on the PATH (Debian: `openmpi-bin`); without it they fail and
 //! say so rather than pass silently. A spex built without the `mpi` feature has no multi-rank
 //! runs to test.
-#![cfg(feature = "mpi")]
-
-mod common;
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::data;
+use crate::common::data;
 use spex::frame::Frame;
 
 /// Longest a run may take: a reference extraction takes a few seconds even on two busy cores;

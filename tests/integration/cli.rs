@@ -1,12 +1,10 @@
 //! The `spex` binary as a user meets it: the reference case end to end with `--test`, the
 //! output file layout, and one clear error (and no output file) for each kind of bad input.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use common::data;
+use crate::common::data;
 use spex::fits::Fits;
 
 fn spex(args: &[&str]) -> Output {

@@ -2,9 +2,9 @@
 //! identities, masked patches, reproducibility across threads and patch sizes, and the two
 //! reference cases against gpu_specter's output and the simulation truth.
 
-mod common;
+use std::path::Path;
 
-use common::*;
+use crate::common::*;
 use spex::backend::cpu::{solve_patch, CpuBackend};
 use spex::backend::{Backend, FrameInput, Progress};
 use spex::compare::{self, ParityLimits, PullLimits, Truth};
@@ -178,12 +178,11 @@ fn geometry_orders_padding_first_and_respects_bundle_edges() {
     assert!(g.is_empty());
 }
 
-fn reference_request(case: usize) -> (ExtractRequest, &'static str, usize) {
+fn reference_request(case: usize, dir: &Path) -> (ExtractRequest, &'static str, usize) {
     let (psf, w, s, truth_fibermin) = match case {
         0 => ("psf-r0-00067784.fits", (6000.0, 6400.0, 0.8), 0, 0),
         _ => ("psf-r0-00051060.fits", (7000.0, 7400.0, 0.8), 25, 20),
     };
-    let dir = tempfile::tempdir().unwrap().keep();
     let mut r = ExtractRequest::new(
         data(&format!("preproc-bundle{case}.fits")),
         data(psf),
@@ -196,7 +195,8 @@ fn reference_request(case: usize) -> (ExtractRequest, &'static str, usize) {
 }
 
 fn check_reference_case(case: usize) {
-    let (request, name, fibermin) = reference_request(case);
+    let dir = tempfile::tempdir().unwrap();
+    let (request, name, fibermin) = reference_request(case, dir.path());
     let mut backend = CpuBackend::new(2).unwrap();
     let report = pipeline::extract_frame(&request, &mut backend, &Progress::silent()).unwrap();
     let written = Frame::read(&request.output).unwrap();
@@ -232,7 +232,8 @@ fn reference_bundle1_matches_gpu_specter_and_truth() {
 /// the answer far below the noise.
 #[test]
 fn results_are_reproducible_across_threads_and_patch_sizes() {
-    let (request, _, _) = reference_request(0);
+    let dir = tempfile::tempdir().unwrap();
+    let (request, _, _) = reference_request(0, dir.path());
     let inputs = pipeline::read_inputs(&request).unwrap();
     let plan = request.plan(&inputs.psf).unwrap();
     let options = request.solve_options(&inputs.psf);

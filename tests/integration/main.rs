@@ -1,0 +1,16 @@
+//! The integration tests of spex, one binary: each module drives the library or the built
+//! `spex` binary on the bundled data (tests/data).
+//!
+//! - `cli`: the command line end to end, exit codes and error lines;
+//! - `extract`: physics and numerics of the CPU extraction against the reference cases;
+//! - `mpi`: multi-rank runs under a real `mpiexec`;
+//! - `gpu`: the CUDA backend against the CPU (ignored without a GPU; `scripts/gpu-check`).
+
+mod cli;
+mod common;
+mod extract;
+#[cfg(feature = "cuda")]
+mod gpu;
+// A spex built without the `mpi` feature has no multi-rank runs to test.
+#[cfg(feature = "mpi")]
+mod mpi;
