@@ -52,7 +52,7 @@ const GM_EARTH: f64 = 3.986_004e14;
 const G: f64 = 6.6743e-11;
 const MOON_MASS: f64 = 7.347_673_09e22;
 /// Earth's rotation rate, rad/s (astropy's `OMEGA_EARTH`: 1.00273781191135448 cycle/day).
-const OMEGA_EARTH: f64 = std::f64::consts::TAU * 1.002_737_811_911_354_48 / DAY;
+const OMEGA_EARTH: f64 = std::f64::consts::TAU * 1.002_737_811_911_354_5 / DAY;
 /// ERFA's planet number of Jupiter for `plan94`.
 const JUPITER: i32 = 5;
 /// MJD zero point as a Julian date.
