@@ -188,14 +188,41 @@ fn barycentric_factor_matches_desispec_over_a_year() {
     );
 }
 
-/// A spex frame of 25 fibers over desi_proc's r range (so that the r top-hat lies inside),
-/// with a SCORES HDU: the one spex wrote, or else the one computed here from the frame as
-/// read back from the file.
+/// A simulated r-camera preproc image of 25 fibers over desi_proc's r range.
+fn simulated_preproc() -> &'static Path {
+    static PREPROC: OnceLock<PathBuf> = OnceLock::new();
+    PREPROC.get_or_init(|| {
+        let (path, truth) = (
+            workdir().join("preproc-r0-sim.fits"),
+            workdir().join("truth-r0-sim.fits"),
+        );
+        let psf = data("psf-r0-00067784.fits");
+        let args: [&OsStr; 11] = [
+            "simulate".as_ref(),
+            "-p".as_ref(),
+            psf.as_os_str(),
+            "-o".as_ref(),
+            path.as_os_str(),
+            "--truth".as_ref(),
+            truth.as_os_str(),
+            "-w".as_ref(),
+            "5760.0,7620.0,0.8".as_ref(),
+            "-n".as_ref(),
+            "25".as_ref(),
+        ];
+        spex(&args);
+        path
+    })
+}
+
+/// A spex frame of 25 simulated fibers over desi_proc's r range (so that the r top-hat, with
+/// signal everywhere, lies inside), with a SCORES HDU: the one spex wrote, or else the one
+/// computed here from the frame as read back from the file.
 fn spex_frame_with_scores() -> &'static Path {
     static FRAME: OnceLock<PathBuf> = OnceLock::new();
     FRAME.get_or_init(|| {
         let path = workdir().join("frame-r0.fits");
-        let (input, psf) = (data("preproc-bundle0.fits"), data("psf-r0-00067784.fits"));
+        let (input, psf) = (simulated_preproc(), data("psf-r0-00067784.fits"));
         let args: [&OsStr; 10] = [
             "-i".as_ref(),
             input.as_os_str(),
@@ -232,33 +259,6 @@ fn desispec_reads_a_spex_frame_and_its_scores_match() {
 // (--barycentric-correction, --no-scores, SCORES written by the frame writer, CHECKSUM,
 // gzip, uint32 MASK, a simulated preproc with FLAVOR, TILEID, read noise per amplifier,
 // pointing keywords and a FIBERMAP with desispec's columns).
-
-/// A simulated r-camera preproc image of 25 fibers over desi_proc's r range.
-fn simulated_preproc() -> &'static Path {
-    static PREPROC: OnceLock<PathBuf> = OnceLock::new();
-    PREPROC.get_or_init(|| {
-        let (path, truth) = (
-            workdir().join("preproc-r0-sim.fits"),
-            workdir().join("truth-r0-sim.fits"),
-        );
-        let psf = data("psf-r0-00067784.fits");
-        let args: [&OsStr; 11] = [
-            "simulate".as_ref(),
-            "-p".as_ref(),
-            psf.as_os_str(),
-            "-o".as_ref(),
-            path.as_os_str(),
-            "--truth".as_ref(),
-            truth.as_os_str(),
-            "-w".as_ref(),
-            "5760.0,7620.0,0.8".as_ref(),
-            "-n".as_ref(),
-            "25".as_ref(),
-        ];
-        spex(&args);
-        path
-    })
-}
 
 /// desi_proc's extraction line with the program name replaced (`--nspec 25` added to keep
 /// the test short), writing `name` in the work directory.
