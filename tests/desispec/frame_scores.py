@@ -5,8 +5,9 @@ and its arrays against the file.
 
 Checks that desispec.io.read_frame reads the frame (FLUX, IVAR, MASK, WAVELENGTH,
 RESOLUTION, FIBERMAP and SCORES), that what it read is what the file holds, that vet()
-passes once the FLAVOR the test image lacks is supplied, and that the
-SCORES columns are those desispec computes on that frame (see client.compare_scores).
+passes once the FLAVOR the test image lacks is supplied, that the SCORES columns are those
+desispec computes on that frame (see client.compare_scores), and that the SCORES header is
+the one desispec.io.write_frame writes for that frame.
 Prints the largest relative difference of each SCORES column.
 """
 
@@ -17,6 +18,29 @@ import fitsio
 import numpy as np
 
 import client
+
+
+def compare_scores_header(path, frame):
+    """The SCORES header cards of the file against those of the same frame written by
+    desispec.io.write_frame (its checksums aside): same keywords and values, and the same
+    comments on the column names (the comments of structural cards are the FITS writer's)."""
+    import tempfile
+
+    from desispec.io import write_frame
+
+    with tempfile.TemporaryDirectory() as tmp:
+        written = write_frame(f"{tmp}/frame.fits", frame)
+        want = fitsio.read_header(written, "SCORES")
+    got = fitsio.read_header(path, "SCORES")
+    skip = {"CHECKSUM", "DATASUM"}
+    want_keys = [k for k in want.keys() if k not in skip]
+    got_keys = [k for k in got.keys() if k not in skip]
+    client.check(got_keys == want_keys, f"SCORES keywords {got_keys}, desispec's {want_keys}")
+    for key in want_keys:
+        same_comment = not key.startswith("TTYPE") or got.get_comment(key) == want.get_comment(key)
+        client.check(got[key] == want[key] and same_comment,
+                     f"SCORES {key} = {got[key]!r} / {got.get_comment(key)!r}, desispec's "
+                     f"{want[key]!r} / {want.get_comment(key)!r}")
 
 
 def main(path):
@@ -46,6 +70,7 @@ def main(path):
         frame.meta["FLAVOR"] = "science"
     client.check(frame.vet() == 0, f"{path}: vet() == {frame.vet()} with FLAVOR supplied")
     worst = client.compare_scores(path, frame)
+    compare_scores_header(path, frame)
     for name, rel in worst.items():
         print(f"{name}: max relative difference {rel:.3e}")
 
