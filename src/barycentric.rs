@@ -114,7 +114,7 @@ pub fn factor_for_extraction(
         Some((cards, path)) if has_ra(cards) => factor_from_header(cards, path),
         _ => Err(missing(
             image.1,
-            "the barycentric correction needs TARGTRA or RA in the image header or the fibermap's",
+            "no TARGTRA nor RA keyword in the image header nor in the fibermap's",
         )),
     }
 }
@@ -271,12 +271,10 @@ fn first_number(cards: &[String], keys: &[&str], path: &Path) -> Result<f64> {
             return number(value, key, path);
         }
     }
+    let (last, others) = keys.split_last().expect("keyword list is not empty");
     Err(missing(
         path,
-        &format!(
-            "the barycentric correction needs one of the keywords {} in the header",
-            keys.join(", ")
-        ),
+        &format!("no {} nor {last} keyword in the header", others.join(", ")),
     ))
 }
 
