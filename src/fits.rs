@@ -689,3 +689,37 @@ impl Fits {
         self.check(status, &format!("cannot write column {name}"))
     }
 }
+
+// Read-write access and keyword comments, for tables appended to a written file (SCORES).
+
+const READWRITE: c_int = 1;
+
+impl Fits {
+    /// Opens an existing file for reading and writing; HDUs created then are appended at its
+    /// end.
+    pub fn open_rw(path: &Path) -> Result<Self> {
+        let name = cstring(&path.to_string_lossy());
+        let mut ptr = std::ptr::null_mut();
+        let mut status = 0;
+        unsafe { sys::ffopen(&mut ptr, name.as_ptr(), READWRITE, &mut status) };
+        let fits = Fits {
+            ptr,
+            path: path.into(),
+            hdu: "primary".into(),
+        };
+        fits.check(status, "cannot open for writing")?;
+        Ok(fits)
+    }
+
+    /// Replaces the comment of an existing keyword of the current HDU (a column's TTYPE card,
+    /// for instance).
+    pub fn set_key_comment(&mut self, key: &str, comment: &str) -> Result<()> {
+        let (k, c) = (cstring(key), cstring(comment));
+        let mut status = 0;
+        unsafe { sys::ffmcom(self.ptr, k.as_ptr(), c.as_ptr(), &mut status) };
+        self.check(
+            status,
+            &format!("cannot write the comment of keyword {key}"),
+        )
+    }
+}

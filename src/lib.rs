@@ -7,6 +7,7 @@
 //! against each other or against the truth.
 
 pub mod backend;
+pub mod barycentric;
 pub mod cli;
 pub mod compare;
 pub mod config;
@@ -19,6 +20,7 @@ pub mod parallel;
 pub mod pipeline;
 pub mod plan;
 pub mod psf;
+pub mod scores;
 pub mod simulate;
 
 pub use error::{Error, Result};
