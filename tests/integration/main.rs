@@ -4,10 +4,12 @@
 //! - `cli`: the command line end to end, exit codes and error lines;
 //! - `extract`: physics and numerics of the CPU extraction against the reference cases;
 //! - `mpi`: multi-rank runs under a real `mpiexec`;
+//! - `desispec`: desispec itself (a pinned venv, `scripts/desispec-env`) reads spex's files;
 //! - `gpu`: the CUDA backend against the CPU (ignored without a GPU; `scripts/gpu-check`).
 
 mod cli;
 mod common;
+mod desispec;
 mod extract;
 #[cfg(feature = "cuda")]
 mod gpu;
