@@ -6,7 +6,8 @@
 //! columns whose lower-left pixel on the CCD is `(floor(X - HSIZEX + 0.5), floor(Y - HSIZEY +
 //! 0.5))`. Its value is `sum_ij GH-i-j pGHy[j][iy] pGHx[i][ix]`, clipped at zero and normalised
 //! to unit sum, where `pGH` are Gauss-Hermite functions integrated over each pixel. The TAIL*
-//! parameters are not used (as in gpu_specter).
+//! parameters are not used (as in gpu_specter): a PSF whose TAILAMP is not zero gets a
+//! warning when it is read.
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -103,6 +104,12 @@ pub struct GaussHermitePsf {
     pub npix_y: usize,
     /// `PSFERR` of the file, if any.
     pub psferr: Option<f64>,
+    /// The PSF's own IN_PSF keyword (the PSF it was derived from), carried into the frame as
+    /// ORIG_PSF.
+    pub orig_psf: Option<String>,
+    /// Largest |coefficient| of TAILAMP (0 when the table has no TAILAMP): the amplitude of
+    /// the power-law tails that spex does not model.
+    pub tail_amplitude: f64,
     pub xtrace: Legendre,
     pub ytrace: Legendre,
     /// `GHSIGX`, `GHSIGY` and the `GH-i-j`, on the PSF table's wavelength domain.
@@ -142,6 +149,7 @@ impl GaussHermitePsf {
         let npix_x = key(&mut fits, "NPIX_X")?;
         let npix_y = key(&mut fits, "NPIX_Y")?;
         let psferr = fits.key_f64("PSFERR")?;
+        let orig_psf = fits.key_str("IN_PSF")?;
         if wavemax <= wavemin {
             return Err(bad(format!("WAVEMAX {wavemax} <= WAVEMIN {wavemin}")));
         }
@@ -181,6 +189,20 @@ impl GaussHermitePsf {
                 coeff: c,
             })
         };
+        let tail_amplitude = names
+            .iter()
+            .any(|n| n.trim() == "TAILAMP")
+            .then(|| param("TAILAMP"))
+            .transpose()?
+            .map_or(0.0, |t| {
+                t.coeff.iter().fold(0.0, |m, c| f64::max(m, c.abs()))
+            });
+        if tail_amplitude != 0.0 {
+            tracing::warn!(
+                "{}: TAILAMP is not zero (up to {tail_amplitude:.3e}); PSF tails are not modelled",
+                path.display()
+            );
+        }
         let ghsigx = param("GHSIGX")?;
         let ghsigy = param("GHSIGY")?;
         let mut gh = Vec::with_capacity((ghdegx + 1) * (ghdegy + 1));
@@ -227,6 +249,8 @@ impl GaussHermitePsf {
             npix_x,
             npix_y,
             psferr,
+            orig_psf,
+            tail_amplitude,
             xtrace,
             ytrace,
             ghsigx,

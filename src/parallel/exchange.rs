@@ -260,6 +260,9 @@ pub fn psf_to_words(psf: &GaussHermitePsf, w: &mut Words) {
     }
     w.bool(psf.psferr.is_some());
     w.f64(psf.psferr.unwrap_or(0.0));
+    w.bool(psf.orig_psf.is_some());
+    w.str(psf.orig_psf.as_deref().unwrap_or(""));
+    w.f64(psf.tail_amplitude);
     for l in [&psf.xtrace, &psf.ytrace, &psf.ghsigx, &psf.ghsigy] {
         legendre_to_words(l, w);
     }
@@ -279,6 +282,9 @@ pub fn psf_from_words(r: &mut WordReader<'_>) -> Result<GaussHermitePsf> {
     let [nfiber, hsizex, hsizey, ghdegx, ghdegy, legdeg, npix_x, npix_y] = n;
     let has_psferr = r.bool()?;
     let psferr = r.f64()?;
+    let has_orig_psf = r.bool()?;
+    let orig_psf = r.str()?;
+    let tail_amplitude = r.f64()?;
     let xtrace = legendre_from_words(r)?;
     let ytrace = legendre_from_words(r)?;
     let ghsigx = legendre_from_words(r)?;
@@ -310,6 +316,8 @@ pub fn psf_from_words(r: &mut WordReader<'_>) -> Result<GaussHermitePsf> {
         npix_x,
         npix_y,
         psferr: has_psferr.then_some(psferr),
+        orig_psf: has_orig_psf.then_some(orig_psf),
+        tail_amplitude,
         xtrace,
         ytrace,
         ghsigx,
