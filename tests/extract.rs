@@ -350,7 +350,10 @@ fn model_covers_the_rows_past_the_last_bin() {
     let pix = at(&image.pix, past);
     assert!(pix > 10.0, "no light at {past} A: {pix}");
     let rel = (at(&model32, past) - pix).abs() / pix;
-    assert!(rel < 1e-3, "model past the last bin off by {rel:e} of the image");
+    assert!(
+        rel < 1e-3,
+        "model past the last bin off by {rel:e} of the image"
+    );
     // and inside the grid too
     let inside = 6100.0;
     let rel = (at(&model32, inside) - at(&image.pix, inside)).abs() / at(&image.pix, inside);
