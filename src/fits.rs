@@ -792,3 +792,49 @@ impl Fits {
         Ok(out)
     }
 }
+
+#[cfg(test)]
+mod exact_value_tests {
+    use super::*;
+
+    #[test]
+    fn floats_are_written_as_python_repr_and_read_back_exactly() {
+        assert_eq!(fits_float(0.8), "0.8");
+        assert_eq!(fits_float(5760.0), "5760.0");
+        assert_eq!(fits_float(1e-7), "1.0E-7");
+        assert_eq!(fits_float(1.5e300), "1.5E300");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("k.fits");
+        let values = [
+            0.8,
+            1.000_123_456_789_012_3,
+            1e-7,
+            7620.000000000423,
+            -3.25e-210,
+        ];
+        let mut f = Fits::create(&path).unwrap();
+        f.write_image::<f32>("X", &[1], &[0.0]).unwrap();
+        for (i, &v) in values.iter().enumerate() {
+            f.write_key_f64_exact(&format!("V{i}"), v, "value").unwrap();
+        }
+        f.write_key_f64_exact("V0", 0.5, "replaced in place")
+            .unwrap();
+        let long = "x".repeat(150);
+        f.write_key_long_str("LONG", &long, "").unwrap();
+        f.close().unwrap();
+        let mut f = Fits::open(&path).unwrap();
+        assert_eq!(f.key_f64("V0").unwrap(), Some(0.5));
+        for (i, &v) in values.iter().enumerate().skip(1) {
+            assert_eq!(
+                f.key_f64(&format!("V{i}")).unwrap().map(f64::to_bits),
+                Some(v.to_bits())
+            );
+        }
+        let cards = f.cards().unwrap();
+        assert_eq!(cards.iter().filter(|c| c.starts_with("V0 ")).count(), 1);
+        assert!(
+            cards.iter().any(|c| c.starts_with("CONTINUE")),
+            "long string continued"
+        );
+    }
+}

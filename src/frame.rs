@@ -647,6 +647,64 @@ mod tests {
         assert_eq!(median(vec![]), 0.0);
     }
 
+    fn environment<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |k| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn file_names_are_shortened_as_desispec_does() {
+        let prod = [
+            ("DESI_SPECTRO_REDUX", "/global/redux"),
+            ("SPECPROD", "daily"),
+        ];
+        let env = environment(&prod);
+        assert_eq!(
+            shorten_filename("/global/redux/daily/preproc/p.fits", &env),
+            "SPECPROD/preproc/p.fits"
+        );
+        assert_eq!(
+            shorten_filename("/elsewhere/p.fits", &env),
+            "/elsewhere/p.fits"
+        );
+        assert_eq!(shorten_filename("relative/p.fits", &env), "relative/p.fits");
+        // without SPECPROD nothing is replaced
+        let env = environment(&prod[..1]);
+        assert_eq!(
+            shorten_filename("/global/redux/daily/p.fits", &env),
+            "/global/redux/daily/p.fits"
+        );
+        // calibrations first; SPECPROD as a path; $DESI_ROOT/spectro/redux by default
+        let vars = [
+            ("DESI_SPECTRO_CALIB", "/cal"),
+            ("SPECPROD", "/my/prod/"),
+            ("DESI_ROOT", "/desi"),
+        ];
+        let env = environment(&vars);
+        assert_eq!(shorten_filename("/cal/psf.fits", &env), "SPCALIB/psf.fits");
+        assert_eq!(shorten_filename("/my/prod/x.fits", &env), "SPECPRODx.fits");
+        let vars = [("DESI_ROOT", "/desi"), ("SPECPROD", "loa")];
+        let env = environment(&vars);
+        assert_eq!(
+            shorten_filename("/desi/spectro/redux/loa/x.fits", &env),
+            "SPECPROD/x.fits"
+        );
+        // the read-only copy of the production, when that directory exists
+        let ro = std::env::temp_dir();
+        let ro = ro.to_str().unwrap();
+        let vars = [
+            ("DESI_ROOT", "/desi"),
+            ("DESI_ROOT_READONLY", ro),
+            ("SPECPROD", "loa"),
+        ];
+        let env = environment(&vars);
+        let name = format!("{}/x.fits", path_join(ro, "spectro/redux/loa"));
+        assert_eq!(shorten_filename(&name, &env), "SPECPROD/x.fits");
+    }
+
     #[test]
     fn gradient_is_one_sided_at_the_ends() {
         assert_eq!(gradient(&[1.0, 2.0, 4.0, 7.0]), vec![1.0, 1.5, 2.5, 3.0]);

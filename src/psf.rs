@@ -673,6 +673,64 @@ mod tests {
         assert_eq!(psf.corners(10..13, &waves), spots.corners);
     }
 
+    /// Log lines written while `f` runs, captured by a subscriber of this thread only.
+    fn logged<T>(f: impl FnOnce() -> T) -> (T, String) {
+        use std::sync::{Arc, Mutex};
+        #[derive(Clone, Default)]
+        struct Sink(Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Sink {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let sink = Sink::default();
+        let writer = sink.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        let out = tracing::subscriber::with_default(subscriber, f);
+        let text = String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
+        (out, text)
+    }
+
+    #[test]
+    fn psf_with_tails_gets_one_warning() {
+        let (psf, log) = logged(|| GaussHermitePsf::read(&data("psf-r0-00067784.fits")));
+        let psf = psf.unwrap();
+        assert_eq!(psf.tail_amplitude, 0.0);
+        assert!(!log.contains("TAILAMP"), "{log}");
+        assert_eq!(
+            psf.orig_psf.as_deref(),
+            Some("SPECPROD/calibnight/20201214/psfnight-r0-20201214.fits")
+        );
+
+        // The same PSF with a tail amplitude on one fiber.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("psf-tails.fits");
+        std::fs::copy(data("psf-r0-00067784.fits"), &path).unwrap();
+        let row = {
+            let mut f = Fits::open(&path).unwrap();
+            f.move_to("PSF").unwrap();
+            let names = f.column_str("PARAM").unwrap();
+            names.iter().position(|n| n.trim() == "TAILAMP").unwrap()
+        };
+        {
+            let mut f = fitsio::FitsFile::edit(&path).unwrap();
+            let hdu = f.hdu("PSF").unwrap();
+            hdu.write_col_range(&mut f, "COEFF", &[0.02f64], &(row..row + 1))
+                .unwrap();
+        }
+        let (psf, log) = logged(|| GaussHermitePsf::read(&path));
+        assert_eq!(psf.unwrap().tail_amplitude, 0.02);
+        assert_eq!(log.matches("tails are not modelled").count(), 1, "{log}");
+        assert!(log.contains("WARN"), "{log}");
+    }
+
     #[test]
     fn missing_or_wrong_files_are_reported_by_name() {
         let err = GaussHermitePsf::read(Path::new("/nonexistent/psf.fits")).unwrap_err();
