@@ -280,7 +280,9 @@ mod tests {
 
     /// Values of `np.arange(wmin, wmax + 0.5*dw, dw)` from numpy 2.4.6 for desi_proc's three
     /// camera ranges: the length, element 1000 and the last element, as IEEE-754 bits.
-    const NUMPY_ARANGE: [((f64, f64, f64), usize, u64, u64); 3] = [
+    /// `(wmin, wmax, dw)`, length, bits of element 1000, bits of the last element.
+    type ArangeCase = ((f64, f64, f64), usize, u64, u64);
+    const NUMPY_ARANGE: [ArangeCase; 3] = [
         (
             (3600.0, 5800.0, 0.8),
             2751,
