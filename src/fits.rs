@@ -766,14 +766,19 @@ impl Fits {
     /// `fits_write_chksum`), replacing stale values such as those of a copied table. Call it
     /// last: any later change to an HDU invalidates its CHECKSUM.
     ///
-    /// The keywords are put in place first with plain comments: cfitsio would otherwise stamp
-    /// the time into their comments, and the same frame must give the same bytes whatever
-    /// the run that wrote it.
+    /// DATASUM is computed first and written with a plain comment, CHECKSUM zeroed: cfitsio
+    /// then only completes CHECKSUM, instead of stamping the time into both comments, and the
+    /// same frame gives the same bytes whatever the run that wrote it.
     pub fn write_checksums(&mut self) -> Result<()> {
         for index in 0..self.hdu_count()? {
             self.move_to_index(index)?;
             self.write_key_str("CHECKSUM", "0000000000000000", "HDU checksum")?;
-            self.write_key_str("DATASUM", "0", "data unit checksum")?;
+            let (mut datasum, mut hdusum, mut status) = (0, 0, 0);
+            // SAFETY: `self.ptr` is an open file positioned on an existing HDU; the sums and
+            // `status` are valid for writes.
+            unsafe { sys::ffgcks(self.ptr, &mut datasum, &mut hdusum, &mut status) };
+            self.check(status, "cannot compute DATASUM")?;
+            self.write_key_str("DATASUM", &datasum.to_string(), "data unit checksum")?;
             let mut status = 0;
             // SAFETY: `self.ptr` is an open, writable file positioned on an existing HDU.
             unsafe { sys::ffpcks(self.ptr, &mut status) };
