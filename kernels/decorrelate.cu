@@ -193,7 +193,8 @@ extern "C" __global__ void decorrelate_f64(
     int nblk = m / n;
     int b = nblk - ncore + c;
     const double* xb = xflux + (size_t)p * m + (size_t)b * n;
-    int nk = nkeep[p];
+    // Every core bin goes into the model, also those past the last output bin (`nkeep`
+    // bounds only what the host keeps), as in gpu_specter's model image.
     int nd = 2 * ndiag + 1;
     size_t o = ((size_t)p * ncore + c) * nwavestep;
     for (int j = tid; j < nwavestep; j += nthreads) {
@@ -204,7 +205,7 @@ extern "C" __global__ void decorrelate_f64(
         f /= norm;
         flux[o + j] = f;
         ivar[o + j] = norm * norm;
-        fluxcol[(size_t)p * m + (size_t)b * n + row] = j < nk ? f : 0.0;
+        fluxcol[(size_t)p * m + (size_t)b * n + row] = f;
         for (int k = 0; k < nd; ++k) {
             int rr = row + k - ndiag;
             double v = 0.0;

@@ -31,7 +31,7 @@ pub struct SimulateArgs {
     /// PSF to project the spectra with.
     #[arg(short, long)]
     pub psf: PathBuf,
-    /// Output preproc image (IMAGE, IVAR, MASK, FIBERMAP).
+    /// Output preproc image (IMAGE, IVAR, MASK, READNOISE, FIBERMAP).
     #[arg(short, long)]
     pub output: PathBuf,
     /// Output truth (WAVELENGTH, FLUX in photons per bin).

@@ -50,6 +50,17 @@ pub enum Error {
     #[error("internal error: {0}")]
     Internal(String),
 
+    /// A frame whose FLUX or IVAR would hold NaN or infinity: it is not written.
+    #[error(
+        "{path}: {count} non-finite FLUX/IVAR values, the first at fiber {fiber}, bin {bin}; the frame is not written"
+    )]
+    NonFiniteFrame {
+        path: PathBuf,
+        count: usize,
+        fiber: usize,
+        bin: usize,
+    },
+
     /// Plain I/O outside cfitsio (renames, list files).
     #[error("{path}: {source}")]
     Io {

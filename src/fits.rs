@@ -723,3 +723,163 @@ impl Fits {
         )
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// What desispec's files carry besides the arrays: unsigned 32-bit images (MASK), keyword values
+// written exactly (shortest round-trip floats, long strings), and CHECKSUM/DATASUM.
+
+impl Element for u32 {
+    /// TUINT: cfitsio stores it as BITPIX 32 with BZERO 2^31, as astropy writes uint32.
+    const DATATYPE: c_int = 30;
+    /// ULONG_IMG.
+    const BITPIX: c_int = 40;
+}
+
+/// A float as a FITS value that reads back to the same bits: the shortest round-trip digits
+/// (what Python's `repr`, and so astropy, writes), with a decimal point and an upper-case
+/// exponent as FITS requires.
+pub fn fits_float(v: f64) -> String {
+    let s = format!("{v:?}");
+    match s.split_once('e') {
+        Some((mantissa, exponent)) if mantissa.contains('.') => format!("{mantissa}E{exponent}"),
+        Some((mantissa, exponent)) => format!("{mantissa}.0E{exponent}"),
+        None => s,
+    }
+}
+
+impl Fits {
+    /// Writes (or replaces) a floating-point keyword whose value reads back bit for bit
+    /// (cfitsio's own formatting keeps 15 significant digits).
+    pub fn write_key_f64_exact(&mut self, key: &str, value: f64, comment: &str) -> Result<()> {
+        if !value.is_finite() {
+            return Err(self.error(
+                &format!("cannot write keyword {key}"),
+                format!("{value} is not a FITS number"),
+            ));
+        }
+        let mut card = format!("{key:<8}= {:>20} / {comment}", fits_float(value));
+        card.truncate(80);
+        let (k, c) = (cstring(key), cstring(&card));
+        let mut status = 0;
+        // SAFETY: `k` and `c` are NUL-terminated and outlive the call; cfitsio copies them.
+        unsafe { sys::ffucrd(self.ptr, k.as_ptr(), c.as_ptr(), &mut status) };
+        self.check(status, &format!("cannot write keyword {key}"))
+    }
+
+    /// Writes (or replaces) a string keyword of any length: values over 68 characters are
+    /// continued on CONTINUE cards (the long-string convention astropy and fitsio read).
+    pub fn write_key_long_str(&mut self, key: &str, value: &str, comment: &str) -> Result<()> {
+        let (k, v, c) = (cstring(key), cstring(value), cstring(comment));
+        let mut status = 0;
+        // SAFETY: the three strings are NUL-terminated and outlive the call; cfitsio copies them.
+        unsafe { sys::ffukls(self.ptr, k.as_ptr(), v.as_ptr(), c.as_ptr(), &mut status) };
+        self.check(status, &format!("cannot write keyword {key}"))
+    }
+
+    /// Number of HDUs in the file.
+    pub fn hdu_count(&mut self) -> Result<usize> {
+        let mut n = 0;
+        let mut status = 0;
+        // SAFETY: `self.ptr` is an open file; `n` and `status` are valid for writes.
+        unsafe { sys::ffthdu(self.ptr, &mut n, &mut status) };
+        self.check(status, "cannot count HDUs")?;
+        Ok(n as usize)
+    }
+
+    /// Moves to HDU number `index` (0: the primary HDU).
+    pub fn move_to_index(&mut self, index: usize) -> Result<()> {
+        let mut status = 0;
+        let mut hdutype = 0;
+        // SAFETY: `self.ptr` is an open file; cfitsio reports a bad index through `status`.
+        unsafe { sys::ffmahd(self.ptr, index as c_int + 1, &mut hdutype, &mut status) };
+        self.hdu = format!("#{index}");
+        self.check(status, "cannot move")
+    }
+
+    /// Computes and writes DATASUM and CHECKSUM in every HDU of the file (cfitsio's
+    /// `fits_write_chksum`), replacing stale values such as those of a copied table. Call it
+    /// last: any later change to an HDU invalidates its CHECKSUM.
+    ///
+    /// DATASUM is computed first and written with a plain comment, CHECKSUM zeroed: cfitsio
+    /// then only completes CHECKSUM, instead of stamping the time into both comments, and the
+    /// same frame gives the same bytes whatever the run that wrote it.
+    pub fn write_checksums(&mut self) -> Result<()> {
+        for index in 0..self.hdu_count()? {
+            self.move_to_index(index)?;
+            self.write_key_str("CHECKSUM", "0000000000000000", "HDU checksum")?;
+            let (mut datasum, mut hdusum, mut status) = (0, 0, 0);
+            // SAFETY: `self.ptr` is an open file positioned on an existing HDU; the sums and
+            // `status` are valid for writes.
+            unsafe { sys::ffgcks(self.ptr, &mut datasum, &mut hdusum, &mut status) };
+            self.check(status, "cannot compute DATASUM")?;
+            self.write_key_str("DATASUM", &datasum.to_string(), "data unit checksum")?;
+            let mut status = 0;
+            // SAFETY: `self.ptr` is an open, writable file positioned on an existing HDU.
+            unsafe { sys::ffpcks(self.ptr, &mut status) };
+            self.check(status, "cannot write CHECKSUM")?;
+        }
+        Ok(())
+    }
+
+    /// Verifies CHECKSUM and DATASUM of every HDU (cfitsio's `fits_verify_chksum`): for each
+    /// HDU, `(data, hdu)` with 1 correct, 0 missing, -1 wrong.
+    pub fn verify_checksums(&mut self) -> Result<Vec<(i32, i32)>> {
+        let mut out = Vec::new();
+        for index in 0..self.hdu_count()? {
+            self.move_to_index(index)?;
+            let (mut data, mut hdu, mut status) = (0, 0, 0);
+            // SAFETY: `self.ptr` is an open file positioned on an existing HDU; the three
+            // integers are valid for writes.
+            unsafe { sys::ffvcks(self.ptr, &mut data, &mut hdu, &mut status) };
+            self.check(status, "cannot verify CHECKSUM")?;
+            out.push((data, hdu));
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod exact_value_tests {
+    use super::*;
+
+    #[test]
+    fn floats_are_written_as_python_repr_and_read_back_exactly() {
+        assert_eq!(fits_float(0.8), "0.8");
+        assert_eq!(fits_float(5760.0), "5760.0");
+        assert_eq!(fits_float(1e-7), "1.0E-7");
+        assert_eq!(fits_float(1.5e300), "1.5E300");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("k.fits");
+        let values = [
+            0.8,
+            1.000_123_456_789_012_3,
+            1e-7,
+            7620.000000000423,
+            -3.25e-210,
+        ];
+        let mut f = Fits::create(&path).unwrap();
+        f.write_image::<f32>("X", &[1], &[0.0]).unwrap();
+        for (i, &v) in values.iter().enumerate() {
+            f.write_key_f64_exact(&format!("V{i}"), v, "value").unwrap();
+        }
+        f.write_key_f64_exact("V0", 0.5, "replaced in place")
+            .unwrap();
+        let long = "x".repeat(150);
+        f.write_key_long_str("LONG", &long, "").unwrap();
+        f.close().unwrap();
+        let mut f = Fits::open(&path).unwrap();
+        assert_eq!(f.key_f64("V0").unwrap(), Some(0.5));
+        for (i, &v) in values.iter().enumerate().skip(1) {
+            assert_eq!(
+                f.key_f64(&format!("V{i}")).unwrap().map(f64::to_bits),
+                Some(v.to_bits())
+            );
+        }
+        let cards = f.cards().unwrap();
+        assert_eq!(cards.iter().filter(|c| c.starts_with("V0 ")).count(), 1);
+        assert!(
+            cards.iter().any(|c| c.starts_with("CONTINUE")),
+            "long string continued"
+        );
+    }
+}

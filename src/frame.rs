@@ -2,7 +2,9 @@
 //! photons per Angstrom, the desispec mask bits, and the FITS file (desispec `frame-*.fits`
 //! layout) read and written atomically.
 
+use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use rayon::prelude::*;
 
@@ -14,11 +16,11 @@ use crate::plan::Plan;
 /// desispec `specmask` bits set by extraction.
 pub mod specmask {
     /// Some input pixels of the bin were masked (pixmask_fraction > 0.5).
-    pub const SOMEBADPIX: i32 = 1 << 0;
+    pub const SOMEBADPIX: u32 = 1 << 0;
     /// All input pixels of the bin were masked.
-    pub const ALLBADPIX: i32 = 1 << 1;
+    pub const ALLBADPIX: u32 = 1 << 1;
     /// The 2-D model fits badly (chi2pix outlier).
-    pub const BAD2DFIT: i32 = 1 << 7;
+    pub const BAD2DFIT: u32 = 1 << 7;
 }
 
 /// chi2pix above this multiple of both its medians (over fibers and over wavelengths) flags
@@ -36,7 +38,8 @@ pub struct Frame {
     /// `[fiber][wave]`, photons per Angstrom.
     pub flux: Vec<f64>,
     pub ivar: Vec<f64>,
-    pub mask: Vec<i32>,
+    /// desispec specmask bits, written as uint32 like desispec's.
+    pub mask: Vec<u32>,
     /// `[fiber][2 ndiag + 1][wave]`.
     pub resolution: Vec<f64>,
     pub chi2pix: Vec<f64>,
@@ -70,6 +73,18 @@ impl Frame {
     /// Number of output bins.
     pub fn nwave(&self) -> usize {
         self.wave.len()
+    }
+
+    /// `(first, last, step)` of the frame's own grid, for frames written without a requested
+    /// grid.
+    pub fn grid(&self) -> (f64, f64, f64) {
+        let n = self.nwave();
+        let step = if n > 1 {
+            self.wave[1] - self.wave[0]
+        } else {
+            1.0
+        };
+        (self.wave[0], self.wave[n - 1], step)
     }
 
     /// Stitches patch results (in any order) into a frame, converts to photons per Angstrom
@@ -198,44 +213,57 @@ impl Frame {
     }
 
     /// Writes the frame atomically: a temporary file in the same directory, renamed into place
-    /// only when complete. `meta` supplies the header and the FIBERMAP source.
+    /// only when complete. `meta` supplies the header and the FIBERMAP source. A frame with a
+    /// non-finite FLUX or IVAR value (after conversion to float32) is refused before anything
+    /// is written: downstream steps would silently propagate it.
     pub fn write(&self, path: &Path, meta: &FrameMeta) -> Result<()> {
-        write_atomically(path, |tmp| self.write_to(tmp, meta))
+        let flux = f32s(&self.flux);
+        let ivar = f32s(&self.ivar);
+        self.check_finite(path, &flux, &ivar)?;
+        write_atomically(path, |tmp| self.write_to(tmp, meta, &flux, &ivar))
     }
 
-    fn write_to(&self, path: &Path, meta: &FrameMeta) -> Result<()> {
-        let mut fits = Fits::create(path)?;
-        let (ns, nw, nd) = (self.nspec, self.nwave(), 2 * self.ndiag + 1);
-        let f32s = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
+    /// The error for the first non-finite FLUX or IVAR value, with their count.
+    fn check_finite(&self, path: &Path, flux: &[f32], ivar: &[f32]) -> Result<()> {
+        let bad = |v: &[f32]| v.iter().filter(|x| !x.is_finite()).count();
+        let count = bad(flux) + bad(ivar);
+        if count == 0 {
+            return Ok(());
+        }
+        let first = flux
+            .iter()
+            .zip(ivar)
+            .position(|(f, v)| !f.is_finite() || !v.is_finite())
+            .unwrap_or(0);
+        let nwave = self.nwave().max(1);
+        Err(Error::NonFiniteFrame {
+            path: path.into(),
+            count,
+            fiber: self.specmin + first / nwave,
+            bin: first % nwave,
+        })
+    }
 
-        fits.write_image("FLUX", &[ns, nw], &f32s(&self.flux))?;
-        for card in &meta.header {
-            fits.write_card(card)?;
-        }
-        fits.write_key_i64("NSPEC", ns as i64, "number of spectra")?;
-        fits.write_key_i64("SPECMIN", self.specmin as i64, "first spectrum")?;
-        fits.write_key_f64("WAVEMIN", self.wave[0], "first wavelength [Angstrom]")?;
-        fits.write_key_f64("WAVEMAX", self.wave[nw - 1], "last wavelength [Angstrom]")?;
-        fits.write_key_f64(
-            "WAVESTEP",
-            gradient(&self.wave)[0],
-            "wavelength step [Angstrom]",
-        )?;
+    fn write_to(&self, path: &Path, meta: &FrameMeta, flux: &[f32], ivar: &[f32]) -> Result<()> {
+        let (ns, nw, nd) = (self.nspec, self.nwave(), 2 * self.ndiag + 1);
+        let wave = meta.output_wave(self)?;
+        let fibermap = meta.fibermap_rows(self.specmin..self.specmin + ns)?;
+        let fibermin = fibermap
+            .as_ref()
+            .and_then(|(_, fibers)| fibers.iter().copied().min())
+            .unwrap_or(self.specmin as i64);
+
+        let mut fits = Fits::create(path)?;
+        fits.write_image("FLUX", &[ns, nw], flux)?;
+        meta.write_header(&mut fits, self, fibermin)?;
         fits.write_key_str("BUNIT", "electron/Angstrom", "")?;
-        fits.write_key_str("SPEXVER", env!("CARGO_PKG_VERSION"), "spex version")?;
-        if let Some(p) = &meta.input {
-            fits.write_key_str("IN_IMG", &file_name(p), "input preproc image")?;
-        }
-        if let Some(p) = &meta.psf {
-            fits.write_key_str("IN_PSF", &file_name(p), "input PSF")?;
-        }
-        fits.write_image("IVAR", &[ns, nw], &f32s(&self.ivar))?;
+        fits.write_image("IVAR", &[ns, nw], ivar)?;
         fits.write_key_str("BUNIT", "Angstrom^2/electron^2", "")?;
         fits.write_image("MASK", &[ns, nw], &self.mask)?;
-        fits.write_image("WAVELENGTH", &[nw], &self.wave)?;
+        fits.write_image("WAVELENGTH", &[nw], &wave)?;
         fits.write_key_str("BUNIT", "Angstrom", "")?;
         fits.write_image("RESOLUTION", &[ns, nd, nw], &f32s(&self.resolution))?;
-        if let Some(src) = &meta.fibermap_from {
+        if let Some((src, _)) = &fibermap {
             let mut input = Fits::open(src)?;
             fits.copy_table(
                 &mut input,
@@ -244,6 +272,10 @@ impl Frame {
             )?;
         }
         fits.write_image("CHI2PIX", &[ns, nw], &f32s(&self.chi2pix))?;
+        for hdu in &meta.extra_hdus {
+            hdu.write(&mut fits, self)?;
+        }
+        fits.write_checksums()?;
         fits.close()
     }
 
@@ -268,10 +300,11 @@ impl Frame {
         };
         let ivar = read(&mut fits, "IVAR", &[nspec, nwave])?;
         let wave = read(&mut fits, "WAVELENGTH", &[nwave])?;
-        let mask: Vec<i32> = read(&mut fits, "MASK", &[nspec, nwave])?
-            .into_iter()
-            .map(|m| m as i32)
-            .collect();
+        fits.move_to("MASK")?;
+        let (ms, mask) = fits.read_image::<u32>()?;
+        if ms != [nspec, nwave] {
+            return Err(fits.error("MASK", format!("shape {ms:?}, expected [{nspec}, {nwave}]")));
+        }
         fits.move_to("RESOLUTION")?;
         let (rs, resolution) = fits.read_image::<f64>()?;
         if rs.len() != 3 || rs[0] != nspec || rs[2] != nwave || rs[1] % 2 == 0 {
@@ -297,31 +330,222 @@ impl Frame {
     }
 }
 
+/// An HDU appended to the frame after CHI2PIX: desispec puts its SCORES table there.
+/// Implementations write one complete HDU into `fits` (positioned after the last HDU).
+pub trait ExtraHdu: std::fmt::Debug + Send + Sync {
+    fn write(&self, fits: &mut Fits, frame: &Frame) -> Result<()>;
+}
+
 /// What the output file carries besides the arrays.
 #[derive(Clone, Debug, Default)]
 pub struct FrameMeta {
-    /// Header cards of the input IMAGE, copied into FLUX.
+    /// Header cards of the input IMAGE, copied into FLUX (desispec carries the whole preproc
+    /// header through, then adds its own keywords).
     pub header: Vec<String>,
+    /// The preproc and PSF paths as given: IN_IMG and IN_PSF, shortened as desispec does.
     pub input: Option<PathBuf>,
     pub psf: Option<PathBuf>,
+    /// The PSF's own IN_PSF keyword (the PSF it was derived from): ORIG_PSF.
+    pub orig_psf: Option<String>,
     /// File whose FIBERMAP is copied (rows of the extracted fibers), if it has one.
     pub fibermap_from: Option<PathBuf>,
+    /// The requested grid `wmin, wmax, dw` (before any barycentric correction): WAVEMIN,
+    /// WAVEMAX, WAVESTEP exactly as given and WAVELENGTH = numpy's arange of it. `None`: the
+    /// frame's own grid.
+    pub grid: Option<(f64, f64, f64)>,
+    /// Barycentric correction factor applied to the extraction grid, written as HELIOCOR when
+    /// it is not 1.
+    pub heliocor: Option<f64>,
+    /// HDUs appended after CHI2PIX, in order (the SCORES table).
+    pub extra_hdus: Vec<Arc<dyn ExtraHdu>>,
 }
 
-/// Writes a model image (`-m`): a CCD-sized f32 image named MODEL with the input's header.
+/// Environment variables whose values desiutil.depend records in DEPNAMnn/DEPVERnn.
+const DEPEND_ENVVARS: [&str; 8] = [
+    "DESI_ROOT",
+    "DESI_SPECTRO_DATA",
+    "DESI_SPECTRO_REDUX",
+    "SPECPROD",
+    "DESI_SPECTRO_CALIB",
+    "DESI_BASIS_TEMPLATES",
+    "DESI_TARGET",
+    "DESIMODEL",
+];
+
+impl FrameMeta {
+    /// The WAVELENGTH array: numpy's arange of the requested grid, which must have as many
+    /// bins as the frame (a barycentric factor could change the count by one at an edge).
+    fn output_wave(&self, frame: &Frame) -> Result<Vec<f64>> {
+        let Some((wmin, wmax, dw)) = self.grid else {
+            return Ok(frame.wave.clone());
+        };
+        let wave = crate::plan::output_grid(wmin, wmax, dw);
+        if wave.len() != frame.nwave() {
+            return Err(Error::config(format!(
+                "the requested grid {wmin},{wmax},{dw} has {} bins, the extraction {}",
+                wave.len(),
+                frame.nwave()
+            )));
+        }
+        Ok(wave)
+    }
+
+    /// The FIBERMAP source and the FIBER values of `rows`, when there is a FIBERMAP.
+    fn fibermap_rows(&self, rows: Range<usize>) -> Result<Option<(PathBuf, Vec<i64>)>> {
+        let Some(src) = &self.fibermap_from else {
+            return Ok(None);
+        };
+        let mut input = Fits::open(src)?;
+        input.move_to("FIBERMAP")?;
+        let (_, fibers) = input.column::<i64>("FIBER")?;
+        let fibers = fibers.get(rows.clone()).ok_or_else(|| {
+            input.error(
+                "FIBER",
+                format!("rows {rows:?} requested, the table has {}", fibers.len()),
+            )
+        })?;
+        Ok(Some((src.clone(), fibers.to_vec())))
+    }
+
+    /// The header of FLUX (and of the model image): the preproc header, then what
+    /// desi_extract_spectra adds, in its order.
+    fn write_header(&self, fits: &mut Fits, frame: &Frame, fibermin: i64) -> Result<()> {
+        for card in &self.header {
+            fits.write_card(card)?;
+        }
+        if let Some(f) = self.heliocor.filter(|&f| f != 1.0) {
+            fits.write_key_f64_exact("HELIOCOR", f, "barycentric correction factor")?;
+        }
+        let (wmin, wmax, dw) = self.grid.unwrap_or_else(|| frame.grid());
+        fits.write_key_i64("NSPEC", frame.nspec as i64, "Number of spectra")?;
+        fits.write_key_f64_exact("WAVEMIN", wmin, "First wavelength [Angstroms]")?;
+        fits.write_key_f64_exact("WAVEMAX", wmax, "Last wavelength [Angstroms]")?;
+        fits.write_key_f64_exact("WAVESTEP", dw, "Wavelength step size [Angstroms]")?;
+        let env = |k: &str| std::env::var(k).ok();
+        if let Some(p) = &self.psf {
+            let name = shorten_filename(&p.to_string_lossy(), &env);
+            fits.write_key_long_str("IN_PSF", &name, "Input spectral PSF")?;
+        }
+        if let Some(p) = &self.input {
+            let name = shorten_filename(&p.to_string_lossy(), &env);
+            fits.write_key_long_str("IN_IMG", &name, "")?;
+        }
+        set_dependency(fits, "spex", env!("CARGO_PKG_VERSION"))?;
+        for var in DEPEND_ENVVARS {
+            set_dependency(fits, var, &env(var).unwrap_or_else(|| "NOT_SET".into()))?;
+        }
+        if let Some(orig) = &self.orig_psf {
+            fits.write_key_long_str("ORIG_PSF", orig, "")?;
+        }
+        fits.write_key_i64("FIBERMIN", fibermin, "")?;
+        fits.write_key_i64("SPECMIN", frame.specmin as i64, "first spectrum")
+    }
+}
+
+/// desiutil.depend's `setdep`: the version of `name` goes into the DEPVERnn of its DEPNAMnn,
+/// or into the first free DEPNAMnn/DEPVERnn pair.
+fn set_dependency(fits: &mut Fits, name: &str, version: &str) -> Result<()> {
+    for i in 0..100 {
+        let (namekey, verkey) = (format!("DEPNAM{i:02}"), format!("DEPVER{i:02}"));
+        match fits.key_str(&namekey)? {
+            Some(n) if n != name => continue,
+            Some(_) => return fits.write_key_long_str(&verkey, version, ""),
+            None => {
+                fits.write_key_str(&namekey, name, "")?;
+                return fits.write_key_long_str(&verkey, version, "");
+            }
+        }
+    }
+    Err(fits.error("DEPNAMnn", format!("no free DEPNAMnn keyword for {name}")))
+}
+
+/// desispec.io.shorten_filename: a path under `$DESI_SPECTRO_CALIB` becomes `SPCALIB/...`,
+/// one under the production directory (`$DESI_SPECTRO_REDUX/$SPECPROD`, or its read-only
+/// copy under `$DESI_ROOT_READONLY`) `SPECPROD/...`; anything else is kept as given. `env`
+/// looks up environment variables.
+pub fn shorten_filename(name: &str, env: &dyn Fn(&str) -> Option<String>) -> String {
+    if let Some(calib) = env("DESI_SPECTRO_CALIB") {
+        if name.starts_with(&calib) {
+            return name.replacen(&calib, "SPCALIB", 1);
+        }
+    }
+    let Some(prod) = specprod_root(env) else {
+        return name.to_string();
+    };
+    for root in [prod.clone(), readonly_path(&prod, env)] {
+        if name.starts_with(&root) {
+            return name.replacen(&root, "SPECPROD", 1);
+        }
+    }
+    name.to_string()
+}
+
+/// desispec.io.specprod_root: `$SPECPROD` if it is a path, else under `$DESI_SPECTRO_REDUX`
+/// (or `$DESI_ROOT/spectro/redux`); `None` when the variables are not set.
+fn specprod_root(env: &dyn Fn(&str) -> Option<String>) -> Option<String> {
+    let specprod = env("SPECPROD")?;
+    if specprod.contains('/') {
+        return Some(specprod);
+    }
+    match env("DESI_SPECTRO_REDUX") {
+        Some(redux) => Some(path_join(&redux, &specprod)),
+        None => Some(path_join(
+            &path_join(&env("DESI_ROOT")?, "spectro/redux"),
+            &specprod,
+        )),
+    }
+}
+
+/// desispec.io.meta.get_readonly_filepath: `$DESI_ROOT` replaced by `$DESI_ROOT_READONLY`
+/// when that directory exists.
+fn readonly_path(path: &str, env: &dyn Fn(&str) -> Option<String>) -> String {
+    let Some(root) = env("DESI_ROOT") else {
+        return path.to_string();
+    };
+    let readonly = env("DESI_ROOT_READONLY")
+        .filter(|r| Path::new(r).exists())
+        .unwrap_or_else(|| root.clone());
+    if path.starts_with(&root) && root != readonly {
+        path.replacen(&root, &readonly, 1)
+    } else {
+        path.to_string()
+    }
+}
+
+/// Python's `os.path.join` of two components.
+fn path_join(a: &str, b: &str) -> String {
+    if b.starts_with('/') || a.is_empty() {
+        b.to_string()
+    } else if a.ends_with('/') {
+        format!("{a}{b}")
+    } else {
+        format!("{a}/{b}")
+    }
+}
+
+fn f32s(v: &[f64]) -> Vec<f32> {
+    v.iter().map(|&x| x as f32).collect()
+}
+
+/// Writes a model image (`-m`) as desi_extract_spectra does: the CCD-sized float64 image in
+/// the primary HDU with the frame's header (BUNIT electron: the model is per pixel).
 pub fn write_model(
     path: &Path,
     shape: (usize, usize),
     model: &[f64],
-    header: &[String],
+    frame: &Frame,
+    meta: &FrameMeta,
 ) -> Result<()> {
+    let fibermin = meta
+        .fibermap_rows(frame.specmin..frame.specmin + frame.nspec)?
+        .and_then(|(_, fibers)| fibers.iter().copied().min())
+        .unwrap_or(frame.specmin as i64);
     write_atomically(path, |tmp| {
         let mut fits = Fits::create(tmp)?;
-        let data: Vec<f32> = model.iter().map(|&v| v as f32).collect();
-        fits.write_image("MODEL", &[shape.0, shape.1], &data)?;
-        for card in header {
-            fits.write_card(card)?;
-        }
+        fits.write_image("MODEL", &[shape.0, shape.1], model)?;
+        meta.write_header(&mut fits, frame, fibermin)?;
+        fits.write_key_str("BUNIT", "electron", "")?;
+        fits.write_checksums()?;
         fits.close()
     })
 }
@@ -421,6 +645,64 @@ mod tests {
         assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 2.5);
         assert_eq!(median(vec![5.0]), 5.0);
         assert_eq!(median(vec![]), 0.0);
+    }
+
+    fn environment<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |k| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn file_names_are_shortened_as_desispec_does() {
+        let prod = [
+            ("DESI_SPECTRO_REDUX", "/global/redux"),
+            ("SPECPROD", "daily"),
+        ];
+        let env = environment(&prod);
+        assert_eq!(
+            shorten_filename("/global/redux/daily/preproc/p.fits", &env),
+            "SPECPROD/preproc/p.fits"
+        );
+        assert_eq!(
+            shorten_filename("/elsewhere/p.fits", &env),
+            "/elsewhere/p.fits"
+        );
+        assert_eq!(shorten_filename("relative/p.fits", &env), "relative/p.fits");
+        // without SPECPROD nothing is replaced
+        let env = environment(&prod[..1]);
+        assert_eq!(
+            shorten_filename("/global/redux/daily/p.fits", &env),
+            "/global/redux/daily/p.fits"
+        );
+        // calibrations first; SPECPROD as a path; $DESI_ROOT/spectro/redux by default
+        let vars = [
+            ("DESI_SPECTRO_CALIB", "/cal"),
+            ("SPECPROD", "/my/prod/"),
+            ("DESI_ROOT", "/desi"),
+        ];
+        let env = environment(&vars);
+        assert_eq!(shorten_filename("/cal/psf.fits", &env), "SPCALIB/psf.fits");
+        assert_eq!(shorten_filename("/my/prod/x.fits", &env), "SPECPRODx.fits");
+        let vars = [("DESI_ROOT", "/desi"), ("SPECPROD", "loa")];
+        let env = environment(&vars);
+        assert_eq!(
+            shorten_filename("/desi/spectro/redux/loa/x.fits", &env),
+            "SPECPROD/x.fits"
+        );
+        // the read-only copy of the production, when that directory exists
+        let ro = std::env::temp_dir();
+        let ro = ro.to_str().unwrap();
+        let vars = [
+            ("DESI_ROOT", "/desi"),
+            ("DESI_ROOT_READONLY", ro),
+            ("SPECPROD", "loa"),
+        ];
+        let env = environment(&vars);
+        let name = format!("{}/x.fits", path_join(ro, "spectro/redux/loa"));
+        assert_eq!(shorten_filename(&name, &env), "SPECPROD/x.fits");
     }
 
     #[test]

@@ -105,10 +105,16 @@ impl ExtractRequest {
         self.check_options()
     }
 
+    /// The grid asked for, `wmin, wmax, dw`: `-w`, else the PSF's domain at 0.8 A (what the
+    /// frame's WAVEMIN, WAVEMAX, WAVESTEP and WAVELENGTH record).
+    pub fn requested_grid(&self, psf: &GaussHermitePsf) -> (f64, f64, f64) {
+        let (lo, hi) = psf.param_domain();
+        self.wavelength.unwrap_or((lo, hi, 0.8))
+    }
+
     /// The plan of this request for `psf`, checked against the PSF's fibers and wavelengths.
     pub fn plan(&self, psf: &GaussHermitePsf) -> Result<Plan> {
-        let (lo, hi) = psf.param_domain();
-        let (wmin, wmax, dw) = self.wavelength.unwrap_or((lo, hi, 0.8));
+        let (wmin, wmax, dw) = self.requested_grid(psf);
         let (dlo, dhi) = psf.wave_domain();
         if wmin < dlo - WAVE_TOLERANCE || wmax > dhi + WAVE_TOLERANCE {
             return Err(Error::config(format!(
@@ -146,15 +152,19 @@ impl ExtractRequest {
     }
 
     /// What the output file carries besides the arrays.
-    pub fn frame_meta(&self, image: &Image) -> FrameMeta {
+    pub fn frame_meta(&self, inputs: &Inputs) -> FrameMeta {
         FrameMeta {
-            header: image.header.clone(),
+            header: inputs.image.header.clone(),
             input: Some(self.input.clone()),
             psf: Some(self.psf.clone()),
+            orig_psf: inputs.psf.orig_psf.clone(),
             fibermap_from: self
                 .fibermap
                 .clone()
-                .or_else(|| image.has_fibermap.then(|| self.input.clone())),
+                .or_else(|| inputs.image.has_fibermap.then(|| self.input.clone())),
+            grid: Some(self.requested_grid(&inputs.psf)),
+            heliocor: None,
+            extra_hdus: Vec::new(),
         }
     }
 }
@@ -313,15 +323,12 @@ pub fn write(
     timings: &mut Timings,
 ) -> Result<()> {
     timings.time("write", || -> Result<()> {
-        frame.write(&request.output, &request.frame_meta(&inputs.image))?;
+        let meta = request.frame_meta(inputs);
+        frame.write(&request.output, &meta)?;
         if let Some(path) = &request.model {
             let shape = (inputs.image.nrows, inputs.image.ncols);
-            frame::write_model(
-                path,
-                shape,
-                &frame::model_image(shape, results),
-                &inputs.image.header,
-            )?;
+            let model = frame::model_image(shape, results);
+            frame::write_model(path, shape, &model, &frame, &meta)?;
         }
         Ok(())
     })

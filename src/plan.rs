@@ -234,21 +234,39 @@ impl Plan {
     }
 }
 
-/// `wmin, wmin + dw, ...` up to `wmax` inclusive (numpy's `arange(wmin, wmax + dw/2, dw)`).
+/// The output grid exactly as desispec builds it, `np.arange(wmin, wmax + 0.5*dw, dw)`: numpy
+/// takes `ceil((stop - wmin) / dw)` values, sets the first two to `wmin` and `wmin + dw` and
+/// fills the rest with `wmin + i * delta`, where `delta = (wmin + dw) - wmin` is the step as
+/// rounded at `wmin` (0.8000000000001819 for 5760 + 0.8). Frames compare their WAVELENGTH
+/// arrays for equality downstream, so the rounding must be numpy's, bit for bit.
 pub fn output_grid(wmin: f64, wmax: f64, dw: f64) -> Vec<f64> {
-    let n = ((wmax + 0.5 * dw - wmin) / dw).ceil().max(0.0) as usize;
-    (0..n).map(|i| wmin + i as f64 * dw).collect()
+    let stop = wmax + 0.5 * dw;
+    let n = ((stop - wmin) / dw).ceil().max(0.0) as usize;
+    let second = wmin + dw;
+    let delta = second - wmin;
+    (0..n)
+        .map(|i| match i {
+            0 => wmin,
+            1 => second,
+            _ => wmin + i as f64 * delta,
+        })
+        .collect()
 }
 
 /// The output grid with `pad` bins before it and `pad + nwavestep` bins after it, so that the
-/// last, partial patch of a row still has a full padded window.
+/// last, partial patch of a row still has a full padded window. Built as gpu_specter builds
+/// it (`wavelo = arange(pad)*dw - (max + dw) + wmin`, `wavehi = wave[-1] + (1 + arange)*dw`),
+/// so that the spots of the padding bins are evaluated at the same wavelengths.
 pub fn padded_grid(wave: &[f64], dw: f64, pad: usize, nwavestep: usize) -> Vec<f64> {
     let wmin = wave[0];
     let wlast = wave[wave.len() - 1];
     let mut full = Vec::with_capacity(wave.len() + 2 * pad + nwavestep);
-    full.extend((0..pad).map(|i| wmin - (pad - i) as f64 * dw));
+    if pad > 0 {
+        let below = (pad - 1) as f64 * dw + dw;
+        full.extend((0..pad).map(|i| (i as f64 * dw - below) + wmin));
+    }
     full.extend_from_slice(wave);
-    full.extend((0..pad + nwavestep).map(|i| wlast + (i + 1) as f64 * dw));
+    full.extend((0..pad + nwavestep).map(|i| wlast + (1.0 + i as f64) * dw));
     full
 }
 
@@ -260,13 +278,45 @@ mod tests {
         Plan::new(PlanOptions::new(6000.0, nwave_end, 0.8, 25, 50)).unwrap()
     }
 
+    /// Values of `np.arange(wmin, wmax + 0.5*dw, dw)` from numpy 2.4.6 for desi_proc's three
+    /// camera ranges: the length, element 1000 and the last element, as IEEE-754 bits.
+    /// `(wmin, wmax, dw)`, length, bits of element 1000, bits of the last element.
+    type ArangeCase = ((f64, f64, f64), usize, u64, u64);
+    const NUMPY_ARANGE: [ArangeCase; 3] = [
+        (
+            (3600.0, 5800.0, 0.8),
+            2751,
+            0x40b13000000000c8,
+            0x40b6a80000000226,
+        ),
+        (
+            (5760.0, 7620.0, 0.8),
+            2326,
+            0x40b9a000000000c8,
+            0x40bdc400000001d1,
+        ),
+        (
+            (7520.0, 9824.0, 0.8),
+            2881,
+            0x40c0400000000064,
+            0x40c3300000000120,
+        ),
+    ];
+
     #[test]
-    fn grid_matches_numpy_arange() {
+    fn grid_is_numpy_arange_bit_for_bit() {
+        for ((wmin, wmax, dw), n, at1000, last) in NUMPY_ARANGE {
+            let w = output_grid(wmin, wmax, dw);
+            assert_eq!(w.len(), n, "{wmin},{wmax},{dw}");
+            assert_eq!(w[1000].to_bits(), at1000, "{wmin},{wmax},{dw}: w[1000]");
+            assert_eq!(w[n - 1].to_bits(), last, "{wmin},{wmax},{dw}: last");
+            // the naive wmin + i*dw would not do: numpy's step is rounded at wmin
+            assert_ne!((wmin + 1000.0 * dw).to_bits(), at1000);
+        }
         let w = output_grid(6000.0, 6400.0, 0.8);
         assert_eq!(w.len(), 501);
         assert!((w[500] - 6400.0).abs() < 1e-9);
-        let w = output_grid(5760.0, 7620.0, 0.8);
-        assert_eq!(w.len(), 2326);
+        assert_eq!(output_grid(6000.0, 6000.0, 0.8), vec![6000.0]);
     }
 
     #[test]

@@ -6,7 +6,8 @@
 //! columns whose lower-left pixel on the CCD is `(floor(X - HSIZEX + 0.5), floor(Y - HSIZEY +
 //! 0.5))`. Its value is `sum_ij GH-i-j pGHy[j][iy] pGHx[i][ix]`, clipped at zero and normalised
 //! to unit sum, where `pGH` are Gauss-Hermite functions integrated over each pixel. The TAIL*
-//! parameters are not used (as in gpu_specter).
+//! parameters are not used (as in gpu_specter): a PSF whose TAILAMP is not zero gets a
+//! warning when it is read.
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -110,6 +111,12 @@ pub struct GaussHermitePsf {
     pub npix_y: usize,
     /// `PSFERR` of the file, if any.
     pub psferr: Option<f64>,
+    /// The PSF's own IN_PSF keyword (the PSF it was derived from), carried into the frame as
+    /// ORIG_PSF.
+    pub orig_psf: Option<String>,
+    /// Largest |coefficient| of TAILAMP (0 when the table has no TAILAMP): the amplitude of
+    /// the power-law tails that spex does not model.
+    pub tail_amplitude: f64,
     pub xtrace: Legendre,
     pub ytrace: Legendre,
     /// `GHSIGX`, `GHSIGY` and the `GH-i-j`, on the PSF table's wavelength domain.
@@ -149,6 +156,7 @@ impl GaussHermitePsf {
         let npix_x = key(&mut fits, "NPIX_X")?;
         let npix_y = key(&mut fits, "NPIX_Y")?;
         let psferr = fits.key_f64("PSFERR")?;
+        let orig_psf = fits.key_str("IN_PSF")?;
         // Bounds first: the degrees size the parameter lookups below.
         if ghdegx > MAX_GHDEG || ghdegy > MAX_GHDEG {
             return Err(bad(format!(
@@ -177,6 +185,20 @@ impl GaussHermitePsf {
                 coeff: coeff[row * repeat..(row + 1) * repeat].to_vec(),
             })
         };
+        let tail_amplitude = names
+            .iter()
+            .any(|n| n.trim() == "TAILAMP")
+            .then(|| param("TAILAMP"))
+            .transpose()?
+            .map_or(0.0, |t| {
+                t.coeff.iter().fold(0.0, |m, c| f64::max(m, c.abs()))
+            });
+        if tail_amplitude != 0.0 {
+            tracing::warn!(
+                "{}: TAILAMP is not zero (up to {tail_amplitude:.3e}); PSF tails are not modelled",
+                path.display()
+            );
+        }
         let ghsigx = param("GHSIGX")?;
         let ghsigy = param("GHSIGY")?;
         let mut gh = Vec::with_capacity((ghdegx + 1) * (ghdegy + 1));
@@ -217,6 +239,8 @@ impl GaussHermitePsf {
             npix_x,
             npix_y,
             psferr,
+            orig_psf,
+            tail_amplitude,
             xtrace,
             ytrace,
             ghsigx,
@@ -702,6 +726,64 @@ mod tests {
             }
         }
         assert_eq!(psf.corners(10..13, &waves), spots.corners);
+    }
+
+    /// Log lines written while `f` runs, captured by a subscriber of this thread only.
+    fn logged<T>(f: impl FnOnce() -> T) -> (T, String) {
+        use std::sync::{Arc, Mutex};
+        #[derive(Clone, Default)]
+        struct Sink(Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Sink {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let sink = Sink::default();
+        let writer = sink.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        let out = tracing::subscriber::with_default(subscriber, f);
+        let text = String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
+        (out, text)
+    }
+
+    #[test]
+    fn psf_with_tails_gets_one_warning() {
+        let (psf, log) = logged(|| GaussHermitePsf::read(&data("psf-r0-00067784.fits")));
+        let psf = psf.unwrap();
+        assert_eq!(psf.tail_amplitude, 0.0);
+        assert!(!log.contains("TAILAMP"), "{log}");
+        assert_eq!(
+            psf.orig_psf.as_deref(),
+            Some("SPECPROD/calibnight/20201214/psfnight-r0-20201214.fits")
+        );
+
+        // The same PSF with a tail amplitude on one fiber.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("psf-tails.fits");
+        std::fs::copy(data("psf-r0-00067784.fits"), &path).unwrap();
+        let row = {
+            let mut f = Fits::open(&path).unwrap();
+            f.move_to("PSF").unwrap();
+            let names = f.column_str("PARAM").unwrap();
+            names.iter().position(|n| n.trim() == "TAILAMP").unwrap()
+        };
+        {
+            let mut f = fitsio::FitsFile::edit(&path).unwrap();
+            let hdu = f.hdu("PSF").unwrap();
+            hdu.write_col_range(&mut f, "COEFF", &[0.02f64], &(row..row + 1))
+                .unwrap();
+        }
+        let (psf, log) = logged(|| GaussHermitePsf::read(&path));
+        assert_eq!(psf.unwrap().tail_amplitude, 0.02);
+        assert_eq!(log.matches("tails are not modelled").count(), 1, "{log}");
+        assert!(log.contains("WARN"), "{log}");
     }
 
     #[test]

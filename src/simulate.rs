@@ -3,8 +3,9 @@
 //! A simulation draws a spectrum (photons per bin of the output grid) for each fiber of a
 //! range, projects every bin through the PSF onto the CCD, and adds Poisson photon noise,
 //! Gaussian read noise, cosmic-ray tracks and optionally a bad column. The result is written as
-//! a preproc file (`IMAGE`, `IVAR`, `MASK`, `FIBERMAP`) that the extraction reads like a real
-//! one, plus a truth file (`WAVELENGTH`, `FLUX`) to measure the extraction against.
+//! a preproc file (`IMAGE`, `IVAR`, `MASK`, `READNOISE`, `FIBERMAP`, with the keywords
+//! desispec reads) that the extraction and `desispec.io.read_image` read like a real one,
+//! plus a truth file (`WAVELENGTH`, `FLUX`) to measure the extraction against.
 //!
 //! Everything is a pure function of the PSF, the options and the seed: each random stream
 //! (one per fiber for the spectra, one per CCD row for the noise, one for the cosmics) has its
@@ -26,6 +27,9 @@ use crate::fits::Fits;
 use crate::plan::output_grid;
 use crate::psf::GaussHermitePsf;
 
+mod exposure;
+pub use exposure::FIBERMAP_COLUMNS;
+
 /// MASK value of unusable pixels: outside the simulated region and on the bad column
 /// (desispec's BAD bit).
 pub const MASK_BAD: i32 = 1;
@@ -34,13 +38,6 @@ pub const MASK_BAD: i32 = 1;
 /// own COSMIC bit is 16); both are inside desispec's production mask 767, and the extraction
 /// rejects any nonzero MASK by default, so either convention gives the same result.
 pub const MASK_COSMIC: i32 = 8;
-
-/// Placeholder NIGHT written to the IMAGE header, for tools that require the keyword.
-const NIGHT: i64 = 20201214;
-
-/// Exposure time written to the IMAGE header: the flux levels below are typical of a 900 s
-/// DESI dark-time exposure.
-const EXPTIME: f64 = 900.0;
 
 /// Extra signal (electrons) of the bad column inside the simulated region, so that an
 /// extraction that ignores the mask visibly suffers from it.
@@ -872,8 +869,7 @@ impl Simulation {
         fits.write_image("IMAGE", &shape, &self.image)?;
         fits.write_key_str("BUNIT", "electron", "")?;
         self.write_provenance(&mut fits)?;
-        fits.write_key_i64("NIGHT", NIGHT, "placeholder night")?;
-        fits.write_key_f64("EXPTIME", EXPTIME, "exposure time [s]")?;
+        self.write_exposure_keys(&mut fits)?;
         fits.write_key_str("DETECTOR", "sim", "simulated frame")?;
         fits.write_key_f64("SIMRDN", o.read_noise, "read noise [electron]")?;
         fits.write_card(&format!(
@@ -911,26 +907,9 @@ impl Simulation {
         )?;
         fits.write_image("IVAR", &shape, &self.ivar)?;
         fits.write_image("MASK", &shape, &self.mask)?;
-
-        let nfiber = self.objtype.len();
-        fits.create_table(
-            "FIBERMAP",
-            &[
-                ("FIBER", "J"),
-                ("TARGETID", "K"),
-                ("FIBERSTATUS", "J"),
-                ("OBJTYPE", "3A"),
-            ],
-            nfiber,
-        )?;
-        let fiber: Vec<i32> = (0..nfiber as i32).collect();
-        let targetid: Vec<i64> = (0..nfiber as i64).map(|f| 1000 + f).collect();
-        let status = vec![0i32; nfiber];
-        let objtype: Vec<&str> = self.objtype.iter().map(|t| t.as_str()).collect();
-        fits.write_column("FIBER", &fiber)?;
-        fits.write_column("TARGETID", &targetid)?;
-        fits.write_column("FIBERSTATUS", &status)?;
-        fits.write_column_str("OBJTYPE", &objtype)?;
+        self.write_readnoise(&mut fits)?;
+        self.write_fibermap(&mut fits)?;
+        fits.write_checksums()?;
         fits.close()
     }
 
@@ -1216,6 +1195,34 @@ mod tests {
         f.move_to("IMAGE").unwrap();
         assert_eq!(f.key_str("CAMERA").unwrap().as_deref(), Some("r0"));
         assert_eq!(f.key_i64("SIMSEED").unwrap(), Some(11));
+        // what desispec's read_image, Frame.vet() and the barycentric correction read
+        assert_eq!(f.key_str("FLAVOR").unwrap().as_deref(), Some("science"));
+        assert_eq!(f.key_str("OBSTYPE").unwrap().as_deref(), Some("SCIENCE"));
+        for key in ["NIGHT", "EXPID", "TILEID"] {
+            assert!(f.key_i64(key).unwrap().is_some(), "{key}");
+        }
+        for key in [
+            "MJD-OBS", "EXPTIME", "TARGTRA", "TARGTDEC", "SKYRA", "TELDEC",
+        ] {
+            assert!(f.key_f64(key).unwrap().is_some(), "{key}");
+        }
+        for amp in ["A", "B", "C", "D"] {
+            assert_eq!(f.key_f64(&format!("OBSRDN{amp}")).unwrap(), Some(3.0));
+            assert!(f.key_str(&format!("CCDSEC{amp}")).unwrap().is_some());
+        }
+        assert_eq!(
+            f.key_str("CCDSECD").unwrap().as_deref(),
+            Some(
+                format!(
+                    "[{}:{},{}:{}]",
+                    psf.npix_x / 2 + 1,
+                    psf.npix_x,
+                    psf.npix_y / 2 + 1,
+                    psf.npix_y
+                )
+                .as_str()
+            )
+        );
         assert_eq!(
             f.key_str("SIMPSF").unwrap().as_deref(),
             Some("psf-r0-00067784.fits")
@@ -1224,12 +1231,31 @@ mod tests {
         assert_eq!(image, s.image);
         f.move_to("MASK").unwrap();
         assert_eq!(f.read_image::<i32>().unwrap().1, s.mask);
+        f.move_to("READNOISE").unwrap();
+        let (shape, readnoise) = f.read_image::<f32>().unwrap();
+        assert_eq!(shape, vec![psf.npix_y, psf.npix_x]);
+        assert!(readnoise.iter().all(|&r| r == 3.0));
+        assert!(f.verify_checksums().unwrap().iter().all(|&c| c == (1, 1)));
         f.move_to("FIBERMAP").unwrap();
         assert_eq!(f.nrows().unwrap(), psf.nfiber);
         let (_, fiber) = f.column::<i32>("FIBER").unwrap();
         assert_eq!(fiber, (0..psf.nfiber as i32).collect::<Vec<_>>());
         let (_, targetid) = f.column::<i64>("TARGETID").unwrap();
-        assert_eq!(targetid[3], 1003);
+        let mut unique = targetid.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(unique.len(), psf.nfiber, "TARGETIDs are unique");
+        // every column of desispec's empty_fibermap, in its order
+        let cards = f.cards().unwrap();
+        let ttypes: Vec<String> = cards
+            .iter()
+            .filter(|c| c.starts_with("TTYPE"))
+            .map(|c| c.split('\'').nth(1).unwrap().trim().to_string())
+            .collect();
+        let expected: Vec<&str> = FIBERMAP_COLUMNS.iter().map(|c| c.0).collect();
+        assert_eq!(ttypes, expected);
+        let (_, ra) = f.column::<f64>("TARGET_RA").unwrap();
+        assert!(ra.iter().all(|r| (r - 100.0).abs() < 2.0));
         let objtype = f.column_str("OBJTYPE").unwrap();
         let expected: Vec<&str> = s.objtype.iter().map(|t| t.as_str()).collect();
         assert_eq!(objtype, expected);

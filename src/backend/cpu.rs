@@ -559,20 +559,30 @@ pub fn solve_patch(
         _ => {}
     }
 
-    // Step 4: decorrelate each core fiber.
+    // Step 4: decorrelate each core fiber. The model image covers every core bin of the
+    // patch, also those of the last patch of a row that lie past the last output bin (as
+    // gpu_specter's does), so their flux is computed too when a model is asked for.
     let nd = 2 * ndiag + 1;
-    let mut flux_full = vec![0.0; ncore * nk];
+    let nmodel = if options.model {
+        plan.options.layout.nwavestep
+    } else {
+        nk
+    };
+    let mut flux_full = vec![0.0; ncore * nmodel];
     for (c, cb) in solution.blocks.iter().enumerate() {
         let (mut s, u) = eigh(cb.as_ref());
         clip_eigenvalues(&mut s);
         let q = spectral(&s, &u, |v| 1.0 / v.sqrt());
         let xb = &xflux[(geom.npad + c) * nt..(geom.npad + c + 1) * nt];
-        for j in 0..nk {
+        for j in 0..nmodel {
             let row = p0 + j;
             let norm: f64 = (0..nt).map(|k| q[(row, k)]).sum();
             let flux: f64 = (0..nt).map(|k| q[(row, k)] * xb[k]).sum::<f64>() / norm;
+            flux_full[c * nmodel + j] = flux;
+            if j >= nk {
+                continue;
+            }
             result.flux[c * nk + j] = flux;
-            flux_full[c * nk + j] = flux;
             result.ivar[c * nk + j] = norm * norm;
             for k in 0..nd {
                 // Rdiags[k][j] = R[j - ndiag + k][j]; R's rows are Q's rows over their sums.
@@ -619,11 +629,11 @@ pub fn solve_patch(
     if options.model {
         let mut x = vec![0.0; sys.m()];
         for c in 0..ncore {
-            for j in 0..nk {
-                x[core_col(c, j)] = flux_full[c * nk + j];
+            for j in 0..nmodel {
+                x[core_col(c, j)] = flux_full[c * nmodel + j];
             }
         }
-        let cols = (0..ncore).flat_map(|c| (0..nk).map(move |j| core_col(c, j)));
+        let cols = (0..ncore).flat_map(|c| (0..nmodel).map(move |j| core_col(c, j)));
         result.model = Some(ModelPatch {
             rows: geom.rows.clone(),
             cols: geom.cols.clone(),

@@ -317,3 +317,46 @@ fn simulated_frame_extracts_without_bias() {
     );
     assert_eq!(report.counts.ok, report.counts.total());
 }
+
+/// The model image covers every core bin of a patch, as gpu_specter's does: the last patch of
+/// a row also models the CCD rows past the last output bin. On a noiseless image with light
+/// well past the grid, the model there reproduces the image, where it used to be zero.
+#[test]
+fn model_covers_the_rows_past_the_last_bin() {
+    let psf = psf_a();
+    // 251 bins: the last patch of each row keeps 1 bin and models 50.
+    let plan = Plan::new(PlanOptions::new(6000.0, 6200.0, 0.8, 25, 25)).unwrap();
+    let mut image = blank_image(&psf);
+    add_spots(&mut image, &psf, 25..50, &plan.fullwave, |_, _| 200.0);
+    let options = options();
+    let input = FrameInput {
+        plan: &plan,
+        psf: &psf,
+        image: &image,
+        options: &options,
+    };
+    let results = CpuBackend::new(2)
+        .unwrap()
+        .extract(input, &plan.patches, &Progress::silent())
+        .unwrap();
+    let shape = (image.nrows, image.ncols);
+    let model = spex::frame::model_image(shape, &results);
+    let at = |v: &[f32], w: f64| {
+        let (x, y) = psf.xy(37, w);
+        v[y.round() as usize * shape.1 + x.round() as usize] as f64
+    };
+    let model32: Vec<f32> = model.iter().map(|&m| m as f32).collect();
+    // 20 bins (16 A) past the last output bin, inside the last patch's core.
+    let past = 6200.0 + 20.0 * 0.8;
+    let pix = at(&image.pix, past);
+    assert!(pix > 10.0, "no light at {past} A: {pix}");
+    let rel = (at(&model32, past) - pix).abs() / pix;
+    assert!(
+        rel < 1e-3,
+        "model past the last bin off by {rel:e} of the image"
+    );
+    // and inside the grid too
+    let inside = 6100.0;
+    let rel = (at(&model32, inside) - at(&image.pix, inside)).abs() / at(&image.pix, inside);
+    assert!(rel < 1e-3, "model inside the grid off by {rel:e}");
+}

@@ -2,6 +2,7 @@
 //! `spex` binary on the bundled data (tests/data).
 //!
 //! - `cli`: the command line end to end, exit codes and error lines;
+//! - `format`: the frame, model and simulated preproc files as desispec writes and reads them;
 //! - `extract`: physics and numerics of the CPU extraction against the reference cases;
 //! - `mpi`: multi-rank runs under a real `mpiexec`;
 //! - `desispec`: desispec itself (a pinned venv, `scripts/desispec-env`) reads spex's files;
@@ -11,6 +12,7 @@ mod cli;
 mod common;
 mod desispec;
 mod extract;
+mod format;
 #[cfg(feature = "cuda")]
 mod gpu;
 // A spex built without the `mpi` feature has no multi-rank runs to test.
