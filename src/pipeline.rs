@@ -328,7 +328,7 @@ pub fn write(
         if let Some(path) = &request.model {
             let shape = (inputs.image.nrows, inputs.image.ncols);
             let model = frame::model_image(shape, results);
-            frame::write_model(path, shape, &model, &frame, &meta)?;
+            frame::write_model(path, shape, &model, frame, &meta)?;
         }
         Ok(())
     })

@@ -4,7 +4,6 @@
 //! WAVELENGTH, CHECKSUM/DATASUM on every HDU, the hook for SCORES, and the refusal to write a
 //! frame holding non-finite values.
 
-
 use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;

@@ -409,7 +409,7 @@ impl<T> Slot<T> {
 
     /// Makes the buffer hold at least `len` values (contents are not kept).
     pub(crate) fn ensure(&mut self, dev: &Device, len: usize) -> Result<()> {
-        if self.buf.as_ref().map_or(true, |b| b.len < len) {
+        if self.buf.as_ref().is_none_or(|b| b.len < len) {
             self.buf = None;
             self.buf = Some(dev.alloc(len, self.what)?);
         }
@@ -433,7 +433,7 @@ impl<T: Copy + Default> PinSlot<T> {
 
     /// The first `len` values of the buffer, grown to hold them if needed.
     pub(crate) fn get(&mut self, len: usize) -> Result<&mut [T]> {
-        if self.buf.as_ref().map_or(true, |b| b.len < len) {
+        if self.buf.as_ref().is_none_or(|b| b.len < len) {
             self.buf = None;
             self.buf = Some(PinnedBuf::new(len)?);
         }
