@@ -6,7 +6,6 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::extract::{PatchResult, PatchStatus};
@@ -23,9 +22,9 @@ pub mod specmask {
     pub const BAD2DFIT: u32 = 1 << 7;
 }
 
-/// chi2pix above this multiple of both its medians (over fibers and over wavelengths) flags
-/// BAD2DFIT.
-pub const BAD2DFIT_FACTOR: f64 = 5.0;
+/// chi2pix above this flags BAD2DFIT (desispec 0.70.0's desi_extract_spectra, on both its
+/// gpu_specter and specter paths).
+pub const BAD2DFIT_CHI2PIX: f64 = 100.0;
 
 /// An extracted frame in memory.
 #[derive(Clone, Debug, PartialEq)]
@@ -174,40 +173,19 @@ impl Frame {
         }
     }
 
-    /// SOMEBADPIX, ALLBADPIX and BAD2DFIT.
+    /// SOMEBADPIX, ALLBADPIX and BAD2DFIT, as desi_extract_spectra sets them.
     fn set_mask(&mut self) {
-        let nwave = self.nwave();
-        let median_over_fibers: Vec<f64> = (0..nwave)
-            .into_par_iter()
-            .map(|j| {
-                median(
-                    (0..self.nspec)
-                        .map(|f| self.chi2pix[f * nwave + j])
-                        .collect(),
-                )
-            })
-            .collect();
-        let median_over_waves: Vec<f64> = (0..self.nspec)
-            .into_par_iter()
-            .map(|f| median(self.chi2pix[f * nwave..(f + 1) * nwave].to_vec()))
-            .collect();
-        for f in 0..self.nspec {
-            for j in 0..nwave {
-                let i = f * nwave + j;
-                let mut m = 0;
-                if self.pixmask_fraction[i] > 0.5 {
-                    m |= specmask::SOMEBADPIX;
-                }
-                if self.pixmask_fraction[i] >= 1.0 - 1e-12 {
-                    m |= specmask::ALLBADPIX;
-                }
-                let c = self.chi2pix[i];
-                if c > BAD2DFIT_FACTOR * median_over_fibers[j]
-                    && c > BAD2DFIT_FACTOR * median_over_waves[f]
-                {
-                    m |= specmask::BAD2DFIT;
-                }
-                self.mask[i] = m;
+        let bins = self.pixmask_fraction.iter().zip(&self.chi2pix);
+        for (m, (&fraction, &chi2)) in self.mask.iter_mut().zip(bins) {
+            *m = 0;
+            if fraction > 0.5 {
+                *m |= specmask::SOMEBADPIX;
+            }
+            if fraction >= 1.0 - 1e-12 {
+                *m |= specmask::ALLBADPIX;
+            }
+            if chi2 > BAD2DFIT_CHI2PIX {
+                *m |= specmask::BAD2DFIT;
             }
         }
     }
@@ -375,7 +353,7 @@ const DEPEND_ENVVARS: [&str; 8] = [
 impl FrameMeta {
     /// The WAVELENGTH array: numpy's arange of the requested grid, which must have as many
     /// bins as the frame (a barycentric factor could change the count by one at an edge).
-    fn output_wave(&self, frame: &Frame) -> Result<Vec<f64>> {
+    pub fn output_wave(&self, frame: &Frame) -> Result<Vec<f64>> {
         let Some((wmin, wmax, dw)) = self.grid else {
             return Ok(frame.wave.clone());
         };

@@ -4,6 +4,7 @@
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -11,7 +12,10 @@ use serde::{Deserialize, Serialize};
 use crate::backend::{Backend, FrameInput, Progress};
 use crate::error::{Error, Result};
 use crate::extract::{PatchResult, SolveOptions};
-use crate::frame::{self, Frame, FrameMeta, PatchCounts};
+use crate::barycentric;
+use crate::fits::Fits;
+use crate::frame::{self, ExtraHdu, Frame, FrameMeta, PatchCounts};
+use crate::scores::ScoresHdu;
 use crate::image::{Image, MaskRule};
 use crate::plan::{PatchLayout, Plan, PlanOptions};
 use crate::psf::{GaussHermitePsf, DEFAULT_PSFERR};
@@ -112,9 +116,21 @@ impl ExtractRequest {
         self.wavelength.unwrap_or((lo, hi, 0.8))
     }
 
-    /// The plan of this request for `psf`, checked against the PSF's fibers and wavelengths.
+    /// The plan of this request for `psf` on the requested grid, checked against the PSF's
+    /// fibers and wavelengths.
     pub fn plan(&self, psf: &GaussHermitePsf) -> Result<Plan> {
+        self.plan_with(psf, 1.0)
+    }
+
+    /// The plan of this request for its inputs: on the requested grid divided by the
+    /// barycentric correction factor, as desi_extract_spectra extracts.
+    pub fn plan_for(&self, inputs: &Inputs) -> Result<Plan> {
+        self.plan_with(&inputs.psf, inputs.heliocor)
+    }
+
+    fn plan_with(&self, psf: &GaussHermitePsf, heliocor: f64) -> Result<Plan> {
         let (wmin, wmax, dw) = self.requested_grid(psf);
+        let (wmin, wmax, dw) = (wmin / heliocor, wmax / heliocor, dw / heliocor);
         let (dlo, dhi) = psf.wave_domain();
         if wmin < dlo - WAVE_TOLERANCE || wmax > dhi + WAVE_TOLERANCE {
             return Err(Error::config(format!(
@@ -163,8 +179,12 @@ impl ExtractRequest {
                 .clone()
                 .or_else(|| inputs.image.has_fibermap.then(|| self.input.clone())),
             grid: Some(self.requested_grid(&inputs.psf)),
-            heliocor: None,
-            extra_hdus: Vec::new(),
+            heliocor: self.barycentric_correction.then_some(inputs.heliocor),
+            extra_hdus: if self.scores {
+                vec![Arc::new(ScoresHdu) as Arc<dyn ExtraHdu>]
+            } else {
+                Vec::new()
+            },
         }
     }
 }
@@ -221,12 +241,21 @@ impl std::fmt::Display for Timings {
 pub struct Inputs {
     pub psf: GaussHermitePsf,
     pub image: Image,
+    /// The barycentric correction factor that divides the extraction grid (1 without
+    /// `--barycentric-correction`).
+    pub heliocor: f64,
 }
 
-/// Reads the PSF and the image of a request.
+/// Reads the PSF and the image of a request, and the barycentric correction factor of the
+/// exposure when it is asked for.
 pub fn read_inputs(request: &ExtractRequest) -> Result<Inputs> {
     let psf = GaussHermitePsf::read(&request.psf)?;
     let image = Image::read(&request.input, request.mask_rule)?;
+    let heliocor = if request.barycentric_correction {
+        barycentric_factor(request, &image)?
+    } else {
+        1.0
+    };
     if (image.ncols, image.nrows) != (psf.npix_x, psf.npix_y) {
         tracing::warn!(
             "image {}x{} differs from the PSF's CCD {}x{}",
@@ -236,7 +265,39 @@ pub fn read_inputs(request: &ExtractRequest) -> Result<Inputs> {
             psf.npix_y
         );
     }
-    Ok(Inputs { psf, image })
+    Ok(Inputs {
+        psf,
+        image,
+        heliocor,
+    })
+}
+
+/// The barycentric correction factor of a frame, from the image header, else from the
+/// fibermap's (`-f`, else the input's FIBERMAP HDU), as desi_extract_spectra chooses.
+fn barycentric_factor(request: &ExtractRequest, image: &Image) -> Result<f64> {
+    let fibermap = request
+        .fibermap
+        .clone()
+        .or_else(|| image.has_fibermap.then(|| request.input.clone()));
+    let fibermap_header = match &fibermap {
+        Some(path) => {
+            let mut fits = Fits::open(path)?;
+            fits.move_to("FIBERMAP")?;
+            Some((fits.cards()?, path))
+        }
+        None => None,
+    };
+    let factor = barycentric::factor_for_extraction(
+        (&image.header, &request.input),
+        fibermap_header
+            .as_ref()
+            .map(|(cards, path)| (cards.as_slice(), path.as_path())),
+    )?;
+    tracing::info!(
+        "{}: barycentric correction factor {factor}",
+        request.input.display()
+    );
+    Ok(factor)
 }
 
 /// What a finished frame reports.
@@ -256,7 +317,7 @@ pub fn read_frame(request: &ExtractRequest) -> Result<(Inputs, PixelBox)> {
     let _range = nvtx::LocalRange::new(c"read");
     request.check_outputs()?;
     let inputs = read_inputs(request)?;
-    let plan = request.plan(&inputs.psf)?;
+    let plan = request.plan_for(&inputs)?;
     let pixel_box = plan_box(&plan, &inputs);
     Ok((inputs, pixel_box))
 }
@@ -302,15 +363,22 @@ pub fn solve(
 }
 
 /// Stitches the results of every patch of `plan` into a frame.
+///
+/// Under a barycentric correction the frame carries the requested grid, as desispec's does,
+/// while its flux stays per Angstrom of the extraction grid.
 pub fn assemble(
+    request: &ExtractRequest,
     plan: &Plan,
     inputs: &Inputs,
     results: &[PatchResult],
     timings: &mut Timings,
 ) -> Result<(Frame, PatchCounts)> {
     let ndiag = inputs.psf.hsizey;
-    let (frame, counts) = timings.time("assemble", || Frame::assemble(plan, ndiag, results))?;
+    let (mut frame, counts) = timings.time("assemble", || Frame::assemble(plan, ndiag, results))?;
     log_counts(&counts);
+    if inputs.heliocor != 1.0 {
+        frame.wave = request.frame_meta(inputs).output_wave(&frame)?;
+    }
     Ok((frame, counts))
 }
 
@@ -354,7 +422,7 @@ pub fn extract_frame(
 ) -> Result<FrameReport> {
     let mut timings = Timings::default();
     let (inputs, _) = timings.time("read", || read_frame(request))?;
-    let plan = request.plan(&inputs.psf)?;
+    let plan = request.plan_for(&inputs)?;
     tracing::info!(
         "{}: {} on {}",
         request.input.display(),
@@ -365,7 +433,7 @@ pub fn extract_frame(
     let results = timings.time("solve", || {
         solve(request, &inputs, &plan, all, backend, progress)
     })?;
-    let (frame, counts) = assemble(&plan, &inputs, &results, &mut timings)?;
+    let (frame, counts) = assemble(request, &plan, &inputs, &results, &mut timings)?;
     write(request, &inputs, &frame, &results, &mut timings)?;
     tracing::info!("{}: {timings}", request.output.display());
     Ok(FrameReport {

@@ -20,7 +20,7 @@
 
 use crate::error::{Error, Result};
 use crate::fits::Fits;
-use crate::frame::{gradient, Frame};
+use crate::frame::{gradient, ExtraHdu, Frame};
 
 /// A DESI spectrograph arm, as far as the scores are concerned.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -158,6 +158,17 @@ fn median_of(values: Vec<f64>) -> f64 {
         return f64::NAN;
     }
     crate::frame::median(values)
+}
+
+/// The SCORES HDU as an extra HDU of a written frame: computed from the frame in memory
+/// (in f64, before the cast to f32 of its arrays), as desispec computes it before writing.
+#[derive(Debug)]
+pub struct ScoresHdu;
+
+impl ExtraHdu for ScoresHdu {
+    fn write(&self, fits: &mut Fits, frame: &Frame) -> Result<()> {
+        append_scores_hdu(fits, &raw_scores(frame)?)
+    }
 }
 
 /// Appends the SCORES binary table (float64 columns, the comments on their TTYPE cards, no

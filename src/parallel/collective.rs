@@ -129,7 +129,7 @@ impl GroupContext<'_> {
         if let Some((read, seconds)) = read {
             read_s = seconds;
             match read.and_then(|(i, pixel_box)| {
-                let h = encode(&FrameHeader::new(&i.psf, &i.image, pixel_box, read_s))?;
+                let h = encode(&FrameHeader::new(&i, pixel_box, read_s))?;
                 Ok((i, h))
             }) {
                 Ok((i, h)) => {
@@ -294,5 +294,9 @@ fn distribute_pixels(
             unpack_box(&band, buf, image.ncols, rows, cols);
         }
     }
-    Ok(Inputs { psf: h.psf, image })
+    Ok(Inputs {
+        psf: h.psf,
+        image,
+        heliocor: h.heliocor,
+    })
 }

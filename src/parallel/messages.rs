@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::extract::PatchResult;
 use crate::image::Image;
-use crate::pipeline::ExtractRequest;
+use crate::pipeline::{ExtractRequest, Inputs};
 use crate::psf::GaussHermitePsf;
 
 /// A value that travels between ranks.
@@ -96,6 +96,8 @@ pub struct FrameHeader {
     pub psf: GaussHermitePsf,
     /// The image with empty `pix` and `ivar`.
     pub image: Image,
+    /// The barycentric correction factor of the extraction grid.
+    pub heliocor: f64,
     /// The CCD rows and columns that the frame's patches can use: only these pixels travel.
     pub rows: Range<usize>,
     pub cols: Range<usize>,
@@ -105,15 +107,11 @@ pub struct FrameHeader {
 
 impl FrameHeader {
     /// The header of a frame that was read, without its pixels.
-    pub fn new(
-        psf: &GaussHermitePsf,
-        image: &Image,
-        (rows, cols): (Range<usize>, Range<usize>),
-        read_s: f64,
-    ) -> Self {
+    pub fn new(inputs: &Inputs, (rows, cols): (Range<usize>, Range<usize>), read_s: f64) -> Self {
         FrameHeader {
-            psf: psf.clone(),
-            image: image.without_pixels(),
+            psf: inputs.psf.clone(),
+            image: inputs.image.without_pixels(),
+            heliocor: inputs.heliocor,
             rows,
             cols,
             read_s,
@@ -135,6 +133,12 @@ impl Message for FrameHeader {
             return Err(Error::Message(format!(
                 "pixel box {:?} x {:?} outside the {nrows} x {ncols} image",
                 self.rows, self.cols
+            )));
+        }
+        if !(self.heliocor.is_finite() && self.heliocor > 0.0) {
+            return Err(Error::Message(format!(
+                "barycentric correction factor {}",
+                self.heliocor
             )));
         }
         if !self.image.pix.is_empty() || !self.image.ivar.is_empty() {
@@ -320,6 +324,14 @@ mod tests {
         GaussHermitePsf::read(&dir.join("psf-r0-00067784.fits")).unwrap()
     }
 
+    fn inputs(psf: &GaussHermitePsf, image: &Image) -> Inputs {
+        Inputs {
+            psf: psf.clone(),
+            image: image.clone(),
+            heliocor: 1.0 + 1e-5,
+        }
+    }
+
     fn test_image() -> Image {
         let mut image = Image {
             path: "in.fits".into(),
@@ -336,7 +348,7 @@ mod tests {
     #[test]
     fn psf_and_frame_header_round_trip() {
         let (psf, image) = (test_psf(), test_image());
-        let header = FrameHeader::new(&psf, &image, (1..3, 0..2), 0.5);
+        let header = FrameHeader::new(&inputs(&psf, &image), (1..3, 0..2), 0.5);
         let h: FrameHeader = decode(&encode(&header).unwrap()).unwrap();
         assert_eq!((h.rows.clone(), h.cols.clone()), (1..3, 0..2));
         assert_eq!(h.npix(), 4);
@@ -357,14 +369,14 @@ mod tests {
     #[test]
     fn frame_headers_are_checked_like_files() {
         let (psf, image) = (test_psf(), test_image());
-        let outside = FrameHeader::new(&psf, &image, (1..4, 0..2), 0.5);
+        let outside = FrameHeader::new(&inputs(&psf, &image), (1..4, 0..2), 0.5);
         assert!(decode::<FrameHeader>(&encode(&outside).unwrap()).is_err());
         // A PSF that its file reader would refuse is refused in a message too.
-        let mut bad = FrameHeader::new(&psf, &image, (1..3, 0..2), 0.5);
+        let mut bad = FrameHeader::new(&inputs(&psf, &image), (1..3, 0..2), 0.5);
         bad.psf.gh.pop();
         let e = decode::<FrameHeader>(&encode(&bad).unwrap()).unwrap_err();
         assert!(e.to_string().contains("Gauss-Hermite"), "{e}");
-        let mut bad = FrameHeader::new(&psf, &image, (1..3, 0..2), 0.5);
+        let mut bad = FrameHeader::new(&inputs(&psf, &image), (1..3, 0..2), 0.5);
         bad.psf.xtrace.coeff[3] = f64::NAN;
         assert!(decode::<FrameHeader>(&encode(&bad).unwrap()).is_err());
     }

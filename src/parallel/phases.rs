@@ -78,7 +78,7 @@ pub(super) fn solve_share(
     share: &Share,
     progress: &Progress,
 ) -> Result<Vec<PatchResult>> {
-    let plan = request.plan(&inputs.psf)?;
+    let plan = request.plan_for(inputs)?;
     let block = patch_block(plan.patches.len(), share.nworkers, share.worker);
     tracing::debug!(
         "frame {}: rank {} solves patches {:?} on {}",
@@ -159,6 +159,7 @@ pub(super) fn write_frame(
             let inputs = Inputs {
                 psf: h.psf,
                 image: h.image,
+                heliocor: h.heliocor,
             };
             (inputs, h.read_s)
         }
@@ -176,9 +177,9 @@ pub(super) fn write_frame(
     } else {
         timings.phases.push(("solve", secs(d.solve_s.1)));
     }
-    let plan = request.plan(&inputs.psf)?;
+    let plan = request.plan_for(&inputs)?;
     tracing::info!("{}: {}", request.input.display(), plan.summary());
-    let (frame, _) = pipeline::assemble(&plan, &inputs, &d.results, &mut timings)?;
+    let (frame, _) = pipeline::assemble(request, &plan, &inputs, &d.results, &mut timings)?;
     // The check runs before the write: a reference that cannot be compared leaves no output.
     let passed = check.map(|c| c(request, &frame)).transpose()?;
     pipeline::write(request, &inputs, &frame, &d.results, &mut timings)?;
