@@ -9,6 +9,7 @@ use rayon::prelude::*;
 use crate::error::{Error, Result};
 use crate::extract::{PatchResult, PatchStatus};
 use crate::fits::Fits;
+use crate::output::write_atomically;
 use crate::plan::Plan;
 
 /// desispec `specmask` bits set by extraction.
@@ -324,35 +325,6 @@ pub fn write_model(
         }
         fits.close()
     })
-}
-
-/// Runs `write` on a temporary name next to `path` and renames it into place; on any error
-/// the temporary file is removed, so no partial output is ever left.
-pub fn write_atomically(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    if !dir.is_dir() {
-        return Err(Error::Io {
-            path: path.into(),
-            source: std::io::Error::new(
-                std::io::ErrorKind::NotFound,
-                "output directory does not exist",
-            ),
-        });
-    }
-    let tmp = dir.join(format!(".{}.tmp-{}", file_name(path), std::process::id()));
-    let result = write(&tmp).and_then(|_| {
-        std::fs::rename(&tmp, path).map_err(|source| Error::Io {
-            path: path.into(),
-            source,
-        })
-    });
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
 }
 
 fn file_name(p: &Path) -> String {

@@ -36,7 +36,6 @@ use crate::cli::ExtractArgs;
 use crate::compare::{self, ParityLimits};
 use crate::error::{Error, Result};
 use crate::extract::PatchResult;
-use crate::frame::Frame;
 use crate::pipeline::{self, ExtractRequest, Inputs, Timings};
 use crate::plan::Plan;
 
@@ -454,8 +453,15 @@ pub(super) fn record(
 /// The frames of the run: `(input, psf, output, model)`, without those that exist already
 /// under `--skip-existing`.
 fn frames_of(args: &ExtractArgs) -> Result<Vec<FrameFiles>> {
+    let requests = args.requests()?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    pipeline::check_threads(args.threads, cores)?;
+    for r in &requests {
+        r.validate_options()?;
+    }
+    pipeline::check_job_paths(&requests, args.test.as_deref())?;
     let mut frames = Vec::new();
-    for r in args.requests()? {
+    for r in requests {
         if args.skip_existing && r.output.exists() {
             tracing::info!("{} exists, skipped", r.output.display());
             continue;
@@ -623,6 +629,7 @@ pub(super) fn read_frame(request: &ExtractRequest) -> Result<(Inputs, PixelBox)>
     request.check_outputs()?;
     let inputs = pipeline::read_inputs(request)?;
     let plan = request.plan(&inputs.psf)?;
+    pipeline::warn_unusable_fibers(&inputs.psf, &plan, &inputs.image);
     let pixel_box = plan_box(&plan, &inputs);
     Ok((inputs, pixel_box))
 }
@@ -796,6 +803,17 @@ pub(super) fn write_frame(
     }
     let plan = request.plan(&inputs.psf)?;
     tracing::info!("{}: {}", request.input.display(), plan.summary());
+    // The reference is read before the frame is written: a missing or mismatched one fails
+    // the frame without leaving its output behind.
+    let reference = match &args.test {
+        Some(path) => Some(compare::read_reference(
+            path,
+            plan.options.nspec,
+            &plan.wave,
+            inputs.psf.hsizey,
+        )?),
+        None => None,
+    };
     let (frame, _) = pipeline::finish(request, &plan, &inputs, &results, &mut timings)?;
     tracing::info!(
         "{}: {timings}; solve per rank {:.3}-{:.3} s",
@@ -803,8 +821,7 @@ pub(super) fn write_frame(
         solve_min,
         solve_max
     );
-    if let Some(reference) = &args.test {
-        let other = Frame::read(reference)?;
+    if let (Some(reference), Some(other)) = (&args.test, reference) {
         let parity = compare::parity(&frame, &other, ParityLimits::default().rel_tolerance)?;
         println!(
             "{} vs {}:\n{parity}",
