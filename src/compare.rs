@@ -133,7 +133,12 @@ pub fn parity(a: &Frame, b: &Frame, rel_tolerance: f64) -> Result<Parity> {
             }
             n += 1;
             let d = (a.flux[i] - b.flux[i]).abs() / (1.0 / ia + 1.0 / ib).sqrt();
-            fmax = fmax.max(d);
+            // A NaN in either frame fails the comparison rather than vanishing from it.
+            fmax = if d.is_nan() {
+                f64::INFINITY
+            } else {
+                fmax.max(d)
+            };
             for (c, level) in counts.iter_mut().zip(PARITY_LEVELS) {
                 if d < level {
                     *c += 1;

@@ -121,6 +121,8 @@ fn status_message(status: c_int) -> String {
 /// operating system's cause of a failed file operation ("No space left on device").
 fn run(f: impl FnOnce(&mut c_int)) -> std::result::Result<(), (c_int, Option<std::io::Error>)> {
     let mut status = 0;
+    // The messages of earlier, expected failures must not explain this one.
+    clear_messages();
     errno::set_errno(errno::Errno(0));
     f(&mut status);
     if status == 0 {

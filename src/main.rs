@@ -70,6 +70,15 @@ fn extract(args: &ExtractArgs) -> ExitCode {
     }
     let layout = Layout::discover(&world, universe.is_mpi(), args.threads, is_worker);
     universe.abort_on_panic(layout.rank);
+    // Option values that need no input are usage errors (status 2), found before a thread
+    // pool is built or a file is read; as below, rank 0 alone says why.
+    if let Err(e) = check_options(args) {
+        if layout.rank == 0 {
+            print_line(&format!("{} {e}", layout.error_prefix()));
+        }
+        world.all_max(0);
+        return ExitCode::from(2);
+    }
     // Every rank reaches the same verdict on bad options on its own, so it needs no message;
     // rank 0 alone says why, and the others wait for its line: a launcher may kill the job as
     // soon as one rank exits non-zero.
@@ -99,6 +108,16 @@ fn extract(args: &ExtractArgs) -> ExitCode {
         roles.is_io_rank(layout.rank),
     );
     ExitCode::from(exposure::run(&world, &layout, &roles, args, &progress))
+}
+
+/// The checks of `spex extract`'s option values that read nothing: threads, patch layout,
+/// fiber range, wavelength grid, regularization.
+fn check_options(args: &ExtractArgs) -> spex::Result<()> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    spex::pipeline::check_threads(args.threads, cores)?;
+    let none = std::path::PathBuf::new;
+    args.request(none(), none(), none(), None)
+        .validate_options()
 }
 
 /// Logs to stderr at `level` (`SPEX_LOG` overrides), each line prefixed with the rank under

@@ -96,8 +96,8 @@ impl ExtractRequest {
             }
             if self.specmin.checked_add(nspec).is_none() {
                 return Err(Error::config(format!(
-                    "fibers {}..{} + {nspec} overflow",
-                    self.specmin, self.specmin
+                    "specmin ({}) + nspec ({nspec}) is beyond any fiber number",
+                    self.specmin
                 )));
             }
         }
