@@ -99,9 +99,9 @@ impl PatchLayout {
                 self.bundlesize, self.nsubbundles
             )));
         }
-        if !(0.0..=1.0).contains(&self.pixpad_frac)
-            || !(self.wavepad_frac >= 0.0 && self.wavepad_frac.is_finite())
-        {
+        let pixpad_ok = (0.0..=1.0).contains(&self.pixpad_frac);
+        let wavepad_ok = self.wavepad_frac >= 0.0 && self.wavepad_frac.is_finite();
+        if !(pixpad_ok && wavepad_ok) {
             return Err(Error::config(format!(
                 "pixpad-frac ({}) must be in [0, 1] and wavepad-frac ({}) finite and non-negative",
                 self.pixpad_frac, self.wavepad_frac
@@ -355,6 +355,26 @@ mod tests {
         // bins are covered exactly once
         let covered: usize = row.iter().map(|q| q.waves.len()).sum();
         assert_eq!(covered, 501);
+    }
+
+    #[test]
+    fn patch_size_and_padding_are_bounded_without_overflow() {
+        let mut l = PatchLayout::default();
+        assert_eq!(l.nwavetot(), Some(74));
+        assert!(l.check().is_ok());
+        l.wavepad = usize::MAX;
+        assert_eq!(l.nwavetot(), None);
+        assert!(l.check().is_err());
+        l = PatchLayout::default();
+        l.nwavestep = MAX_PATCH_BINS - 2 * 12 + 1;
+        assert!(l.check().is_err());
+        l.nwavestep -= 1;
+        assert!(l.check().is_ok());
+        l.wavepad_frac = 1e300;
+        assert!(l.check().is_err());
+        assert!(check_grid(6000.0, 6400.0, f64::INFINITY).is_err());
+        assert!(check_grid(1.0, 1e300, 0.8).is_err());
+        assert!(check_grid(6000.0, 6400.0, 0.8).is_ok());
     }
 
     #[test]

@@ -169,8 +169,8 @@ fn read_in_background(mut pipe: impl Read + Send + 'static) -> std::thread::Join
     })
 }
 
-fn spex(args: &[OsString]) -> Outcome {
-    run(None, args, &[])
+fn spex(args: Vec<OsString>) -> Outcome {
+    run(None, &args, &[])
 }
 
 /// Arguments from strings and paths.
@@ -192,11 +192,11 @@ fn options() -> Vec<OsString> {
     ]
 }
 
-fn extract(input: &Path, psf: &Path, output: &Path, extra: &[OsString]) -> Outcome {
+fn extract(input: &Path, psf: &Path, output: &Path, extra: Vec<OsString>) -> Outcome {
     let mut a = args!["-i", input, "-p", psf, "-o", output];
     a.extend(options());
-    a.extend_from_slice(extra);
-    spex(&a)
+    a.extend(extra);
+    spex(a)
 }
 
 /// Asserts the exit status, that no panic was printed, and that one line of stderr holds
@@ -384,7 +384,7 @@ fn nan_block_in_compressed_image_is_flagged_not_extracted() {
         unit,
     );
     c.seal();
-    let o = extract(&input, &psf, &out, &[]);
+    let o = extract(&input, &psf, &out, vec![]);
     expect(&o, 0, &[]);
     c.unchanged_except(&["f.fits"]);
     let frame = Frame::read(&out).unwrap();
@@ -401,7 +401,7 @@ fn output_equal_to_input_is_refused() {
     let mut c = Case::new();
     let (input, psf) = (c.copy(IMAGE, "in.fits"), c.copy(PSF, "psf.fits"));
     c.seal();
-    let o = extract(&input, &psf, &input, &[]);
+    let o = extract(&input, &psf, &input, vec![]);
     expect(&o, 1, &["in.fits", "replace the input"]);
     c.unchanged_except(&[]);
 }
@@ -411,7 +411,7 @@ fn output_equal_to_psf_is_refused() {
     let mut c = Case::new();
     let (input, psf) = (c.copy(IMAGE, "in.fits"), c.copy(PSF, "psf.fits"));
     c.seal();
-    let o = extract(&input, &psf, &psf, &[]);
+    let o = extract(&input, &psf, &psf, vec![]);
     expect(&o, 1, &["psf.fits", "replace the input"]);
     c.unchanged_except(&[]);
 }
@@ -421,7 +421,7 @@ fn model_equal_to_input_is_refused() {
     let mut c = Case::new();
     let (input, psf) = (c.copy(IMAGE, "in.fits"), c.copy(PSF, "psf.fits"));
     c.seal();
-    let o = extract(&input, &psf, &c.path("f.fits"), &args!["-m", &input]);
+    let o = extract(&input, &psf, &c.path("f.fits"), args!["-m", &input]);
     expect(&o, 1, &["in.fits", "replace the input"]);
     c.unchanged_except(&[]);
 }
@@ -432,7 +432,7 @@ fn output_hard_link_to_input_is_refused() {
     let (input, psf) = (c.copy(IMAGE, "in.fits"), c.copy(PSF, "psf.fits"));
     std::fs::hard_link(&input, c.path("link.fits")).unwrap();
     c.seal();
-    let o = extract(&input, &psf, &c.path("link.fits"), &[]);
+    let o = extract(&input, &psf, &c.path("link.fits"), vec![]);
     expect(&o, 1, &["link.fits", "replace the input"]);
     c.unchanged_except(&[]);
 }
@@ -447,7 +447,7 @@ fn output_equal_to_model_is_refused() {
         &input,
         &psf,
         &out,
-        &args!["-m", c.dir.path().join(".").join("f.fits")],
+        args!["-m", c.dir.path().join(".").join("f.fits")],
     );
     expect(&o, 1, &["f.fits", "written once"]);
     c.unchanged_except(&[]);
@@ -458,7 +458,7 @@ fn character_device_output_is_not_replaced() {
     let mut c = Case::new();
     let (input, psf) = (c.copy(IMAGE, "in.fits"), c.copy(PSF, "psf.fits"));
     c.seal();
-    let o = extract(&input, &psf, Path::new("/dev/null"), &[]);
+    let o = extract(&input, &psf, Path::new("/dev/null"), vec![]);
     expect(&o, 1, &["/dev/null", "not a regular file"]);
     use std::os::unix::fs::FileTypeExt;
     assert!(std::fs::metadata("/dev/null")
@@ -474,7 +474,7 @@ fn symlink_to_a_device_output_is_not_replaced() {
     let (input, psf) = (c.copy(IMAGE, "in.fits"), c.copy(PSF, "psf.fits"));
     std::os::unix::fs::symlink("/dev/null", c.path("null.fits")).unwrap();
     c.seal();
-    let o = extract(&input, &psf, &c.path("null.fits"), &[]);
+    let o = extract(&input, &psf, &c.path("null.fits"), vec![]);
     expect(&o, 1, &["null.fits", "not a regular file"]);
     assert!(std::fs::symlink_metadata(c.path("null.fits"))
         .unwrap()
@@ -490,7 +490,7 @@ fn directory_output_is_refused() {
     std::fs::create_dir(c.path("out.fits")).unwrap();
     std::fs::write(c.path("out.fits/keep"), b"keep").unwrap();
     c.seal();
-    let o = extract(&input, &psf, &c.path("out.fits"), &[]);
+    let o = extract(&input, &psf, &c.path("out.fits"), vec![]);
     expect(&o, 1, &["out.fits", "not a regular file"]);
     c.unchanged_except(&[]);
 }
@@ -504,7 +504,7 @@ fn test_with_missing_reference_leaves_no_output() {
         &input,
         &psf,
         &c.path("f.fits"),
-        &args!["--test", c.path("ref.fits")],
+        args!["--test", c.path("ref.fits")],
     );
     expect(&o, 1, &["ref.fits"]);
     c.unchanged_except(&[]);
@@ -516,12 +516,7 @@ fn test_with_reference_of_another_shape_leaves_no_output() {
     let (input, psf) = (c.copy(IMAGE, "in.fits"), c.copy(PSF, "psf.fits"));
     let reference = c.copy("reference-frame-bundle0.fits", "ref.fits");
     c.seal();
-    let o = extract(
-        &input,
-        &psf,
-        &c.path("f.fits"),
-        &args!["--test", &reference],
-    );
+    let o = extract(&input, &psf, &c.path("f.fits"), args!["--test", &reference]);
     expect(&o, 1, &["ref.fits", "does not match"]);
     c.unchanged_except(&[]);
 }
@@ -533,7 +528,7 @@ fn model_on_full_disk_leaves_no_frame() {
     let (input, psf) = (c.copy(IMAGE, "in.fits"), c.copy(PSF, "psf.fits"));
     c.seal();
     let (out, model) = (disk.path("f.fits"), disk.path("model.fits"));
-    let o = extract(&input, &psf, &out, &args!["-m", &model]);
+    let o = extract(&input, &psf, &out, args!["-m", &model]);
     expect(&o, 1, &["model.fits", "No space left on device"]);
     assert!(
         bytes_of(disk.dir.path()).is_empty(),
@@ -549,7 +544,7 @@ fn full_disk_is_reported_as_no_space_left() {
     let mut c = Case::new();
     let (input, psf) = (c.copy(IMAGE, "in.fits"), c.copy(PSF, "psf.fits"));
     c.seal();
-    let o = extract(&input, &psf, &disk.path("old.fits"), &[]);
+    let o = extract(&input, &psf, &disk.path("old.fits"), vec![]);
     expect(&o, 1, &["old.fits", "No space left on device"]);
     let left = bytes_of(disk.dir.path());
     assert_eq!(left.len(), 1, "{:?}", left.keys());
@@ -571,7 +566,7 @@ fn huge_nspec_does_not_overflow() {
         "--threads",
         "1"
     ]);
-    let o = spex(&a);
+    let o = spex(a);
     expect(&o, 2, &["nspec"]);
     c.unchanged_except(&[]);
 }
@@ -585,7 +580,7 @@ fn max_wavepad_does_not_panic() {
         &input,
         &psf,
         &c.path("f.fits"),
-        &args!["--wavepad", "18446744073709551615"],
+        args!["--wavepad", "18446744073709551615"],
     );
     expect(&o, 2, &["wavepad"]);
     c.unchanged_except(&[]);
@@ -603,7 +598,7 @@ fn compare_with_truth_outside_the_frame_grid_does_not_panic() {
         .unwrap();
     f.close().unwrap();
     c.seal();
-    let o = spex(&args!["compare", &frame, "--truth", &truth]);
+    let o = spex(args!["compare", &frame, "--truth", &truth]);
     expect(&o, 3, &["comparison failed", "truth grid"]);
     c.unchanged_except(&[]);
 }
@@ -628,7 +623,7 @@ fn compare_of_frames_of_different_shapes_exits_3() {
     small.resolution.truncate(5 * nd * nw);
     small.write(&c.path("b.fits"), &Default::default()).unwrap();
     c.seal();
-    let o = spex(&args!["compare", &a, c.path("b.fits")]);
+    let o = spex(args!["compare", &a, c.path("b.fits")]);
     expect(&o, 3, &["comparison failed", "differ in shape"]);
     c.unchanged_except(&[]);
 }
@@ -642,7 +637,7 @@ fn nwavestep_of_a_billion_is_refused_before_allocating() {
         &input,
         &psf,
         &c.path("f.fits"),
-        &args!["--nwavestep", "1000000000"],
+        args!["--nwavestep", "1000000000"],
     );
     expect(&o, 2, &["nwavestep"]);
     c.unchanged_except(&[]);
@@ -653,12 +648,7 @@ fn nwavestep_in_exponent_notation_is_a_usage_error() {
     let mut c = Case::new();
     let (input, psf) = (c.copy(IMAGE, "in.fits"), c.copy(PSF, "psf.fits"));
     c.seal();
-    let o = extract(
-        &input,
-        &psf,
-        &c.path("f.fits"),
-        &args!["--nwavestep", "1e9"],
-    );
+    let o = extract(&input, &psf, &c.path("f.fits"), args!["--nwavestep", "1e9"]);
     expect(&o, 2, &["--nwavestep", "1e9"]);
     c.unchanged_except(&[]);
 }
@@ -672,7 +662,7 @@ fn wavepad_of_1e8_is_refused_before_allocating() {
         &input,
         &psf,
         &c.path("f.fits"),
-        &args!["--wavepad", "100000000"],
+        args!["--wavepad", "100000000"],
     );
     expect(&o, 2, &["wavepad"]);
     c.unchanged_except(&[]);
@@ -687,7 +677,7 @@ fn nwavestep_2000_is_refused() {
         &input,
         &psf,
         &c.path("f.fits"),
-        &args!["--nwavestep", "2000"],
+        args!["--nwavestep", "2000"],
     );
     expect(&o, 2, &["nwavestep (2000)"]);
     c.unchanged_except(&[]);
@@ -709,7 +699,7 @@ fn threads_100000_is_refused() {
         "--threads",
         "100000"
     ]);
-    let o = spex(&a);
+    let o = spex(a);
     expect(&o, 2, &["threads (100000)"]);
     c.unchanged_except(&[]);
 }
@@ -719,7 +709,7 @@ fn bracketed_output_name_is_written_literally() {
     let mut c = Case::new();
     let (input, psf) = (c.copy(IMAGE, "in.fits"), c.copy(PSF, "psf.fits"));
     c.seal();
-    let o = extract(&input, &psf, &c.path("out[1].fits"), &[]);
+    let o = extract(&input, &psf, &c.path("out[1].fits"), vec![]);
     expect(&o, 0, &[]);
     c.unchanged_except(&["out[1].fits"]);
     assert_eq!(Frame::read(&c.path("out[1].fits")).unwrap().nspec, 25);
@@ -730,7 +720,7 @@ fn gz_output_is_compressed() {
     let mut c = Case::new();
     let (input, psf) = (c.copy(IMAGE, "in.fits"), c.copy(PSF, "psf.fits"));
     c.seal();
-    let o = extract(&input, &psf, &c.path("f.fits.gz"), &[]);
+    let o = extract(&input, &psf, &c.path("f.fits.gz"), vec![]);
     expect(&o, 0, &[]);
     c.unchanged_except(&["f.fits.gz"]);
     let bytes = std::fs::read(c.path("f.fits.gz")).unwrap();
@@ -805,7 +795,7 @@ fn duplicate_output_in_list_is_refused_before_any_work() {
     c.seal();
     let mut a = args!["--list", &list];
     a.extend(options());
-    let o = spex(&a);
+    let o = spex(a);
     expect(&o, 1, &["f.fits", "written once"]);
     c.unchanged_except(&[]);
 }
@@ -821,7 +811,7 @@ fn usage_errors_exit_2_before_reading_inputs() {
         c.path("missing-psf.fits")
     ];
     a.extend(args!["-o", c.path("f.fits"), "-s", "0", "-n", "30"]);
-    let o = spex(&a);
+    let o = spex(a);
     expect(&o, 2, &["nspec (30)", "bundlesize"]);
     assert!(
         !o.stderr.contains("missing.fits"),
@@ -845,7 +835,7 @@ fn infinite_dw_is_reported_as_not_finite() {
         "-w",
         "6000,6400,inf"
     ];
-    let o = spex(&a);
+    let o = spex(a);
     expect(&o, 2, &["dw must be finite"]);
     c.unchanged_except(&[]);
 }
@@ -856,7 +846,7 @@ fn simulate_with_huge_cosmic_density_does_not_hang() {
     let psf = c.copy(PSF, "psf.fits");
     c.seal();
     let t0 = Instant::now();
-    let o = spex(&args![
+    let o = spex(args![
         "simulate",
         "-p",
         &psf,
@@ -890,7 +880,7 @@ fn psf_traces_off_the_ccd_warn_and_set_allbadpix() {
     }
     edit_image(&psf, "XTRACE", &x[..25 * shape[1]]);
     c.seal();
-    let o = extract(&input, &psf, &c.path("f.fits"), &[]);
+    let o = extract(&input, &psf, &c.path("f.fits"), vec![]);
     expect(&o, 0, &["psf.fits", "fibers 0-24", "leave the"]);
     c.unchanged_except(&["f.fits"]);
     let frame = Frame::read(&c.path("f.fits")).unwrap();
@@ -913,7 +903,7 @@ fn psf_with_zero_gauss_hermite_sigma_warns_and_flags_bins() {
     drop(f);
     edit_column(&psf, "PSF", "COEFF", row, 1, &vec![0.0; 25 * (legdeg + 1)]);
     c.seal();
-    let o = extract(&input, &psf, &c.path("f.fits"), &[]);
+    let o = extract(&input, &psf, &c.path("f.fits"), vec![]);
     expect(&o, 0, &["psf.fits", "sigma"]);
     c.unchanged_except(&["f.fits"]);
     let frame = Frame::read(&c.path("f.fits")).unwrap();
@@ -960,7 +950,7 @@ fn damaged_image(damage: impl FnOnce(&Path), needles: &[&str]) {
     let (input, psf) = (c.copy(IMAGE, "in.fits"), c.copy(PSF, "psf.fits"));
     damage(&input);
     c.seal();
-    let o = extract(&input, &psf, &c.path("f.fits"), &[]);
+    let o = extract(&input, &psf, &c.path("f.fits"), vec![]);
     let mut all = vec!["in.fits"];
     all.extend_from_slice(needles);
     expect(&o, 1, &all);
@@ -973,7 +963,7 @@ fn damaged_psf(damage: impl FnOnce(&Path), needles: &[&str]) {
     let (input, psf) = (c.copy(IMAGE, "in.fits"), c.copy(PSF, "psf.fits"));
     damage(&psf);
     c.seal();
-    let o = extract(&input, &psf, &c.path("f.fits"), &[]);
+    let o = extract(&input, &psf, &c.path("f.fits"), vec![]);
     let mut all = vec!["psf.fits"];
     all.extend_from_slice(needles);
     expect(&o, 1, &all);
@@ -1055,7 +1045,7 @@ fn gzipped_input_is_read() {
         .expect("gzip");
     assert!(gz.success());
     c.seal();
-    let o = extract(&input, &psf, &c.path("f.fits"), &[]);
+    let o = extract(&input, &psf, &c.path("f.fits"), vec![]);
     expect(&o, 0, &[]);
     c.unchanged_except(&["f.fits"]);
 }
@@ -1070,7 +1060,7 @@ fn image_without_mask_hdu_is_an_error() {
     f.write_image("IVAR", &[10, 10], &[1.0f32; 100]).unwrap();
     f.close().unwrap();
     c.seal();
-    let o = extract(&input, &psf, &c.path("f.fits"), &[]);
+    let o = extract(&input, &psf, &c.path("f.fits"), vec![]);
     expect(&o, 1, &["in.fits", "MASK", "missing"]);
     c.unchanged_except(&[]);
 }
@@ -1086,7 +1076,7 @@ fn ivar_of_another_shape_is_an_error() {
     f.write_image("MASK", &[10, 10], &[0i32; 100]).unwrap();
     f.close().unwrap();
     c.seal();
-    let o = extract(&input, &psf, &c.path("f.fits"), &[]);
+    let o = extract(&input, &psf, &c.path("f.fits"), vec![]);
     expect(&o, 1, &["in.fits", "IVAR has shape"]);
     c.unchanged_except(&[]);
 }
@@ -1108,7 +1098,7 @@ fn poisoned_image(compressed: bool, pix: f32, ivar: f32) {
         |r, _| if bad(r) { ivar } else { 1.0 },
     );
     c.seal();
-    let o = extract(&input, &psf, &c.path("f.fits"), &[]);
+    let o = extract(&input, &psf, &c.path("f.fits"), vec![]);
     expect(&o, 0, &[]);
     c.unchanged_except(&["f.fits"]);
     let frame = Frame::read(&c.path("f.fits")).unwrap();
@@ -1179,7 +1169,7 @@ fn nan_in_frame_under_compare_fails_the_comparison_without_panic() {
     frame.flux[10] = f64::NAN;
     frame.write(&c.path("b.fits"), &Default::default()).unwrap();
     c.seal();
-    let o = spex(&args!["compare", &a, c.path("b.fits")]);
+    let o = spex(args!["compare", &a, c.path("b.fits")]);
     expect(&o, 3, &["comparison failed"]);
     c.unchanged_except(&[]);
 }
@@ -1194,7 +1184,7 @@ fn absurd_option(extra: &[&str], needles: &[&str]) {
     let (input, psf) = (c.copy(IMAGE, "in.fits"), c.copy(PSF, "psf.fits"));
     c.seal();
     let extra: Vec<OsString> = extra.iter().map(OsString::from).collect();
-    let o = extract(&input, &psf, &c.path("f.fits"), &extra);
+    let o = extract(&input, &psf, &c.path("f.fits"), extra);
     expect(&o, 2, needles);
     c.unchanged_except(&[]);
 }
@@ -1234,7 +1224,7 @@ fn wavelength_grid_of_too_many_bins_is_refused() {
     let mut c = Case::new();
     let (input, psf) = (c.copy(IMAGE, "in.fits"), c.copy(PSF, "psf.fits"));
     c.seal();
-    let o = spex(&args![
+    let o = spex(args![
         "-i",
         &input,
         "-p",
@@ -1256,7 +1246,7 @@ fn unwritable_directory_is_reported_with_its_cause() {
     let mut c = Case::new();
     let (input, psf) = (c.copy(IMAGE, "in.fits"), c.copy(PSF, "psf.fits"));
     c.seal();
-    let o = extract(&input, &psf, &disk.path("f.fits"), &[]);
+    let o = extract(&input, &psf, &disk.path("f.fits"), vec![]);
     expect(&o, 1, &["f.fits", "Read-only file system"]);
     assert!(!o.stderr.contains("already exists"));
     assert!(bytes_of(disk.dir.path()).is_empty());
@@ -1268,7 +1258,7 @@ fn missing_output_directory_is_refused_before_reading() {
     let mut c = Case::new();
     let (input, psf) = (c.copy(IMAGE, "in.fits"), c.copy(PSF, "psf.fits"));
     c.seal();
-    let o = extract(&input, &psf, &c.path("nowhere/f.fits"), &[]);
+    let o = extract(&input, &psf, &c.path("nowhere/f.fits"), vec![]);
     expect(
         &o,
         1,
@@ -1297,7 +1287,7 @@ fn list_with_one_missing_input_writes_the_other_frames() {
     c.seal();
     let mut a = args!["--list", &list];
     a.extend(options());
-    let o = spex(&a);
+    let o = spex(a);
     expect(&o, 1, &["missing.fits", "No such file"]);
     c.unchanged_except(&["a.fits"]);
 }
@@ -1308,7 +1298,7 @@ fn list_line_of_two_words_is_refused() {
     let list = c.path("frames.txt");
     std::fs::write(&list, "a.fits psf.fits\n").unwrap();
     c.seal();
-    let o = spex(&args!["--list", &list]);
+    let o = spex(args!["--list", &list]);
     expect(&o, 1, &["frames.txt", "line 1"]);
     c.unchanged_except(&[]);
 }
@@ -1319,7 +1309,7 @@ fn empty_list_is_refused() {
     let list = c.path("frames.txt");
     std::fs::write(&list, "# nothing\n\n").unwrap();
     c.seal();
-    let o = spex(&args!["--list", &list]);
+    let o = spex(args!["--list", &list]);
     expect(&o, 1, &["frames.txt", "no frame"]);
     c.unchanged_except(&[]);
 }
@@ -1328,7 +1318,7 @@ fn empty_list_is_refused() {
 fn missing_list_is_an_error() {
     let mut c = Case::new();
     c.seal();
-    let o = spex(&args!["--list", c.path("frames.txt")]);
+    let o = spex(args!["--list", c.path("frames.txt")]);
     expect(&o, 1, &["frames.txt", "No such file"]);
     c.unchanged_except(&[]);
 }
@@ -1338,7 +1328,7 @@ fn simulate_output_equal_to_psf_is_refused() {
     let mut c = Case::new();
     let psf = c.copy(PSF, "psf.fits");
     c.seal();
-    let o = spex(&args![
+    let o = spex(args![
         "simulate",
         "-p",
         &psf,
@@ -1358,7 +1348,7 @@ fn simulate_truth_equal_to_image_is_refused() {
     let mut c = Case::new();
     let psf = c.copy(PSF, "psf.fits");
     c.seal();
-    let o = spex(&args![
+    let o = spex(args![
         "simulate",
         "-p",
         &psf,
@@ -1378,7 +1368,7 @@ fn compare_of_a_missing_frame_is_an_error() {
     let mut c = Case::new();
     let a = c.copy("reference-frame-bundle0.fits", "a.fits");
     c.seal();
-    let o = spex(&args!["compare", &a, c.path("b.fits")]);
+    let o = spex(args!["compare", &a, c.path("b.fits")]);
     expect(&o, 1, &["b.fits", "No such file"]);
     c.unchanged_except(&[]);
 }
@@ -1389,7 +1379,7 @@ fn name_of_the_user_file_not_the_temporary_in_errors() {
     let mut c = Case::new();
     let (input, psf) = (c.copy(IMAGE, "in.fits"), c.copy(PSF, "psf.fits"));
     c.seal();
-    let o = extract(&input, &psf, &disk.path("frame.fits"), &[]);
+    let o = extract(&input, &psf, &disk.path("frame.fits"), vec![]);
     expect(&o, 1, &["frame.fits"]);
     assert!(
         !o.stderr.contains(".frame."),

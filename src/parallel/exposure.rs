@@ -94,7 +94,7 @@ pub fn run(
             .collect(),
         Err(e) => fatal(&e),
     };
-    if requests.len() < roles.ngroups() && me == 0 {
+    if !requests.is_empty() && requests.len() < roles.ngroups() && me == 0 {
         tracing::warn!(
             "{} frame groups for {} frame{}: {} group{} will have nothing to do",
             roles.ngroups(),
