@@ -257,6 +257,10 @@ pub fn parse_wavelength(s: &str) -> std::result::Result<(f64, f64, f64), String>
                 .map_err(|_| format!("{p:?} is not a number"))
         })
         .collect::<std::result::Result<_, _>>()?;
+    if let Some(p) = v.iter().position(|x| !x.is_finite()) {
+        let name = ["wmin", "wmax", "dw"][p];
+        return Err(format!("{name} must be finite, got {}", v[p]));
+    }
     if !(v[2] > 0.0) {
         return Err(format!("dw must be positive, got {}", v[2]));
     }

@@ -66,25 +66,54 @@ fn rel(a: f64, b: f64) -> f64 {
     }
 }
 
+/// Why two frames cannot be compared bin by bin (shape, resolution width or wavelength grid
+/// differ), `None` when they can. For a command line this is a failed comparison.
+pub fn parity_mismatch(a: &Frame, b: &Frame) -> Option<String> {
+    grid_mismatch(b, a.nspec, &a.wave, a.ndiag)
+}
+
+/// Why `frame` is not a frame of `nspec` fibers on the grid `wave` with `ndiag` resolution
+/// diagonals, `None` when it is.
+fn grid_mismatch(frame: &Frame, nspec: usize, wave: &[f64], ndiag: usize) -> Option<String> {
+    if frame.nspec != nspec || frame.nwave() != wave.len() || frame.ndiag != ndiag {
+        return Some(format!(
+            "frames differ in shape: {}x{} (ndiag {}) vs {}x{} (ndiag {})",
+            nspec,
+            wave.len(),
+            ndiag,
+            frame.nspec,
+            frame.nwave(),
+            frame.ndiag
+        ));
+    }
+    if frame
+        .wave
+        .iter()
+        .zip(wave)
+        .any(|(x, y)| !((x - y).abs() <= 1e-6))
+    {
+        return Some("frames have different wavelength grids".into());
+    }
+    None
+}
+
+/// Reads the `--test` reference frame and checks, before anything is written, that it has
+/// the shape and grid of the frame being extracted.
+pub fn read_reference(path: &Path, nspec: usize, wave: &[f64], ndiag: usize) -> Result<Frame> {
+    let reference = Frame::read(path)?;
+    match grid_mismatch(&reference, nspec, wave, ndiag) {
+        None => Ok(reference),
+        Some(why) => Err(Error::config(format!(
+            "{}: reference frame does not match the extraction: {why}",
+            path.display()
+        ))),
+    }
+}
+
 /// Compares two frames of the same shape.
 pub fn parity(a: &Frame, b: &Frame, rel_tolerance: f64) -> Result<Parity> {
-    if a.nspec != b.nspec || a.nwave() != b.nwave() || a.ndiag != b.ndiag {
-        return Err(Error::config(format!(
-            "frames differ in shape: {}x{} (ndiag {}) vs {}x{} (ndiag {})",
-            a.nspec,
-            a.nwave(),
-            a.ndiag,
-            b.nspec,
-            b.nwave(),
-            b.ndiag
-        )));
-    }
-    if a.wave
-        .iter()
-        .zip(&b.wave)
-        .any(|(x, y)| (x - y).abs() > 1e-6)
-    {
-        return Err(Error::config("frames have different wavelength grids"));
+    if let Some(why) = parity_mismatch(a, b) {
+        return Err(Error::config(why));
     }
     let (nw, nd) = (a.nwave(), 2 * a.ndiag + 1);
     let mut counts = [0usize; 6];
@@ -104,7 +133,12 @@ pub fn parity(a: &Frame, b: &Frame, rel_tolerance: f64) -> Result<Parity> {
             }
             n += 1;
             let d = (a.flux[i] - b.flux[i]).abs() / (1.0 / ia + 1.0 / ib).sqrt();
-            fmax = fmax.max(d);
+            // A NaN in either frame fails the comparison rather than vanishing from it.
+            fmax = if d.is_nan() {
+                f64::INFINITY
+            } else {
+                fmax.max(d)
+            };
             for (c, level) in counts.iter_mut().zip(PARITY_LEVELS) {
                 if d < level {
                     *c += 1;
@@ -251,6 +285,29 @@ impl Truth {
     }
 }
 
+/// Why the truth's grid cannot serve for `frame`'s pulls (it is too short, not increasing,
+/// or does not contain the frame's first wavelength on one of its bins), `None` when it can.
+pub fn truth_mismatch(frame: &Frame, truth: &Truth) -> Option<String> {
+    let (Some(&w0), Some(&t0), Some(&t1)) =
+        (frame.wave.first(), truth.wave.first(), truth.wave.get(1))
+    else {
+        return Some("the frame or the truth has too few wavelength bins".into());
+    };
+    let dwt = t1 - t0;
+    if !(dwt > 0.0) || !dwt.is_finite() {
+        return Some("the truth's wavelength grid is not increasing".into());
+    }
+    let offset = ((w0 - t0) / dwt).round();
+    let inside = offset >= 0.0 && offset < truth.wave.len() as f64;
+    if !inside || !((truth.wave[offset as usize] - w0).abs() <= 1e-3 * dwt) {
+        return Some(format!(
+            "the truth grid {t0}..{} does not contain the frame's grid from {w0} on one of its bins",
+            truth.wave[truth.wave.len() - 1]
+        ));
+    }
+    None
+}
+
 /// Pull statistics of a frame against the truth.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Pulls {
@@ -288,13 +345,11 @@ impl Default for PullLimits {
 /// the frame (the convention of the reference figures).
 pub fn pulls(frame: &Frame, truth: &Truth) -> Result<Pulls> {
     let nw = frame.nwave();
-    let dwt = truth.wave.get(1).map(|w| w - truth.wave[0]).unwrap_or(1.0);
-    let offset = ((frame.wave[0] - truth.wave[0]) / dwt).round() as i64;
-    if offset < 0 || (truth.wave[offset as usize] - frame.wave[0]).abs() > 1e-3 * dwt {
-        return Err(Error::config(
-            "the truth grid does not contain the frame's grid",
-        ));
+    if let Some(why) = truth_mismatch(frame, truth) {
+        return Err(Error::config(why));
     }
+    let dwt = truth.wave[1] - truth.wave[0];
+    let offset = ((frame.wave[0] - truth.wave[0]) / dwt).round() as i64;
     let offset = offset as usize;
     let dw = gradient(&frame.wave);
     let (nd, ndiag) = (2 * frame.ndiag + 1, frame.ndiag as i64);

@@ -13,7 +13,7 @@ use std::path::PathBuf;
 
 use crate::cli::ExtractArgs;
 use crate::error::Error;
-use crate::pipeline::ExtractRequest;
+use crate::pipeline::{check_job_paths, check_threads, ExtractRequest};
 use crate::plan::PatchLayout;
 
 /// Which backend extracts.
@@ -68,10 +68,6 @@ impl ConfigError {
     }
 }
 
-/// Most worker threads a rank may ask for: far above any node, low enough that a typo
-/// (`--threads 100000`) is an error rather than a hundred thousand threads.
-pub const MAX_THREADS: usize = 4096;
-
 impl JobConfig {
     /// Builds the configuration of `spex extract` from its arguments; `no_gpu_env` is
     /// whether `DESI_NO_GPU` is set.
@@ -84,15 +80,19 @@ impl JobConfig {
                     .into(),
             ));
         }
-        if args.threads > MAX_THREADS {
-            return Err(usage(format!(
-                "--threads {} is more than {MAX_THREADS}",
-                args.threads
-            )));
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        check_threads(args.threads, cores).map_err(|e| usage(e.to_string()))?;
+        let requests: Vec<ExtractRequest> = frame_files(args)?
+            .into_iter()
+            .map(|files| request(args, files))
+            .collect();
+        for r in &requests {
+            r.validate_options().map_err(|e| usage(e.to_string()))?;
         }
-        let frames = frame_files(args)?;
+        // Outputs that would replace an input or one another are refused before any work.
+        check_job_paths(&requests, args.test.as_deref()).map_err(ConfigError::Io)?;
         let mut config = JobConfig {
-            frames: Vec::with_capacity(frames.len()),
+            frames: Vec::with_capacity(requests.len()),
             skipped: Vec::new(),
             backend: backend_choice(args, no_gpu_env),
             device: args.device,
@@ -102,9 +102,7 @@ impl JobConfig {
             frames_in_flight: args.frames_in_flight,
             test_reference: args.test.clone(),
         };
-        for files in frames {
-            let request = request(args, files);
-            request.check_options().map_err(|e| usage(e.to_string()))?;
+        for request in requests {
             if args.skip_existing && request.output.exists() {
                 config.skipped.push(request.output);
             } else {

@@ -6,10 +6,10 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-
 use crate::error::{Error, Result};
 use crate::extract::{PatchResult, PatchStatus};
 use crate::fits::Fits;
+use crate::output::write_atomically;
 use crate::plan::Plan;
 
 /// desispec `specmask` bits set by extraction.
@@ -526,41 +526,6 @@ pub fn write_model(
         fits.write_checksums()?;
         fits.close()
     })
-}
-
-/// Runs `write` on a temporary name next to `path` and renames it into place; on any error
-/// the temporary file is removed, so no partial output is ever left.
-pub fn write_atomically(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    if !dir.is_dir() {
-        return Err(Error::Io {
-            path: path.into(),
-            source: std::io::Error::new(
-                std::io::ErrorKind::NotFound,
-                "output directory does not exist",
-            ),
-        });
-    }
-    let tmp = dir.join(format!(".{}.tmp-{}", file_name(path), std::process::id()));
-    let result = write(&tmp).and_then(|_| {
-        std::fs::rename(&tmp, path).map_err(|source| Error::Io {
-            path: path.into(),
-            source,
-        })
-    });
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
-}
-
-fn file_name(p: &Path) -> String {
-    p.file_name()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_default()
 }
 
 /// numpy's `gradient` of a 1-D grid (one-sided at the ends).

@@ -193,4 +193,88 @@ mod tests {
             .iter()
             .any(|c| c.starts_with("ZIMAGE") || c.starts_with("ZBITPIX")));
     }
+
+    /// Writes IMAGE (NaN where `is_nan(row, col)`), IVAR and MASK as tile-compressed HDUs
+    /// (cfitsio's default: quantized RICE for floating images, one tile per row).
+    fn write_compressed_with_nans(
+        path: &Path,
+        (nrows, ncols): (usize, usize),
+        is_nan: impl Fn(usize, usize) -> bool,
+    ) {
+        use fitsio::images::{ImageDescription, ImageType};
+        let mut pix: Vec<f32> = (0..nrows * ncols)
+            .map(|i| match is_nan(i / ncols, i % ncols) {
+                true => f32::NAN,
+                false => 100.0 + (i % 17) as f32,
+            })
+            .collect();
+        let name = format!("{}[compress]", path.display());
+        let mut f = fitsio::FitsFile::create(&name).open().unwrap();
+        for (extname, kind) in [
+            ("IMAGE", ImageType::Float),
+            ("IVAR", ImageType::Float),
+            ("MASK", ImageType::Long),
+        ] {
+            let desc = ImageDescription {
+                data_type: kind,
+                dimensions: &[nrows, ncols],
+            };
+            let hdu = f.create_image(extname, &desc).unwrap();
+            match extname {
+                "MASK" => hdu.write_image(&mut f, &vec![0i32; nrows * ncols]).unwrap(),
+                "IVAR" => hdu
+                    .write_image(&mut f, &vec![1.0f32; nrows * ncols])
+                    .unwrap(),
+                _ => write_with_nulls(&mut f, &mut pix),
+            }
+        }
+    }
+
+    /// Writes a float image the way fpack and astropy do: NaNs become cfitsio's null value,
+    /// which the compressed tiles store as ZBLANK (a plain write would quantize them).
+    fn write_with_nulls(f: &mut fitsio::FitsFile, pix: &mut [f32]) {
+        const FLOAT_NULL: f32 = -9.11912e-36;
+        for p in pix.iter_mut().filter(|p| p.is_nan()) {
+            *p = FLOAT_NULL;
+        }
+        let mut status = 0;
+        // SAFETY: an open file positioned on the image just created, `pix` alive and of its
+        // size.
+        unsafe {
+            fitsio::sys::ffppne(
+                f.as_raw(),
+                1,
+                1,
+                pix.len() as i64,
+                pix.as_mut_ptr(),
+                FLOAT_NULL,
+                &mut status,
+            )
+        };
+        assert_eq!(status, 0);
+    }
+
+    /// A block of 2000 x 200 NaNs fills whole tiles, which cfitsio reads as zeros unless it
+    /// is given a null value; the rows below it hold NaNs in part of their tile.
+    #[test]
+    fn every_nan_of_a_large_block_in_a_compressed_image_is_flagged() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nan-block.fits");
+        let shape = (2100, 200);
+        let in_block = |r: usize, c: usize| r < 2000 || (r < 2050 && c < 80);
+        write_compressed_with_nans(&path, shape, in_block);
+        let mut f = Fits::open(&path).unwrap();
+        f.move_to("IMAGE").unwrap();
+        assert_eq!(f.key_str("ZCMPTYPE").unwrap().as_deref(), Some("RICE_1"));
+
+        let img = Image::read(&path, MaskRule::AnyBit).unwrap();
+        assert_eq!(img.nnonfinite, 2000 * 200 + 50 * 80);
+        for r in 0..shape.0 {
+            for c in 0..shape.1 {
+                let i = r * shape.1 + c;
+                assert_eq!(img.ivar[i] == 0.0, in_block(r, c), "pixel ({r}, {c})");
+                assert!(img.pix[i].is_finite());
+            }
+        }
+    }
 }

@@ -274,6 +274,7 @@ fn progress() -> Progress {
 }
 
 fn run_simulate(args: &SimulateArgs) -> anyhow::Result<ExitCode> {
+    spex::output::check_paths(&[&args.psf], &[&args.output, &args.truth])?;
     let psf = GaussHermitePsf::read(&args.psf)?;
     let options = args.options(psf.nfiber);
     let t0 = std::time::Instant::now();
@@ -295,6 +296,9 @@ fn run_compare(args: &CompareArgs) -> anyhow::Result<ExitCode> {
     let frame = Frame::read(&args.frame)?;
     let failures = if let Some(truth) = &args.truth {
         let truth = Truth::read(truth, args.truth_fibermin)?;
+        if let Some(why) = compare::truth_mismatch(&frame, &truth) {
+            return Ok(comparison_failed(&[why]));
+        }
         let pulls = compare::pulls(&frame, &truth)?;
         println!(
             "{} vs truth {}:\n{pulls}",
@@ -315,6 +319,9 @@ fn run_compare(args: &CompareArgs) -> anyhow::Result<ExitCode> {
             .as_ref()
             .context("a second frame or --truth is required")?;
         let other = Frame::read(other_path)?;
+        if let Some(why) = compare::parity_mismatch(&frame, &other) {
+            return Ok(comparison_failed(&[why]));
+        }
         let parity = compare::parity(&frame, &other, args.rel_tolerance)?;
         println!(
             "{} vs {}:\n{parity}",
@@ -328,12 +335,17 @@ fn run_compare(args: &CompareArgs) -> anyhow::Result<ExitCode> {
             rel_tolerance: args.rel_tolerance,
         })
     };
-    for f in &failures {
+    Ok(comparison_failed(&failures))
+}
+
+/// Prints each failure of a comparison; exit status 3 if there is one, else 0.
+fn comparison_failed(failures: &[String]) -> ExitCode {
+    for f in failures {
         eprintln!("spex: comparison failed: {f}");
     }
-    Ok(if failures.is_empty() {
+    if failures.is_empty() {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(EXIT_COMPARISON_FAILED)
-    })
+    }
 }

@@ -10,15 +10,16 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{Backend, FrameInput, Progress};
+use crate::barycentric;
 use crate::error::{Error, Result};
 use crate::extract::{PatchResult, SolveOptions};
-use crate::barycentric;
 use crate::fits::Fits;
 use crate::frame::{self, ExtraHdu, Frame, FrameMeta, PatchCounts};
-use crate::scores::ScoresHdu;
 use crate::image::{Image, MaskRule};
+use crate::output;
 use crate::plan::{PatchLayout, Plan, PlanOptions};
 use crate::psf::{GaussHermitePsf, DEFAULT_PSFERR};
+use crate::scores::ScoresHdu;
 
 /// How far (Angstrom) the output grid may reach beyond the PSF's wavelength domain.
 pub const WAVE_TOLERANCE: f64 = 5.0;
@@ -73,40 +74,58 @@ impl ExtractRequest {
         }
     }
 
-    /// Checks the options that need no file: what a user can be told before any work.
-    pub fn check_options(&self) -> Result<()> {
+    /// Checks the option values of this request that need no input: each is in its range,
+    /// the fiber range does not overflow, and a patch stays of a size that can be solved
+    /// (see [`PatchLayout::check`]). An error here is a usage error ([`Error::Config`]);
+    /// the job checks it once, before any rank reads or allocates anything.
+    pub fn validate_options(&self) -> Result<()> {
         if !self.regularize.is_finite() || self.regularize < 0.0 {
             return Err(Error::config(format!(
-                "regularize ({}) must be >= 0",
+                "regularize ({}) must be finite and >= 0",
                 self.regularize
             )));
         }
         if let Some(e) = self.psferr {
             if !e.is_finite() || e < 0.0 {
-                return Err(Error::config(format!("psferr ({e}) must be >= 0")));
+                return Err(Error::config(format!(
+                    "psferr ({e}) must be finite and >= 0"
+                )));
+            }
+        }
+        if let Some((wmin, wmax, dw)) = self.wavelength {
+            crate::plan::check_grid(wmin, wmax, dw)?;
+        }
+        let l = &self.layout;
+        l.check()?;
+        if self.specmin % l.bundlesize != 0 {
+            return Err(Error::config(format!(
+                "specmin ({}) must be a multiple of bundlesize ({})",
+                self.specmin, l.bundlesize
+            )));
+        }
+        if let Some(nspec) = self.nspec {
+            if nspec == 0 || nspec % l.bundlesize != 0 {
+                return Err(Error::config(format!(
+                    "nspec ({nspec}) must be a positive multiple of bundlesize ({})",
+                    l.bundlesize
+                )));
+            }
+            if self.specmin.checked_add(nspec).is_none() {
+                return Err(Error::config(format!(
+                    "specmin ({}) + nspec ({nspec}) is beyond any fiber number",
+                    self.specmin
+                )));
             }
         }
         Ok(())
     }
 
-    /// Checks what can be checked before reading anything: output directories exist.
+    /// Checks what can be checked before reading anything: the option values
+    /// ([`ExtractRequest::validate_options`]) and the outputs (their directories exist, they
+    /// are regular files if they exist, and none replaces an input or the other output).
     pub fn check_outputs(&self) -> Result<()> {
-        for path in std::iter::once(&self.output).chain(self.model.as_ref()) {
-            let dir = match path.parent() {
-                Some(d) if !d.as_os_str().is_empty() => d,
-                _ => Path::new("."),
-            };
-            if !dir.is_dir() {
-                return Err(Error::Io {
-                    path: path.clone(),
-                    source: std::io::Error::new(
-                        std::io::ErrorKind::NotFound,
-                        "output directory does not exist",
-                    ),
-                });
-            }
-        }
-        self.check_options()
+        self.validate_options()?;
+        check_job_paths(std::slice::from_ref(self), None)
     }
 
     /// The grid asked for, `wmin, wmax, dw`: `-w`, else the PSF's domain at 0.8 A (what the
@@ -129,6 +148,7 @@ impl ExtractRequest {
     }
 
     fn plan_with(&self, psf: &GaussHermitePsf, heliocor: f64) -> Result<Plan> {
+        self.validate_options()?;
         let (wmin, wmax, dw) = self.requested_grid(psf);
         let (wmin, wmax, dw) = (wmin / heliocor, wmax / heliocor, dw / heliocor);
         let (dlo, dhi) = psf.wave_domain();
@@ -145,11 +165,15 @@ impl ExtractRequest {
             )));
         }
         let nspec = self.nspec.unwrap_or(psf.nfiber - self.specmin);
-        if self.specmin + nspec > psf.nfiber {
+        if self
+            .specmin
+            .checked_add(nspec)
+            .map_or(true, |end| end > psf.nfiber)
+        {
             return Err(Error::config(format!(
                 "fibers {}..{} are beyond the PSF's {} fibers",
                 self.specmin,
-                self.specmin + nspec,
+                self.specmin.saturating_add(nspec),
                 psf.nfiber
             )));
         }
@@ -187,6 +211,36 @@ impl ExtractRequest {
             },
         }
     }
+}
+
+/// Refuses a job whose outputs would replace one of its inputs (image, PSF, the `--test`
+/// `reference`) or one another, or cannot be written by a rename (see
+/// [`output::check_paths`]). The job calls it once for all its frames, before any work.
+pub fn check_job_paths(requests: &[ExtractRequest], reference: Option<&Path>) -> Result<()> {
+    let mut inputs: Vec<&Path> = reference.into_iter().collect();
+    let mut outputs = Vec::with_capacity(2 * requests.len());
+    for r in requests {
+        inputs.extend([r.input.as_path(), r.psf.as_path()]);
+        inputs.extend(r.fibermap.as_deref());
+        outputs.push(r.output.as_path());
+        outputs.extend(r.model.as_deref());
+    }
+    output::check_paths(&inputs, &outputs)
+}
+
+/// Most worker threads a rank may ask for per core it can use: more only adds overhead, and a
+/// mistyped count would start that many threads.
+pub const MAX_THREADS_PER_CORE: usize = 4;
+
+/// Checks `--threads` (0: the rank's share of the cores) against the `cores` of the node.
+pub fn check_threads(threads: usize, cores: usize) -> Result<()> {
+    let limit = MAX_THREADS_PER_CORE * cores.max(1);
+    if threads > limit {
+        return Err(Error::config(format!(
+            "threads ({threads}) must be at most {limit} ({MAX_THREADS_PER_CORE} per core of the {cores} available)"
+        )));
+    }
+    Ok(())
 }
 
 /// Wall time of each phase of a frame, for the log and the benchmarks.
@@ -318,6 +372,7 @@ pub fn read_frame(request: &ExtractRequest) -> Result<(Inputs, PixelBox)> {
     request.check_outputs()?;
     let inputs = read_inputs(request)?;
     let plan = request.plan_for(&inputs)?;
+    warn_unusable_fibers(&inputs.psf, &plan, &inputs.image);
     let pixel_box = plan_box(&plan, &inputs);
     Ok((inputs, pixel_box))
 }
@@ -376,13 +431,15 @@ pub fn assemble(
     let ndiag = inputs.psf.hsizey;
     let (mut frame, counts) = timings.time("assemble", || Frame::assemble(plan, ndiag, results))?;
     log_counts(&counts);
+    flag_bins_without_data(&mut frame, &request.output);
     if inputs.heliocor != 1.0 {
         frame.wave = request.frame_meta(inputs).output_wave(&frame)?;
     }
     Ok((frame, counts))
 }
 
-/// Writes the frame and, if requested, the model image of the patch results.
+/// Writes the frame and, if requested, the model image of the patch results: the two appear
+/// together or not at all.
 pub fn write(
     request: &ExtractRequest,
     inputs: &Inputs,
@@ -392,14 +449,114 @@ pub fn write(
 ) -> Result<()> {
     timings.time("write", || -> Result<()> {
         let meta = request.frame_meta(inputs);
-        frame.write(&request.output, &meta)?;
-        if let Some(path) = &request.model {
-            let shape = (inputs.image.nrows, inputs.image.ncols);
-            let model = frame::model_image(shape, results);
-            frame::write_model(path, shape, &model, frame, &meta)?;
-        }
-        Ok(())
+        let mut targets = vec![request.output.as_path()];
+        targets.extend(request.model.as_deref());
+        output::write_together(&targets, |tmp| {
+            frame.write(tmp[0], &meta)?;
+            if let Some(path) = tmp.get(1) {
+                let shape = (inputs.image.nrows, inputs.image.ncols);
+                let model = frame::model_image(shape, results);
+                frame::write_model(path, shape, &model, frame, &meta)?;
+            }
+            Ok(())
+        })
     })
+}
+
+/// Bins that no usable pixel constrains (ivar 0 while their spot was not counted as masked:
+/// a trace off the CCD, a spot of zero width, a non-finite patch) get what desispec's
+/// extraction sets for bins without input pixels: pixmask fraction 1, SOMEBADPIX and
+/// ALLBADPIX. Returns their number, also logged as a warning with the fibers concerned.
+pub fn flag_bins_without_data(frame: &mut Frame, output: &Path) -> usize {
+    let nwave = frame.nwave();
+    let mut fibers = Vec::new();
+    let mut nbins = 0;
+    for f in 0..frame.nspec {
+        let mut any = false;
+        for i in f * nwave..(f + 1) * nwave {
+            if frame.ivar[i] == 0.0 && frame.pixmask_fraction[i] < 1.0 {
+                frame.pixmask_fraction[i] = 1.0;
+                frame.mask[i] |= frame::specmask::SOMEBADPIX | frame::specmask::ALLBADPIX;
+                nbins += 1;
+                any = true;
+            }
+        }
+        if any {
+            fibers.push(frame.specmin + f);
+        }
+    }
+    if nbins > 0 {
+        tracing::warn!(
+            "{}: {nbins} bins of fibers {} have no usable pixel (trace off the CCD, PSF of zero width or a failed patch): ivar 0, MASK ALLBADPIX",
+            output.display(),
+            fiber_ranges(&fibers)
+        );
+    }
+    nbins
+}
+
+/// Sorted fiber numbers as `0-24, 30, 40-49`.
+fn fiber_ranges(fibers: &[usize]) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < fibers.len() {
+        let mut j = i;
+        while j + 1 < fibers.len() && fibers[j + 1] == fibers[j] + 1 {
+            j += 1;
+        }
+        parts.push(match j > i {
+            true => format!("{}-{}", fibers[i], fibers[j]),
+            false => fibers[i].to_string(),
+        });
+        i = j + 1;
+    }
+    parts.join(", ")
+}
+
+/// Warns about fibers of the plan that the PSF cannot put on the image: a trace that stays
+/// off the CCD, or a Gauss-Hermite width that is not positive, over part of the output grid.
+/// Returns the fibers concerned.
+pub fn warn_unusable_fibers(psf: &GaussHermitePsf, plan: &Plan, image: &Image) -> Vec<usize> {
+    let (hx, hy) = (psf.hsizex as f64, psf.hsizey as f64);
+    let (nx, ny) = (image.ncols as f64, image.nrows as f64);
+    let mut off = Vec::new();
+    let mut flat = Vec::new();
+    for fiber in plan.fibers() {
+        let (mut n_off, mut n_flat) = (0, 0);
+        for &w in &plan.wave {
+            let (x, y) = psf.xy(fiber, w);
+            let on = x + hx >= -0.5 && x - hx <= nx - 0.5 && y + hy >= -0.5 && y - hy <= ny - 0.5;
+            n_off += (!on) as usize;
+            let (sx, sy) = (psf.ghsigx.eval(fiber, w), psf.ghsigy.eval(fiber, w));
+            n_flat += (!(sx > 0.0 && sy > 0.0 && sx.is_finite() && sy.is_finite())) as usize;
+        }
+        if n_off > 0 {
+            off.push(fiber);
+        }
+        if n_flat > 0 {
+            flat.push(fiber);
+        }
+    }
+    if !off.is_empty() {
+        tracing::warn!(
+            "{}: the traces of fibers {} leave the {}x{} CCD within the output grid",
+            psf.path.display(),
+            fiber_ranges(&off),
+            image.ncols,
+            image.nrows
+        );
+    }
+    if !flat.is_empty() {
+        tracing::warn!(
+            "{}: fibers {} have a Gauss-Hermite sigma (GHSIGX/GHSIGY) that is not positive within the output grid",
+            psf.path.display(),
+            fiber_ranges(&flat)
+        );
+    }
+    off.extend(flat);
+    off.sort_unstable();
+    off.dedup();
+    off
 }
 
 fn log_counts(c: &PatchCounts) {

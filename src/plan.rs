@@ -60,6 +60,85 @@ impl Default for PatchLayout {
     }
 }
 
+/// Most wavelength bins a patch may solve (`nwavestep + 2 P`): the patch's normal equations
+/// grow with its square and their factorisation with its cube, so a mistyped `--nwavestep`
+/// or `--wavepad` would otherwise run for hours or exhaust memory. gpu_specter's defaults
+/// solve 74 bins.
+pub const MAX_PATCH_BINS: usize = 300;
+
+/// Most output wavelength bins of a frame (a DESI camera has about 2300 at 0.8 A).
+pub const MAX_OUTPUT_BINS: usize = 1_000_000;
+
+impl PatchLayout {
+    /// The effective padding `P = wavepad + floor(wavepad * wavepad_frac)`, `None` when it
+    /// does not fit a `usize`.
+    pub fn effective_wavepad(&self) -> Option<usize> {
+        let extra = (self.wavepad as f64 * self.wavepad_frac).floor();
+        if !(extra >= 0.0 && extra < usize::MAX as f64) {
+            return None;
+        }
+        self.wavepad.checked_add(extra as usize)
+    }
+
+    /// Bins solved per patch, `nwavestep + 2 P`, `None` on overflow.
+    pub fn nwavetot(&self) -> Option<usize> {
+        let pad = self.effective_wavepad()?;
+        pad.checked_mul(2)?.checked_add(self.nwavestep)
+    }
+
+    /// Checks every value and that a patch solves at most [`MAX_PATCH_BINS`] bins.
+    pub fn check(&self) -> Result<()> {
+        if self.bundlesize == 0 || self.nsubbundles == 0 || self.nwavestep == 0 {
+            return Err(Error::config(
+                "bundlesize, nsubbundles and nwavestep must be positive",
+            ));
+        }
+        if self.bundlesize % self.nsubbundles != 0 {
+            return Err(Error::config(format!(
+                "bundlesize ({}) must be divisible by nsubbundles ({})",
+                self.bundlesize, self.nsubbundles
+            )));
+        }
+        let pixpad_ok = (0.0..=1.0).contains(&self.pixpad_frac);
+        let wavepad_ok = self.wavepad_frac >= 0.0 && self.wavepad_frac.is_finite();
+        if !(pixpad_ok && wavepad_ok) {
+            return Err(Error::config(format!(
+                "pixpad-frac ({}) must be in [0, 1] and wavepad-frac ({}) finite and non-negative",
+                self.pixpad_frac, self.wavepad_frac
+            )));
+        }
+        match self.nwavetot() {
+            Some(n) if n <= MAX_PATCH_BINS => Ok(()),
+            _ => Err(Error::config(format!(
+                "nwavestep ({}) + 2 x padding (wavepad {} + wavepad-frac {}) must be at most {MAX_PATCH_BINS} bins per patch",
+                self.nwavestep, self.wavepad, self.wavepad_frac
+            ))),
+        }
+    }
+}
+
+/// Checks an output grid `wmin, wmax, dw`: finite, `dw > 0`, `wmax >= wmin`, and at most
+/// [`MAX_OUTPUT_BINS`] bins.
+pub fn check_grid(wmin: f64, wmax: f64, dw: f64) -> Result<()> {
+    if !dw.is_finite() || !(dw > 0.0) {
+        return Err(Error::config(format!(
+            "wavelength step dw = {dw} must be finite and positive"
+        )));
+    }
+    if !wmin.is_finite() || !wmax.is_finite() || !(wmax >= wmin) {
+        return Err(Error::config(format!(
+            "wavelength range {wmin}..{wmax} is empty or not finite"
+        )));
+    }
+    let nbins = (wmax - wmin) / dw + 1.5;
+    if !(nbins <= MAX_OUTPUT_BINS as f64) {
+        return Err(Error::config(format!(
+            "{wmin}..{wmax} in steps of {dw} is more than {MAX_OUTPUT_BINS} wavelength bins"
+        )));
+    }
+    Ok(())
+}
+
 /// One patch: a sub-bundle of fibers by `nwavestep` output bins, with its padding.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Patch {
@@ -110,55 +189,24 @@ impl Plan {
     pub fn new(options: PlanOptions) -> Result<Self> {
         let o = &options;
         let l = &o.layout;
-        if !(o.dw > 0.0) || !o.dw.is_finite() {
-            return Err(Error::config(format!(
-                "wavelength step dw = {} must be positive",
-                o.dw
-            )));
-        }
-        if !(o.wmax >= o.wmin) || !o.wmin.is_finite() || !o.wmax.is_finite() {
-            return Err(Error::config(format!(
-                "wavelength range {}..{} is empty",
-                o.wmin, o.wmax
-            )));
-        }
-        if l.bundlesize == 0 || l.nsubbundles == 0 || l.nwavestep == 0 {
-            return Err(Error::config(
-                "bundlesize, nsubbundles and nwavestep must be positive",
-            ));
-        }
-        if l.bundlesize % l.nsubbundles != 0 {
-            return Err(Error::config(format!(
-                "bundlesize ({}) must be divisible by nsubbundles ({})",
-                l.bundlesize, l.nsubbundles
-            )));
-        }
+        check_grid(o.wmin, o.wmax, o.dw)?;
+        l.check()?;
         if o.specmin % l.bundlesize != 0 {
             return Err(Error::config(format!(
                 "specmin ({}) must be a multiple of bundlesize ({})",
                 o.specmin, l.bundlesize
             )));
         }
-        if o.nspec == 0 || o.nspec % l.bundlesize != 0 {
+        if o.nspec == 0 || o.nspec % l.bundlesize != 0 || o.specmin.checked_add(o.nspec).is_none() {
             return Err(Error::config(format!(
                 "nspec ({}) must be a positive multiple of bundlesize ({})",
                 o.nspec, l.bundlesize
             )));
         }
-        if !(0.0..=1.0).contains(&l.pixpad_frac) || !(l.wavepad_frac >= 0.0) {
-            return Err(Error::config(format!(
-                "pixpad-frac ({}) must be in [0, 1] and wavepad-frac ({}) non-negative",
-                l.pixpad_frac, l.wavepad_frac
-            )));
-        }
-        let nbins = ((o.wmax - o.wmin) / o.dw + 0.5).floor() as usize + 1;
-        if nbins > 1_000_000 {
-            return Err(Error::config(format!(
-                "{nbins} wavelength bins is too many"
-            )));
-        }
         let wave = output_grid(o.wmin, o.wmax, o.dw);
-        let wavepad = l.wavepad + (l.wavepad as f64 * l.wavepad_frac).floor() as usize;
+        let wavepad = l
+            .effective_wavepad()
+            .ok_or_else(|| Error::config("wavelength padding overflows"))?;
         let fullwave = padded_grid(&wave, o.dw, wavepad, l.nwavestep);
         let nwave = wave.len();
 
@@ -357,6 +405,26 @@ mod tests {
         // bins are covered exactly once
         let covered: usize = row.iter().map(|q| q.waves.len()).sum();
         assert_eq!(covered, 501);
+    }
+
+    #[test]
+    fn patch_size_and_padding_are_bounded_without_overflow() {
+        let mut l = PatchLayout::default();
+        assert_eq!(l.nwavetot(), Some(74));
+        assert!(l.check().is_ok());
+        l.wavepad = usize::MAX;
+        assert_eq!(l.nwavetot(), None);
+        assert!(l.check().is_err());
+        l = PatchLayout::default();
+        l.nwavestep = MAX_PATCH_BINS - 2 * 12 + 1;
+        assert!(l.check().is_err());
+        l.nwavestep -= 1;
+        assert!(l.check().is_ok());
+        l.wavepad_frac = 1e300;
+        assert!(l.check().is_err());
+        assert!(check_grid(6000.0, 6400.0, f64::INFINITY).is_err());
+        assert!(check_grid(1.0, 1e300, 0.8).is_err());
+        assert!(check_grid(6000.0, 6400.0, 0.8).is_ok());
     }
 
     #[test]

@@ -34,6 +34,10 @@ pub use exposure::FIBERMAP_COLUMNS;
 /// (desispec's BAD bit).
 pub const MASK_BAD: i32 = 1;
 
+/// Most cosmic-ray tracks per million pixels (one per ten pixels): more would only cover the
+/// image with tracks, in a time that grows with the count.
+pub const MAX_COSMIC_DENSITY: f64 = 1e5;
+
 /// MASK value of cosmic-ray hits. This is the value the reference simulations use (desispec's
 /// own COSMIC bit is 16); both are inside desispec's production mask 767, and the extraction
 /// rejects any nonzero MASK by default, so either convention gives the same result.
@@ -150,9 +154,9 @@ impl SimulateOptions {
                 self.read_noise
             )));
         }
-        if !(self.cosmic_density.is_finite() && self.cosmic_density >= 0.0) {
+        if !(self.cosmic_density >= 0.0 && self.cosmic_density <= MAX_COSMIC_DENSITY) {
             return Err(Error::config(format!(
-                "cosmic-ray density {} must be >= 0",
+                "cosmic-ray density {} must be in 0..={MAX_COSMIC_DENSITY} tracks per million pixels",
                 self.cosmic_density
             )));
         }
@@ -789,41 +793,10 @@ impl Simulation {
     /// left behind (a file already renamed is removed again), so a pair on disk is always
     /// complete and consistent.
     pub fn write(&self, image_path: &Path, truth_path: &Path) -> Result<()> {
-        if image_path == truth_path {
-            return Err(Error::config(format!(
-                "the image and the truth would both be written to {}",
-                image_path.display()
-            )));
-        }
-        let image_tmp = temporary_path(image_path);
-        let truth_tmp = temporary_path(truth_path);
-        let remove = |paths: &[&Path]| {
-            for p in paths {
-                let _ = std::fs::remove_file(p);
-            }
-        };
-        if let Err(e) = self.write_image(&image_tmp) {
-            remove(&[&image_tmp]);
-            return Err(e);
-        }
-        if let Err(e) = self.write_truth(&truth_tmp) {
-            remove(&[&image_tmp, &truth_tmp]);
-            return Err(e);
-        }
-        if let Err(source) = std::fs::rename(&truth_tmp, truth_path) {
-            remove(&[&image_tmp, &truth_tmp]);
-            return Err(Error::Io {
-                path: truth_path.into(),
-                source,
-            });
-        }
-        if let Err(source) = std::fs::rename(&image_tmp, image_path) {
-            remove(&[&image_tmp, truth_path]);
-            return Err(Error::Io {
-                path: image_path.into(),
-                source,
-            });
-        }
+        crate::output::write_together(&[image_path, truth_path], |tmp| {
+            self.write_image(tmp[0])?;
+            self.write_truth(tmp[1])
+        })?;
         info!(image = %image_path.display(), truth = %truth_path.display(), "wrote simulation");
         Ok(())
     }
@@ -932,16 +905,6 @@ impl Simulation {
         keys(&mut fits)?;
         fits.close()
     }
-}
-
-/// A temporary name next to `path`. The marker goes in front of the file name so that the
-/// suffix, which cfitsio looks at (`.gz` asks for a compressed file), is unchanged.
-fn temporary_path(path: &Path) -> PathBuf {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    path.with_file_name(format!(".tmp{}-{name}", std::process::id()))
 }
 
 #[cfg(test)]

@@ -275,10 +275,10 @@ fn compare_exits_3_outside_limits() {
         String::from_utf8_lossy(&o.stderr)
     );
     assert!(String::from_utf8_lossy(&o.stderr).contains("max |df|/sigma"));
-    // frames of different grids are an error, not a comparison
+    // frames of different grids fail the comparison
     let b = data("reference-frame-bundle1.fits");
     let o = spex(&["compare", s(&a), s(&b)]);
-    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(o.status.code(), Some(3));
     assert!(String::from_utf8_lossy(&o.stderr).contains("different wavelength grids"));
 }
 

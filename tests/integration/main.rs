@@ -1,6 +1,8 @@
 //! The integration tests of spex, one binary: each module drives the library or the built
 //! `spex` binary on the bundled data (tests/data).
 //!
+//! - `bad_input`: what bad input and hostile surroundings get (exit status, one line, no
+//!   leftovers, inputs untouched);
 //! - `cli`: the command line end to end, exit codes and error lines;
 //! - `format`: the frame, model and simulated preproc files as desispec writes and reads them;
 //! - `extract`: physics and numerics of the CPU extraction against the reference cases;
@@ -8,6 +10,7 @@
 //! - `desispec`: desispec itself (a pinned venv, `scripts/desispec-env`) reads spex's files;
 //! - `gpu`: the CUDA backend against the CPU (ignored without a GPU; `scripts/gpu-check`).
 
+mod bad_input;
 mod cli;
 mod common;
 mod desispec;

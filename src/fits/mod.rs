@@ -1,0 +1,835 @@
+//! A small safe layer over cfitsio (through `fitsio::sys`) for what spex reads and writes:
+//! images by HDU name (plain or tile-compressed), header keywords and raw cards, vector table
+//! columns, and whole-HDU copies with a row slice. Every error names the file and the HDU,
+//! and a failure of the operating system (a full disk, a permission) keeps its cause.
+//!
+//! File names are taken literally: `out[1].fits` is a file of that name, never cfitsio's
+//! "HDU 1 of out.fits" (only a name ending in `.gz` goes through cfitsio's parser, which is
+//! what makes it write a gzip-compressed file; such a name must not hold brackets). Every
+//! cfitsio function is called from one place only, [`Fits::call`] or a free function beside
+//! it, each with the reason it is sound.
+
+use std::ffi::{c_char, c_int, c_long, c_void, CString};
+use std::path::{Path, PathBuf};
+
+use fitsio::sys;
+
+use crate::error::{Error, Result};
+
+mod desi;
+pub use desi::fits_float;
+
+const READONLY: c_int = 0;
+const ANY_HDU: c_int = -1;
+const KEY_NO_EXIST: c_int = 202;
+const FLEN_CARD: usize = 81;
+const FLEN_VALUE: usize = 71;
+const FLEN_ERRMSG: usize = 81;
+/// For [`Fits::call_unless`]: any failure is the expected one.
+const ANY_STATUS: c_int = c_int::MIN;
+/// cfitsio's statuses of a failed file operation (FILE_NOT_OPENED 104 to SEEK_ERROR 116),
+/// after which `errno` says why.
+const OS_STATUSES: std::ops::RangeInclusive<c_int> = 104..=116;
+
+/// Element types that cfitsio converts to and from.
+pub trait Element: Copy + Default {
+    /// cfitsio's `datatype` code (TFLOAT, TDOUBLE, TINT...).
+    const DATATYPE: c_int;
+    /// BITPIX of an image HDU written with this type.
+    const BITPIX: c_int;
+    /// The value undefined pixels are read as. cfitsio checks for undefined pixels only when
+    /// this is not zero: NaN for floating types, so that the NaNs of a tile-compressed image
+    /// (stored as ZBLANK integers) come back as NaN; zero for integers, which are read as
+    /// stored.
+    const UNDEFINED: Self;
+}
+
+impl Element for f32 {
+    const DATATYPE: c_int = 42;
+    const BITPIX: c_int = -32;
+    const UNDEFINED: Self = f32::NAN;
+}
+impl Element for f64 {
+    const DATATYPE: c_int = 82;
+    const BITPIX: c_int = -64;
+    const UNDEFINED: Self = f64::NAN;
+}
+impl Element for i32 {
+    const DATATYPE: c_int = 31;
+    const BITPIX: c_int = 32;
+    const UNDEFINED: Self = 0;
+}
+impl Element for u8 {
+    const DATATYPE: c_int = 11;
+    const BITPIX: c_int = 8;
+    const UNDEFINED: Self = 0;
+}
+impl Element for i64 {
+    const DATATYPE: c_int = 81;
+    const BITPIX: c_int = 64;
+    const UNDEFINED: Self = 0;
+}
+
+/// An open FITS file; closed (and flushed) on drop or by [`Fits::close`].
+pub struct Fits {
+    ptr: *mut sys::fitsfile,
+    path: PathBuf,
+    hdu: String,
+}
+
+// SAFETY: a cfitsio handle has no affinity to the thread that opened it (cfitsio is built
+// reentrant), and `Fits` is not `Sync`: one thread at a time uses it through `&mut self`.
+unsafe impl Send for Fits {}
+
+fn cstring(s: &str) -> CString {
+    CString::new(s.replace('\0', " ")).unwrap_or_default()
+}
+
+/// The text of a NUL-terminated buffer that cfitsio filled, trailing blanks removed.
+fn buffer_to_string(buf: &[c_char]) -> String {
+    let bytes: Vec<u8> = buf
+        .iter()
+        .map(|&c| c as u8)
+        .take_while(|&b| b != 0)
+        .collect();
+    String::from_utf8_lossy(&bytes).trim_end().to_string()
+}
+
+/// Forgets cfitsio's stack of error messages (after an expected failure).
+fn clear_messages() {
+    // SAFETY: ffcmsg takes no argument and only empties cfitsio's thread-local message stack.
+    unsafe { sys::ffcmsg() };
+}
+
+/// cfitsio's text for a status code, plus the first message of its error stack, which is
+/// emptied.
+fn status_message(status: c_int) -> String {
+    let mut text = [0 as c_char; FLEN_ERRMSG];
+    // SAFETY: ffgerr writes at most FLEN_ERRMSG bytes, NUL included, into `text`.
+    unsafe { sys::ffgerr(status, text.as_mut_ptr()) };
+    let mut message = buffer_to_string(&text);
+    let mut detail = [0 as c_char; FLEN_ERRMSG];
+    // SAFETY: ffgmsg writes at most FLEN_ERRMSG bytes, NUL included, into `detail`.
+    if unsafe { sys::ffgmsg(detail.as_mut_ptr()) } != 0 {
+        let detail = buffer_to_string(&detail);
+        if !detail.is_empty() && detail != message {
+            message = format!("{message} ({detail})");
+        }
+    }
+    clear_messages();
+    message
+}
+
+/// Runs one cfitsio call with a fresh status and `errno`, and returns the status with the
+/// operating system's cause of a failed file operation ("No space left on device").
+fn run(f: impl FnOnce(&mut c_int)) -> std::result::Result<(), (c_int, Option<std::io::Error>)> {
+    let mut status = 0;
+    // The messages of earlier, expected failures must not explain this one.
+    clear_messages();
+    errno::set_errno(errno::Errno(0));
+    f(&mut status);
+    if status == 0 {
+        return Ok(());
+    }
+    let os = errno::errno().0;
+    let cause =
+        (OS_STATUSES.contains(&status) && os != 0).then(|| std::io::Error::from_raw_os_error(os));
+    Err((status, cause))
+}
+
+/// The message of a failed call: cfitsio's, then the operating system's cause if any.
+fn failure_message(status: c_int, cause: Option<std::io::Error>) -> String {
+    let message = status_message(status);
+    match cause {
+        Some(cause) => format!("{cause} ({message})"),
+        None => message,
+    }
+}
+
+/// The name cfitsio is given for `path`, and whether its extended syntax must parse it: only
+/// a `.gz` name does (cfitsio compresses such a file as a whole on close), and then the name
+/// must hold nothing that the syntax would read as an HDU or a filter.
+fn cfitsio_name(path: &Path) -> Result<(CString, bool)> {
+    let text = path.to_string_lossy();
+    let parsed = text.ends_with(".gz");
+    if parsed && text.contains(['[', ']', '(', ')', '!', '+', '$']) {
+        return Err(Error::Fits {
+            path: path.into(),
+            what: "cannot create".into(),
+            message: "a compressed (.gz) output's path must not contain [ ] ( ) ! + or $, \
+                      which cfitsio reads as its filename syntax"
+                .into(),
+        });
+    }
+    Ok((cstring(&text), parsed))
+}
+
+impl Fits {
+    fn new(ptr: *mut sys::fitsfile, path: &Path) -> Self {
+        Fits {
+            ptr,
+            path: path.into(),
+            hdu: "primary".into(),
+        }
+    }
+
+    /// Opens an existing file read-only; its name is taken literally.
+    pub fn open(path: &Path) -> Result<Self> {
+        let opened = |what: &str, message: String| Error::Fits {
+            path: path.into(),
+            what: what.into(),
+            message,
+        };
+        match std::fs::metadata(path) {
+            Err(e) => return Err(opened("cannot open", e.to_string())),
+            Ok(m) if !m.is_file() => {
+                return Err(opened("cannot open", "not a regular file".into()))
+            }
+            Ok(_) => {}
+        }
+        let name = cstring(&path.to_string_lossy());
+        let mut ptr = std::ptr::null_mut();
+        // SAFETY: `name` is NUL-terminated and outlives the call; cfitsio stores a handle in
+        // `ptr` (null on failure) and only reads the name.
+        run(|status| unsafe {
+            sys::ffdkopn(&mut ptr, name.as_ptr(), READONLY, status);
+        })
+        .map_err(|(status, cause)| opened("cannot open", failure_message(status, cause)))?;
+        Ok(Fits::new(ptr, path))
+    }
+
+    /// Creates a new file, replacing any file of that name (callers write to a temporary
+    /// name of their own, see [`crate::output`]).
+    pub fn create(path: &Path) -> Result<Self> {
+        let (name, parsed) = cfitsio_name(path)?;
+        match std::fs::remove_file(path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(Error::Io {
+                    path: path.into(),
+                    source: e,
+                })
+            }
+            _ => {}
+        }
+        let mut ptr = std::ptr::null_mut();
+        // SAFETY: `name` is NUL-terminated and outlives the call; cfitsio stores a handle in
+        // `ptr` (null on failure) and only reads the name.
+        run(|status| unsafe {
+            if parsed {
+                sys::ffinit(&mut ptr, name.as_ptr(), status);
+            } else {
+                sys::ffdkinit(&mut ptr, name.as_ptr(), status);
+            }
+        })
+        .map_err(|(status, cause)| Error::Fits {
+            path: path.into(),
+            what: "cannot create".into(),
+            message: failure_message(status, cause),
+        })?;
+        Ok(Fits::new(ptr, path))
+    }
+
+    /// The file's path, for messages.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Runs one cfitsio call on this file's handle (`f` gets the handle and the status) and
+    /// turns a failure into an error about the current HDU that says `what` failed.
+    fn call(&self, what: &str, f: impl FnOnce(*mut sys::fitsfile, &mut c_int)) -> Result<()> {
+        if self.ptr.is_null() {
+            return Err(self.error(what, "the file is closed"));
+        }
+        run(|status| f(self.ptr, status))
+            .map_err(|(status, cause)| self.error(what, failure_message(status, cause)))
+    }
+
+    /// Like [`Fits::call`], but a failure with status `expected` is `Ok(false)`, not an error.
+    fn call_unless(
+        &self,
+        expected: c_int,
+        what: &str,
+        f: impl FnOnce(*mut sys::fitsfile, &mut c_int),
+    ) -> Result<bool> {
+        if self.ptr.is_null() {
+            return Err(self.error(what, "the file is closed"));
+        }
+        match run(|status| f(self.ptr, status)) {
+            Ok(()) => Ok(true),
+            Err((status, _)) if status == expected || expected == ANY_STATUS => {
+                clear_messages();
+                Ok(false)
+            }
+            Err((status, cause)) => Err(self.error(what, failure_message(status, cause))),
+        }
+    }
+
+    /// An error about the current HDU of this file.
+    pub fn error(&self, what: &str, message: impl Into<String>) -> Error {
+        Error::Fits {
+            path: self.path.clone(),
+            what: format!("HDU {}: {what}", self.hdu),
+            message: message.into(),
+        }
+    }
+
+    /// Moves to the HDU whose EXTNAME (or HDUNAME) is `name`.
+    pub fn move_to(&mut self, name: &str) -> Result<()> {
+        let mut cname = cstring(name).into_bytes_with_nul();
+        // SAFETY: `cname` is NUL-terminated and outlives the call; cfitsio only reads it
+        // (its `char *` is not const-qualified).
+        let found = self.call_unless(ANY_STATUS, "cannot move", |ptr, status| unsafe {
+            sys::ffmnhd(ptr, ANY_HDU, cname.as_mut_ptr() as *mut c_char, 0, status);
+        })?;
+        if !found {
+            return Err(Error::Fits {
+                path: self.path.clone(),
+                what: format!("HDU {name}"),
+                message: "missing".into(),
+            });
+        }
+        self.hdu = name.to_string();
+        Ok(())
+    }
+
+    /// Whether the file has an HDU named `name` (the current HDU changes if it does).
+    pub fn has_hdu(&mut self, name: &str) -> bool {
+        self.move_to(name).is_ok()
+    }
+
+    /// Moves to the primary HDU.
+    pub fn move_to_primary(&mut self) -> Result<()> {
+        let mut hdutype = 0;
+        self.hdu = "primary".into();
+        // SAFETY: a valid handle and an out-parameter that lives through the call.
+        self.call("cannot move", |ptr, status| unsafe {
+            sys::ffmahd(ptr, 1, &mut hdutype, status);
+        })
+    }
+
+    /// Reads a keyword of the current HDU as f64; `None` if absent.
+    pub fn key_f64(&mut self, key: &str) -> Result<Option<f64>> {
+        let ckey = cstring(key);
+        let mut value = 0f64;
+        // SAFETY: NUL-terminated key, an out-parameter for the value, no comment wanted.
+        let found = self.call_unless(
+            KEY_NO_EXIST,
+            &format!("keyword {key}"),
+            |ptr, status| unsafe {
+                sys::ffgkyd(ptr, ckey.as_ptr(), &mut value, std::ptr::null_mut(), status);
+            },
+        )?;
+        Ok(found.then_some(value))
+    }
+
+    /// Reads a keyword of the current HDU as an integer; `None` if absent.
+    pub fn key_i64(&mut self, key: &str) -> Result<Option<i64>> {
+        let ckey = cstring(key);
+        let mut value: c_long = 0;
+        // SAFETY: NUL-terminated key, an out-parameter for the value, no comment wanted.
+        let found = self.call_unless(
+            KEY_NO_EXIST,
+            &format!("keyword {key}"),
+            |ptr, status| unsafe {
+                sys::ffgkyj(ptr, ckey.as_ptr(), &mut value, std::ptr::null_mut(), status);
+            },
+        )?;
+        Ok(found.then_some(value as i64))
+    }
+
+    /// Reads a string keyword of the current HDU; `None` if absent.
+    pub fn key_str(&mut self, key: &str) -> Result<Option<String>> {
+        let ckey = cstring(key);
+        let mut value = [0 as c_char; FLEN_VALUE];
+        // SAFETY: NUL-terminated key; cfitsio writes at most FLEN_VALUE bytes into `value`.
+        let found = self.call_unless(
+            KEY_NO_EXIST,
+            &format!("keyword {key}"),
+            |ptr, status| unsafe {
+                sys::ffgkys(
+                    ptr,
+                    ckey.as_ptr(),
+                    value.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                    status,
+                );
+            },
+        )?;
+        Ok(found.then(|| buffer_to_string(&value)))
+    }
+
+    /// A required keyword, with an error naming it when absent.
+    pub fn require_f64(&mut self, key: &str) -> Result<f64> {
+        self.key_f64(key)?
+            .ok_or_else(|| self.error(&format!("keyword {key}"), "missing"))
+    }
+
+    /// A required integer keyword, with an error naming it when absent.
+    pub fn require_i64(&mut self, key: &str) -> Result<i64> {
+        self.key_i64(key)?
+            .ok_or_else(|| self.error(&format!("keyword {key}"), "missing"))
+    }
+
+    /// All 80-character header cards of the current HDU, in order.
+    pub fn cards(&mut self) -> Result<Vec<String>> {
+        let (mut nexist, mut nmore) = (0, 0);
+        // SAFETY: a valid handle and two out-parameters.
+        self.call("cannot read header", |ptr, status| unsafe {
+            sys::ffghsp(ptr, &mut nexist, &mut nmore, status);
+        })?;
+        (1..=nexist).map(|i| self.card(i)).collect()
+    }
+
+    /// Header card number `i` (from 1) of the current HDU.
+    fn card(&self, i: c_int) -> Result<String> {
+        let mut card = [0 as c_char; FLEN_CARD];
+        // SAFETY: cfitsio writes at most FLEN_CARD bytes, NUL included, into `card`.
+        self.call("cannot read header", |ptr, status| unsafe {
+            sys::ffgrec(ptr, i, card.as_mut_ptr(), status);
+        })?;
+        Ok(buffer_to_string(&card))
+    }
+
+    /// Shape of the current image HDU in C order (slowest axis first).
+    pub fn image_shape(&mut self) -> Result<Vec<usize>> {
+        let mut naxis = 0;
+        // SAFETY: a valid handle and an out-parameter.
+        self.call("not an image", |ptr, status| unsafe {
+            sys::ffgidm(ptr, &mut naxis, status);
+        })?;
+        let mut naxes = vec![0 as c_long; naxis.max(1) as usize];
+        // SAFETY: `naxes` holds at least `naxis` elements, the most cfitsio writes.
+        self.call("not an image", |ptr, status| unsafe {
+            sys::ffgisz(ptr, naxis, naxes.as_mut_ptr(), status);
+        })?;
+        naxes.truncate(naxis.max(0) as usize);
+        if naxes.iter().any(|&n| n < 0) {
+            return Err(self.error("not an image", format!("negative axis length {naxes:?}")));
+        }
+        Ok(naxes.iter().rev().map(|&n| n as usize).collect())
+    }
+
+    /// A zeroed buffer of `n` elements, or an error instead of an abort when a corrupt header
+    /// asks for more memory than there is.
+    fn buffer<T: Element>(&self, n: usize, what: &str) -> Result<Vec<T>> {
+        let mut data = Vec::new();
+        data.try_reserve_exact(n)
+            .map_err(|_| self.error(what, format!("{n} elements do not fit in memory")))?;
+        data.resize(n, T::default());
+        Ok(data)
+    }
+
+    /// Reads the whole current image, converted to `T`, in C order. Undefined pixels
+    /// (BLANK, or the NaNs of a tile-compressed floating image) read as [`Element::UNDEFINED`].
+    pub fn read_image<T: Element>(&mut self) -> Result<(Vec<usize>, Vec<T>)> {
+        let shape = self.image_shape()?;
+        let n = shape
+            .iter()
+            .try_fold(1usize, |a, &b| a.checked_mul(b))
+            .ok_or_else(|| {
+                self.error("cannot read image", format!("shape {shape:?} is too large"))
+            })?;
+        let mut data = self.buffer::<T>(n, "cannot read image")?;
+        if n > 0 {
+            let mut undefined = T::UNDEFINED;
+            let mut anynul = 0;
+            // SAFETY: `data` holds `n` elements of the type DATATYPE names, `undefined` is of
+            // that type too, and both outlive the call.
+            self.call("cannot read image", |ptr, status| unsafe {
+                sys::ffgpv(
+                    ptr,
+                    T::DATATYPE,
+                    1,
+                    n as i64,
+                    &mut undefined as *mut T as *mut c_void,
+                    data.as_mut_ptr() as *mut c_void,
+                    &mut anynul,
+                    status,
+                );
+            })?;
+        }
+        Ok((shape, data))
+    }
+
+    /// Number of rows of the current table HDU.
+    pub fn nrows(&mut self) -> Result<usize> {
+        let mut nrows: c_long = 0;
+        // SAFETY: a valid handle and an out-parameter.
+        self.call("not a table", |ptr, status| unsafe {
+            sys::ffgnrw(ptr, &mut nrows, status);
+        })?;
+        Ok(nrows.max(0) as usize)
+    }
+
+    fn column_number(&mut self, name: &str) -> Result<(c_int, usize, usize)> {
+        let mut cname = cstring(name).into_bytes_with_nul();
+        let mut colnum = 0;
+        // SAFETY: `cname` is NUL-terminated and only read (case-insensitive match).
+        let found = self.call_unless(
+            ANY_STATUS,
+            &format!("column {name}"),
+            |ptr, status| unsafe {
+                sys::ffgcno(
+                    ptr,
+                    0,
+                    cname.as_mut_ptr() as *mut c_char,
+                    &mut colnum,
+                    status,
+                );
+            },
+        )?;
+        if !found {
+            return Err(self.error(&format!("column {name}"), "missing"));
+        }
+        let (mut typecode, mut repeat, mut width): (c_int, c_long, c_long) = (0, 0, 0);
+        // SAFETY: a valid handle and three out-parameters.
+        self.call(&format!("column {name}"), |ptr, status| unsafe {
+            sys::ffgtcl(ptr, colnum, &mut typecode, &mut repeat, &mut width, status);
+        })?;
+        Ok((colnum, repeat.max(0) as usize, width.max(0) as usize))
+    }
+
+    /// Reads a numeric (possibly vector) column: all rows, `repeat` values per row.
+    pub fn column<T: Element>(&mut self, name: &str) -> Result<(usize, Vec<T>)> {
+        let what = format!("cannot read column {name}");
+        let (colnum, repeat, _) = self.column_number(name)?;
+        let nrows = self.nrows()?;
+        let n = nrows
+            .checked_mul(repeat)
+            .ok_or_else(|| self.error(&what, "too many values"))?;
+        let mut data = self.buffer::<T>(n, &what)?;
+        if n > 0 {
+            let mut undefined = T::UNDEFINED;
+            let mut anynul = 0;
+            // SAFETY: `data` holds `n` elements of the type DATATYPE names, `undefined` is of
+            // that type too, and both outlive the call.
+            self.call(&what, |ptr, status| unsafe {
+                sys::ffgcv(
+                    ptr,
+                    T::DATATYPE,
+                    colnum,
+                    1,
+                    1,
+                    n as i64,
+                    &mut undefined as *mut T as *mut c_void,
+                    data.as_mut_ptr() as *mut c_void,
+                    &mut anynul,
+                    status,
+                );
+            })?;
+        }
+        Ok((repeat, data))
+    }
+
+    /// Reads a string column, trailing blanks removed.
+    pub fn column_str(&mut self, name: &str) -> Result<Vec<String>> {
+        let what = format!("cannot read column {name}");
+        let (colnum, repeat, _) = self.column_number(name)?;
+        let nrows = self.nrows()?;
+        let mut storage = vec![vec![0 as c_char; repeat + 1]; nrows];
+        let mut pointers: Vec<*mut c_char> = storage.iter_mut().map(|s| s.as_mut_ptr()).collect();
+        let mut nulval = [0 as c_char; 1];
+        if nrows > 0 {
+            let mut anynul = 0;
+            // SAFETY: one buffer of `repeat + 1` bytes per row (the column width plus the
+            // NUL), all alive through the call.
+            self.call(&what, |ptr, status| unsafe {
+                sys::ffgcvs(
+                    ptr,
+                    colnum,
+                    1,
+                    1,
+                    nrows as i64,
+                    nulval.as_mut_ptr(),
+                    pointers.as_mut_ptr(),
+                    &mut anynul,
+                    status,
+                );
+            })?;
+        }
+        Ok(storage.iter().map(|s| buffer_to_string(s)).collect())
+    }
+
+    /// Appends an image HDU (the primary one if the file is empty) and writes `data` into it.
+    pub fn write_image<T: Element>(
+        &mut self,
+        extname: &str,
+        shape: &[usize],
+        data: &[T],
+    ) -> Result<()> {
+        assert_eq!(
+            shape.iter().product::<usize>(),
+            data.len(),
+            "image shape and data disagree"
+        );
+        self.hdu = extname.to_string();
+        let mut naxes: Vec<c_long> = shape.iter().rev().map(|&n| n as c_long).collect();
+        // SAFETY: `naxes` holds the `naxes.len()` axis lengths cfitsio reads.
+        self.call("cannot create image", |ptr, status| unsafe {
+            sys::ffcrim(
+                ptr,
+                T::BITPIX,
+                naxes.len() as c_int,
+                naxes.as_mut_ptr(),
+                status,
+            );
+        })?;
+        self.write_key_str("EXTNAME", extname, "")?;
+        if !data.is_empty() {
+            // SAFETY: `data` holds `data.len()` elements of the type DATATYPE names; cfitsio
+            // only reads them (its pointer is not const-qualified).
+            self.call("cannot write image", |ptr, status| unsafe {
+                sys::ffppr(
+                    ptr,
+                    T::DATATYPE,
+                    1,
+                    data.len() as i64,
+                    data.as_ptr() as *mut c_void,
+                    status,
+                );
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Writes (or replaces) a string keyword in the current HDU.
+    pub fn write_key_str(&mut self, key: &str, value: &str, comment: &str) -> Result<()> {
+        let (k, v, c) = (cstring(key), cstring(value), cstring(comment));
+        // SAFETY: three NUL-terminated strings that cfitsio only reads.
+        self.call(
+            &format!("cannot write keyword {key}"),
+            |ptr, status| unsafe {
+                sys::ffukys(ptr, k.as_ptr(), v.as_ptr(), c.as_ptr(), status);
+            },
+        )
+    }
+
+    /// Writes (or replaces) a floating-point keyword in the current HDU.
+    pub fn write_key_f64(&mut self, key: &str, value: f64, comment: &str) -> Result<()> {
+        self.update_key(key, value, comment)
+    }
+
+    /// Writes (or replaces) an integer keyword in the current HDU.
+    pub fn write_key_i64(&mut self, key: &str, value: i64, comment: &str) -> Result<()> {
+        self.update_key(key, value, comment)
+    }
+
+    fn update_key<T: Element>(&mut self, key: &str, value: T, comment: &str) -> Result<()> {
+        let (k, c) = (cstring(key), cstring(comment));
+        let mut v = value;
+        // SAFETY: `v` is of the type DATATYPE names; key and comment are NUL-terminated.
+        self.call(
+            &format!("cannot write keyword {key}"),
+            |ptr, status| unsafe {
+                sys::ffuky(
+                    ptr,
+                    T::DATATYPE,
+                    k.as_ptr(),
+                    &mut v as *mut T as *mut c_void,
+                    c.as_ptr(),
+                    status,
+                );
+            },
+        )
+    }
+
+    /// Appends a raw 80-character card to the current HDU.
+    pub fn write_card(&mut self, card: &str) -> Result<()> {
+        let c = cstring(card);
+        // SAFETY: a NUL-terminated card that cfitsio only reads.
+        self.call("cannot write header card", |ptr, status| unsafe {
+            sys::ffprec(ptr, c.as_ptr(), status);
+        })
+    }
+
+    /// Appends a copy of `src`'s HDU `name` to this file, keeping only the table rows in
+    /// `rows` (all rows when `None`).
+    pub fn copy_table(
+        &mut self,
+        src: &mut Fits,
+        name: &str,
+        rows: Option<std::ops::Range<usize>>,
+    ) -> Result<()> {
+        src.move_to(name)?;
+        self.hdu = name.to_string();
+        let from = src.ptr;
+        // SAFETY: `from` is the open handle of another file, alive while `src` is borrowed.
+        self.call("cannot copy table", |ptr, status| unsafe {
+            sys::ffcopy(from, ptr, 0, status);
+        })?;
+        let Some(rows) = rows else { return Ok(()) };
+        let nrows = self.nrows()?;
+        if rows.end > nrows {
+            return Err(self.error(
+                "cannot slice table",
+                format!(
+                    "rows {}..{} requested, the table has {nrows}",
+                    rows.start, rows.end
+                ),
+            ));
+        }
+        if rows.end < nrows {
+            self.delete_rows(rows.end + 1, nrows - rows.end)?;
+        }
+        if rows.start > 0 {
+            self.delete_rows(1, rows.start)?;
+        }
+        Ok(())
+    }
+
+    /// Deletes `n` rows of the current table from row `first` (counted from 1).
+    fn delete_rows(&mut self, first: usize, n: usize) -> Result<()> {
+        // SAFETY: a valid handle; cfitsio checks the row range itself.
+        self.call("cannot slice table", |ptr, status| unsafe {
+            sys::ffdrow(ptr, first as i64, n as i64, status);
+        })
+    }
+
+    /// Closes the handle once; later calls do nothing.
+    fn close_handle(&mut self) -> Result<()> {
+        if self.ptr.is_null() {
+            return Ok(());
+        }
+        // SAFETY: the handle is open; it is never used again once `ptr` is null.
+        let closed = self.call("cannot close", |ptr, status| unsafe {
+            sys::ffclos(ptr, status);
+        });
+        self.ptr = std::ptr::null_mut();
+        closed
+    }
+
+    /// Closes the file, reporting any error of the final flush.
+    pub fn close(mut self) -> Result<()> {
+        self.close_handle()
+    }
+}
+
+impl Drop for Fits {
+    fn drop(&mut self) {
+        let _ = self.close_handle();
+    }
+}
+
+/// Whether a header card belongs to the structure of its HDU (axes, compression, checksums)
+/// rather than to its content, and so must not be copied into another HDU.
+pub fn is_structural_card(card: &str) -> bool {
+    let key = card.get(..8).unwrap_or(card).trim_end();
+    const EXACT: &[&str] = &[
+        "SIMPLE", "BITPIX", "NAXIS", "EXTEND", "XTENSION", "PCOUNT", "GCOUNT", "EXTNAME", "BSCALE",
+        "BZERO", "CHECKSUM", "DATASUM", "TFIELDS", "THEAP", "END", "",
+    ];
+    EXACT.contains(&key)
+        || (key.starts_with("NAXIS") && key[5..].chars().all(|c| c.is_ascii_digit()))
+        || is_compression_key(key)
+        || [
+            "TTYPE", "TFORM", "TUNIT", "TDIM", "TNULL", "TSCAL", "TZERO", "TDISP",
+        ]
+        .iter()
+        .any(|p| key.starts_with(p) && key[p.len()..].chars().all(|c| c.is_ascii_digit()))
+}
+
+/// Keywords of cfitsio's tile compression, which describe the stored table, not the image.
+fn is_compression_key(key: &str) -> bool {
+    const FIXED: &[&str] = &[
+        "ZIMAGE", "ZBITPIX", "ZCMPTYPE", "ZSIMPLE", "ZEXTEND", "ZBLOCKED", "ZPCOUNT", "ZGCOUNT",
+        "ZHECKSUM", "ZDATASUM", "ZQUANTIZ", "ZDITHER0", "ZTENSION", "ZMASKCMP", "ZBLANK", "ZSCALE",
+        "ZZERO",
+    ];
+    const INDEXED: &[&str] = &["ZNAXIS", "ZTILE", "ZNAME", "ZVAL"];
+    FIXED.contains(&key)
+        || INDEXED
+            .iter()
+            .any(|p| key.starts_with(p) && key[p.len()..].chars().all(|c| c.is_ascii_digit()))
+}
+
+const BINARY_TBL: c_int = 2;
+
+impl Fits {
+    /// Appends a binary table HDU of `nrows` rows with the given columns (`(TTYPE, TFORM)`,
+    /// e.g. `("FIBER", "J")`, `("OBJTYPE", "3A")`); fill it with [`Fits::write_column`] and
+    /// [`Fits::write_column_str`].
+    pub fn create_table(
+        &mut self,
+        extname: &str,
+        columns: &[(&str, &str)],
+        nrows: usize,
+    ) -> Result<()> {
+        self.hdu = extname.to_string();
+        let names: Vec<CString> = columns.iter().map(|(n, _)| cstring(n)).collect();
+        let forms: Vec<CString> = columns.iter().map(|(_, f)| cstring(f)).collect();
+        // cfitsio takes `char **` but does not modify the strings.
+        let mut name_ptrs: Vec<*mut c_char> =
+            names.iter().map(|s| s.as_ptr() as *mut c_char).collect();
+        let mut form_ptrs: Vec<*mut c_char> =
+            forms.iter().map(|s| s.as_ptr() as *mut c_char).collect();
+        let cext = cstring(extname);
+        // SAFETY: one NUL-terminated name and form per column, alive through the call and
+        // only read; no units.
+        self.call("cannot create table", |ptr, status| unsafe {
+            sys::ffcrtb(
+                ptr,
+                BINARY_TBL,
+                nrows as i64,
+                columns.len() as c_int,
+                name_ptrs.as_mut_ptr(),
+                form_ptrs.as_mut_ptr(),
+                std::ptr::null_mut(),
+                cext.as_ptr(),
+                status,
+            );
+        })
+    }
+
+    /// Writes `data` into the numeric column `name` of the current table, from the first row
+    /// on (`repeat` values per row for vector columns).
+    pub fn write_column<T: Element>(&mut self, name: &str, data: &[T]) -> Result<()> {
+        let (colnum, _, _) = self.column_number(name)?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `data` holds `data.len()` elements of the type DATATYPE names; cfitsio only
+        // reads them.
+        self.call(
+            &format!("cannot write column {name}"),
+            |ptr, status| unsafe {
+                sys::ffpcl(
+                    ptr,
+                    T::DATATYPE,
+                    colnum,
+                    1,
+                    1,
+                    data.len() as i64,
+                    data.as_ptr() as *mut c_void,
+                    status,
+                );
+            },
+        )
+    }
+
+    /// Writes one string per row into the character column `name` of the current table
+    /// (cfitsio pads or truncates to the column width).
+    pub fn write_column_str(&mut self, name: &str, data: &[&str]) -> Result<()> {
+        let (colnum, _, _) = self.column_number(name)?;
+        let strings: Vec<CString> = data.iter().map(|s| cstring(s)).collect();
+        let mut pointers: Vec<*mut c_char> =
+            strings.iter().map(|s| s.as_ptr() as *mut c_char).collect();
+        if data.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: one NUL-terminated string per row, alive through the call and only read.
+        self.call(
+            &format!("cannot write column {name}"),
+            |ptr, status| unsafe {
+                sys::ffpcls(
+                    ptr,
+                    colnum,
+                    1,
+                    1,
+                    data.len() as i64,
+                    pointers.as_mut_ptr(),
+                    status,
+                );
+            },
+        )
+    }
+}

@@ -1,0 +1,406 @@
+//! Output files: every file spex writes goes through here, so that bad input or an
+//! interrupted run never leaves a partial file or destroys one that was there.
+//!
+//! - A file is written under a temporary name next to its target (same directory, so the
+//!   final rename is atomic; same suffix, so that cfitsio compresses a `.gz` name) and
+//!   renamed into place only once complete. Files written together (a frame and its model
+//!   image, a simulated image and its truth) are renamed only once all of them are complete.
+//! - Errors name the user's file, never the temporary one, and keep the operating system's
+//!   cause ("No space left on device").
+//! - An existing target that is not a regular file (a directory, a device such as
+//!   /dev/null) is refused: renaming over it would replace it.
+//! - The temporaries alive in the process are registered; on SIGTERM or SIGINT a thread
+//!   removes them and the process exits with status 128 + the signal.
+//! - [`check_paths`] refuses, before any work, outputs that would replace an input or each
+//!   other (same canonical path, or the same file through another name or a hard link).
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, Once, PoisonError};
+
+use crate::error::{Error, Result};
+
+/// The temporaries of this process that are not yet renamed into place, by id.
+static LIVE: Mutex<BTreeMap<u64, PathBuf>> = Mutex::new(BTreeMap::new());
+static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+
+fn live() -> MutexGuard<'static, BTreeMap<u64, PathBuf>> {
+    LIVE.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Starts, once per process, the thread that removes the live temporaries on SIGTERM or
+/// SIGINT and then exits with 128 + the signal's number.
+fn clean_up_on_signals() {
+    static INSTALLED: Once = Once::new();
+    INSTALLED.call_once(|| {
+        use signal_hook::consts::{SIGINT, SIGTERM};
+        let mut signals = match signal_hook::iterator::Signals::new([SIGTERM, SIGINT]) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!("cannot watch for SIGTERM and SIGINT ({e}): an interrupted run may leave temporary files");
+                return;
+            }
+        };
+        let spawned = std::thread::Builder::new()
+            .name("signal cleanup".into())
+            .spawn(move || {
+                if let Some(signal) = signals.forever().next() {
+                    // Held until the process is gone: no rename or new temporary after this.
+                    let live = live();
+                    for path in live.values() {
+                        let _ = std::fs::remove_file(path);
+                    }
+                    std::process::exit(128 + signal);
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!("cannot start the signal cleanup thread: {e}");
+        }
+    });
+}
+
+/// The error for `target` with an operating-system cause.
+fn io_error(target: &Path, source: std::io::Error) -> Error {
+    Error::Io {
+        path: target.into(),
+        source,
+    }
+}
+
+/// The directory a target lives in (`.` for a bare file name).
+fn directory_of(target: &Path) -> &Path {
+    match target.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    }
+}
+
+/// Checks that `target` can be written by renaming a file onto it: its directory exists and
+/// it is absent or a regular file (a symbolic link is followed).
+pub fn check_target(target: &Path) -> Result<()> {
+    if target.file_name().is_none() {
+        return Err(io_error(
+            target,
+            std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a file name"),
+        ));
+    }
+    let dir = directory_of(target);
+    if !dir.is_dir() {
+        return Err(io_error(
+            target,
+            std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "output directory does not exist",
+            ),
+        ));
+    }
+    match std::fs::metadata(target) {
+        Ok(m) if !m.is_file() => Err(io_error(
+            target,
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "exists and is not a regular file; refusing to replace it",
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// `(prefix, suffix)` of the temporary name of `target`: a hidden name made of the target's
+/// own (with characters that cfitsio's filename syntax would read replaced) and its suffix,
+/// e.g. `.frame-r0.` + random + `.fits.gz`.
+fn temporary_affixes(target: &Path) -> (String, String) {
+    let name = target
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let name = name.trim_start_matches('.');
+    let (base, suffix) = match name.find('.') {
+        Some(i) => name.split_at(i),
+        None => (name, ""),
+    };
+    let clean = |s: &str, keep: &[char]| -> String {
+        s.chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || keep.contains(&c) {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect()
+    };
+    let base: String = clean(base, &['-', '_']).chars().take(48).collect();
+    let mut suffix = clean(suffix, &['-', '_', '.']);
+    if suffix.len() > 24 {
+        suffix = if suffix.ends_with(".gz") { ".gz" } else { "" }.into();
+    }
+    (format!(".{base}."), suffix)
+}
+
+/// A file being written: a temporary next to its target, removed unless committed.
+pub struct Staged {
+    target: PathBuf,
+    temp: Option<tempfile::TempPath>,
+    id: u64,
+}
+
+impl Staged {
+    /// Creates the temporary file of `target` (after [`check_target`]).
+    pub fn new(target: &Path) -> Result<Self> {
+        check_target(target)?;
+        clean_up_on_signals();
+        let (prefix, suffix) = temporary_affixes(target);
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        // Registered under the lock, so that a signal never misses a temporary.
+        let mut live = live();
+        let temp = tempfile::Builder::new()
+            .prefix(&prefix)
+            .suffix(&suffix)
+            .rand_bytes(6)
+            .tempfile_in(directory_of(target))
+            .map_err(|e| io_error(target, e))?
+            .into_temp_path();
+        live.insert(id, temp.to_path_buf());
+        Ok(Staged {
+            target: target.into(),
+            temp: Some(temp),
+            id,
+        })
+    }
+
+    /// Where to write.
+    pub fn path(&self) -> &Path {
+        self.temp.as_deref().unwrap_or(&self.target)
+    }
+
+    /// The file the user asked for.
+    pub fn target(&self) -> &Path {
+        &self.target
+    }
+
+    /// An error of writing the temporary file, restated about the target.
+    pub fn about_target(&self, error: Error) -> Error {
+        let temp = self.path().to_path_buf();
+        let rename = |p: PathBuf| if p == temp { self.target.clone() } else { p };
+        match error {
+            Error::Fits {
+                path,
+                what,
+                message,
+            } => Error::Fits {
+                path: rename(path),
+                what,
+                message,
+            },
+            Error::Io { path, source } => Error::Io {
+                path: rename(path),
+                source,
+            },
+            other => other,
+        }
+    }
+
+    /// Renames the complete file into place.
+    pub fn commit(mut self) -> Result<()> {
+        let mut live = live();
+        let Some(temp) = self.temp.take() else {
+            return Ok(());
+        };
+        live.remove(&self.id);
+        temp.persist(&self.target).map_err(|e| {
+            // The temporary goes with the error.
+            drop(e.path);
+            io_error(&self.target, e.error)
+        })
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        if let Some(temp) = self.temp.take() {
+            let mut live = live();
+            let _ = temp.close();
+            live.remove(&self.id);
+        }
+    }
+}
+
+/// Runs `write` on a temporary file next to `target` and renames it into place once
+/// complete; on any error the temporary is removed and `target` is left as it was.
+pub fn write_atomically(target: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    write_together(&[target], |paths| write(paths[0]))
+}
+
+/// Like [`write_atomically`] for files that belong together: `write` gets one temporary per
+/// target, and nothing is renamed into place unless every file was written. (If a rename
+/// fails after others succeeded, those are removed again, so that no half of a set is left.)
+pub fn write_together(targets: &[&Path], write: impl FnOnce(&[&Path]) -> Result<()>) -> Result<()> {
+    check_paths(&[], targets)?;
+    let staged: Vec<Staged> = targets
+        .iter()
+        .map(|t| Staged::new(t))
+        .collect::<Result<_>>()?;
+    let paths: Vec<&Path> = staged.iter().map(Staged::path).collect();
+    if let Err(e) = write(&paths) {
+        // The error names one of the temporaries: say which target it was.
+        let e = staged.iter().fold(e, |e, s| s.about_target(e));
+        return Err(e);
+    }
+    let mut committed: Vec<PathBuf> = Vec::new();
+    for s in staged {
+        let target = s.target().to_path_buf();
+        if let Err(e) = s.commit() {
+            for t in &committed {
+                let _ = std::fs::remove_file(t);
+            }
+            return Err(e);
+        }
+        committed.push(target);
+    }
+    Ok(())
+}
+
+/// What identifies a file: its device and inode when it exists, else its canonical
+/// directory and name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Identity {
+    Inode(u64, u64),
+    Name(PathBuf),
+}
+
+fn identity(path: &Path) -> Identity {
+    if let Ok(m) = std::fs::metadata(path) {
+        return Identity::Inode(m.dev(), m.ino());
+    }
+    let dir =
+        std::fs::canonicalize(directory_of(path)).unwrap_or_else(|_| directory_of(path).into());
+    Identity::Name(dir.join(path.file_name().unwrap_or_default()))
+}
+
+/// Refuses outputs that would replace one of the `inputs` or one another, and outputs that
+/// cannot be written by a rename (see [`check_target`]). Meant to run once for a whole job,
+/// before any work: the error names both files.
+pub fn check_paths(inputs: &[&Path], outputs: &[&Path]) -> Result<()> {
+    let inputs: Vec<(&Path, Identity)> = inputs
+        .iter()
+        .filter(|p| p.exists())
+        .map(|&p| (p, identity(p)))
+        .collect();
+    let mut seen: Vec<(&Path, Identity)> = Vec::with_capacity(outputs.len());
+    for &output in outputs {
+        check_target(output)?;
+        let id = identity(output);
+        if let Some((input, _)) = inputs.iter().find(|(_, i)| *i == id) {
+            return Err(Error::config(format!(
+                "{}: the output would replace the input {}",
+                output.display(),
+                input.display()
+            )));
+        }
+        if let Some((other, _)) = seen.iter().find(|(_, i)| *i == id) {
+            return Err(Error::config(format!(
+                "{}: the same file is also the output {}; each output must be written once",
+                output.display(),
+                other.display()
+            )));
+        }
+        seen.push((output, id));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn temporary_names_are_hidden_keep_the_suffix_and_avoid_cfitsio_syntax() {
+        let (p, s) = temporary_affixes(Path::new("/a/frame-r0.fits.gz"));
+        assert_eq!((p.as_str(), s.as_str()), (".frame-r0.", ".fits.gz"));
+        let (p, s) = temporary_affixes(Path::new("out[1].fits"));
+        assert_eq!((p.as_str(), s.as_str()), (".out_1_.", ".fits"));
+        let (p, s) = temporary_affixes(Path::new("noext"));
+        assert_eq!((p.as_str(), s.as_str()), (".noext.", ""));
+    }
+
+    #[test]
+    fn a_failed_write_leaves_nothing_and_names_the_target() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("out.fits");
+        std::fs::write(&target, b"before").unwrap();
+        let err = write_atomically(&target, |tmp| {
+            std::fs::write(tmp, b"partial").unwrap();
+            Err(Error::Io {
+                path: tmp.into(),
+                source: std::io::Error::from_raw_os_error(28),
+            })
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(err.starts_with(&target.display().to_string()), "{err}");
+        assert!(err.contains("No space left on device"), "{err}");
+        assert_eq!(names(dir.path()), vec!["out.fits"]);
+        assert_eq!(std::fs::read(&target).unwrap(), b"before");
+    }
+
+    #[test]
+    fn files_written_together_appear_together() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a.fits"), dir.path().join("b.fits"));
+        let failed = write_together(&[&a, &b], |t| {
+            std::fs::write(t[0], b"a").unwrap();
+            Err(Error::config("second file failed"))
+        });
+        assert!(failed.is_err());
+        assert!(names(dir.path()).is_empty());
+        write_together(&[&a, &b], |t| {
+            std::fs::write(t[0], b"a").unwrap();
+            std::fs::write(t[1], b"b").unwrap();
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(names(dir.path()), vec!["a.fits", "b.fits"]);
+        assert!(live().is_empty());
+    }
+
+    #[test]
+    fn special_files_and_missing_directories_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        for target in [
+            PathBuf::from("/dev/null"),
+            dir.path().to_path_buf(),
+            dir.path().join("missing/out.fits"),
+        ] {
+            assert!(check_target(&target).is_err(), "{}", target.display());
+            assert!(write_atomically(&target, |_| Ok(())).is_err());
+        }
+        assert!(names(dir.path()).is_empty());
+    }
+
+    #[test]
+    fn aliases_of_inputs_and_of_other_outputs_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let input = dir.path().join("in.fits");
+        std::fs::write(&input, b"x").unwrap();
+        let link = dir.path().join("link.fits");
+        std::fs::hard_link(&input, &link).unwrap();
+        let out = dir.path().join("out.fits");
+        let dotted = dir.path().join(".").join("out.fits");
+        assert!(check_paths(&[&input], &[&out]).is_ok());
+        assert!(check_paths(&[&input], &[&input]).is_err());
+        assert!(check_paths(&[&input], &[&link]).is_err());
+        assert!(check_paths(&[&input], &[&out, &dotted]).is_err());
+    }
+}
