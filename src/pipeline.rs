@@ -168,7 +168,7 @@ impl ExtractRequest {
         if self
             .specmin
             .checked_add(nspec)
-            .map_or(true, |end| end > psf.nfiber)
+            .is_none_or(|end| end > psf.nfiber)
         {
             return Err(Error::config(format!(
                 "fibers {}..{} are beyond the PSF's {} fibers",
