@@ -10,8 +10,11 @@ use super::device::Device;
 use super::error;
 use crate::error::{Error, Result};
 
-/// The header included by every source (`#include "common.cuh"`).
-const COMMON: &str = include_str!("../../../kernels/common.cuh");
+/// The headers the sources include, by name.
+const HEADERS: &[(&str, &str)] = &[
+    ("common.cuh", include_str!("../../../kernels/common.cuh")),
+    ("outputs.cuh", include_str!("../../../kernels/outputs.cuh")),
+];
 
 /// Every kernel source: (file name, text, kernels it defines).
 pub const SOURCES: &[(&str, &str, &[&str])] = &[
@@ -31,6 +34,11 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
         &["eye_f64"],
     ),
     (
+        "polar.cu",
+        include_str!("../../../kernels/polar.cu"),
+        &["polar_f64"],
+    ),
+    (
         "decorrelate.cu",
         include_str!("../../../kernels/decorrelate.cu"),
         &["decorrelate_f64"],
@@ -42,13 +50,17 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
     ),
 ];
 
-/// Replaces the include of the shared header by its text: NVRTC is given one string per
-/// program, and the header must not be looked up on the file system at run time.
+/// Replaces the includes of the shared headers by their text: NVRTC is given one string per
+/// program, and the headers must not be looked up on the file system at run time.
 fn expand(src: &str) -> String {
-    src.replace(
-        "#include \"common.cuh\"",
-        COMMON.replace("#pragma once", "").as_str(),
-    )
+    HEADERS
+        .iter()
+        .fold(src.to_string(), |text, (name, header)| {
+            text.replace(
+                &format!("#include \"{name}\""),
+                header.replace("#pragma once", "").as_str(),
+            )
+        })
 }
 
 /// NVRTC options besides the architecture.
@@ -139,6 +151,7 @@ pub(crate) struct Kernels {
     pub assemble: CudaFunction,
     pub regularize: CudaFunction,
     pub eye: CudaFunction,
+    pub polar: CudaFunction,
     pub decorrelate: CudaFunction,
     pub project: CudaFunction,
     pub chi2pix: CudaFunction,
@@ -175,6 +188,7 @@ impl Kernels {
             assemble: take("assemble_f64"),
             regularize: take("regularize_f64"),
             eye: take("eye_f64"),
+            polar: take("polar_f64"),
             decorrelate: take("decorrelate_f64"),
             project: take("project_f64"),
             chi2pix: take("chi2pix_f64"),
