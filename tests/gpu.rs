@@ -156,6 +156,95 @@ fn gpu_matches_cpu_reference() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn every_route_matches_the_cpu_reference() {
+    // The default (dense route, polar decorrelation) is covered above; the Jacobi decorrelation
+    // and the Schur route (with its coupling check) must agree as well.
+    let mut gpu = backend();
+    let psf = psf();
+    let plan = Plan::new(PlanOptions::new(6000.0, 6100.0, 0.8, 0, 25)).unwrap();
+    let image = synthetic_image(&psf, &plan, 13);
+    let options = solve_options(0.0, true);
+    let input = FrameInput {
+        plan: &plan,
+        psf: &psf,
+        image: &image,
+        options: &options,
+    };
+    let cpu = CpuBackend::new(0)
+        .unwrap()
+        .extract(input, &plan.patches, &Progress::silent())
+        .unwrap();
+    for (solve, route) in [
+        (cuda::Solve::Dense, cuda::Route::Jacobi),
+        (cuda::Solve::Schur, cuda::Route::Polar),
+        (cuda::Solve::Schur, cuda::Route::Jacobi),
+    ] {
+        gpu.set_solve(solve);
+        gpu.set_route(route);
+        say(&format!("{solve:?} route, {route:?} decorrelation"));
+        let g = gpu
+            .extract(input, &plan.patches, &Progress::silent())
+            .unwrap();
+        assert_agree(&g, &cpu);
+        let t = gpu.timings();
+        match route {
+            cuda::Route::Polar => assert!(t.polar_blocks > 0 && t.max_sweeps == 0),
+            cuda::Route::Jacobi => assert!(t.polar_blocks == 0 && t.max_sweeps > 0),
+        }
+    }
+    gpu.set_solve(cuda::Solve::Dense);
+    gpu.set_route(cuda::Route::Polar);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn schur_route_sends_coupled_patches_to_the_reference() {
+    // Fibers two apart couple through their stamps' tails on this PSF: the Schur route measures
+    // that coupling per patch and hands the patches above its bound to the CPU reference, so
+    // the results stay the reference's. Accepting every coupling shows what the check
+    // prevents: the dropped blocks move the fluxes far beyond rounding.
+    let mut gpu = backend();
+    gpu.set_solve(cuda::Solve::Schur);
+    let psf = psf();
+    let plan = Plan::new(PlanOptions::new(6000.0, 6040.0, 0.8, 0, 25)).unwrap();
+    let image = synthetic_image(&psf, &plan, 17);
+    let options = solve_options(0.0, false);
+    let input = FrameInput {
+        plan: &plan,
+        psf: &psf,
+        image: &image,
+        options: &options,
+    };
+    let (g, cpu) = solve_both(&mut gpu, input);
+    let t = gpu.timings().clone();
+    say(&format!(
+        "{} of {} patches coupled (largest coupling {:.1e})",
+        t.coupled,
+        plan.patches.len(),
+        t.max_coupling
+    ));
+    assert!(
+        t.coupled > 0,
+        "no patch measured any second-neighbour coupling"
+    );
+    assert_eq!(t.cpu_fallback, t.coupled);
+    assert_agree(&g, &cpu);
+    gpu.set_coupling_max(1.0);
+    let dropped = gpu
+        .extract(input, &plan.patches, &Progress::silent())
+        .unwrap();
+    assert_eq!(gpu.timings().coupled, 0);
+    let a = agreement(&dropped, &cpu).expect("same patches");
+    say(&format!("coupling dropped: {a}"));
+    assert!(
+        !a.failures(1e-6).is_empty(),
+        "dropping a coupling of {:.1e} went unnoticed",
+        t.max_coupling
+    );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn masked_patch_is_reported() {
     let mut gpu = backend();
     let psf = psf();

@@ -5,65 +5,8 @@
 
 use super::device::DevBuf;
 use super::launchers::{self, CoreIn, CoreOut, Gpu, POLAR_MAX_ORDER};
-use crate::error::{Error, Result};
-
-/// Which kernel decorrelates the blocks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Route {
-    /// The polar route, the Jacobi kernel for the blocks it gives up on.
-    Polar,
-    /// The Jacobi kernel for every block (the route before the polar one; for comparisons).
-    Jacobi,
-}
-
-/// The decorrelation's tuning, read once per backend from the environment (for measurements
-/// rather than production): `SPEX_GPU_DECORRELATE` (`polar` or `jacobi`),
-/// `SPEX_GPU_JACOBI_THREADS` (threads per Jacobi block, default 512) and `SPEX_GPU_JACOBI_TOL`
-/// (rotation threshold, default 1e-14).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Tuning {
-    pub route: Route,
-    /// The polar iteration stops one step after `||X^T X - I||_F` falls under this: that step
-    /// squares it, to rounding.
-    pub polar_tol: f64,
-    /// Steps after which a block is handed to the Jacobi kernel; 1e10-conditioned blocks take
-    /// about 17.
-    pub polar_max_steps: usize,
-    /// Jacobi rotations are skipped where `|a_pq| <= tol sqrt(a_pp a_qq)`: that leaves a
-    /// relative perturbation of C near tol.
-    pub jacobi_tol: f64,
-    pub jacobi_threads: u32,
-}
-
-impl Tuning {
-    pub(crate) fn from_env() -> Result<Self> {
-        fn var<T: std::str::FromStr>(name: &str, default: T) -> Result<T> {
-            match std::env::var(name) {
-                Ok(v) => v
-                    .trim()
-                    .parse()
-                    .map_err(|_| Error::Gpu(format!("{name}={v:?} cannot be read"))),
-                Err(_) => Ok(default),
-            }
-        }
-        let route = match std::env::var("SPEX_GPU_DECORRELATE").as_deref() {
-            Err(_) | Ok("polar") => Route::Polar,
-            Ok("jacobi") => Route::Jacobi,
-            Ok(v) => {
-                return Err(Error::Gpu(format!(
-                    "SPEX_GPU_DECORRELATE={v:?}: expected polar or jacobi"
-                )))
-            }
-        };
-        Ok(Tuning {
-            route,
-            polar_tol: 1e-10,
-            polar_max_steps: 40,
-            jacobi_tol: var("SPEX_GPU_JACOBI_TOL", 1e-14)?,
-            jacobi_threads: var("SPEX_GPU_JACOBI_THREADS", 512)?,
-        })
-    }
-}
+use super::tuning::{Route, Tuning};
+use crate::error::Result;
 
 /// Scratch and verdicts of a decorrelation: `pbuf` (order^2 doubles per block), `steps` and
 /// `sweeps` (one per block, zeroed by the caller).

@@ -14,6 +14,7 @@ use crate::error::{Error, Result};
 const HEADERS: &[(&str, &str)] = &[
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     ("outputs.cuh", include_str!("../../../kernels/outputs.cuh")),
+    ("tiles.cuh", include_str!("../../../kernels/tiles.cuh")),
 ];
 
 /// Every kernel source: (file name, text, kernels it defines).
@@ -32,6 +33,11 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
         "factor.cu",
         include_str!("../../../kernels/factor.cu"),
         &["eye_f64"],
+    ),
+    (
+        "schur.cu",
+        include_str!("../../../kernels/schur.cu"),
+        &["schur_sweep_f64", "schur_combine_f64"],
     ),
     (
         "polar.cu",
@@ -151,6 +157,8 @@ pub(crate) struct Kernels {
     pub assemble: CudaFunction,
     pub regularize: CudaFunction,
     pub eye: CudaFunction,
+    pub schur_sweep: CudaFunction,
+    pub schur_combine: CudaFunction,
     pub polar: CudaFunction,
     pub decorrelate: CudaFunction,
     pub project: CudaFunction,
@@ -188,6 +196,8 @@ impl Kernels {
             assemble: take("assemble_f64"),
             regularize: take("regularize_f64"),
             eye: take("eye_f64"),
+            schur_sweep: take("schur_sweep_f64"),
+            schur_combine: take("schur_combine_f64"),
             polar: take("polar_f64"),
             decorrelate: take("decorrelate_f64"),
             project: take("project_f64"),

@@ -11,42 +11,46 @@
 //! Device and pinned buffers are kept between calls (a process extracts frame after frame).
 //!
 //! The code is split by concern: `workspace` (buffers kept between calls and shapes),
-//! `tables` (host tables of a chunk), `launchers` (one typed launcher per kernel), `dense`
-//! (factorisation and core covariance through cuSOLVER and cuBLAS), `decorrelate` (polar
+//! `tables` (host tables of a chunk), `launchers` (one typed launcher per kernel), `schur`
+//! (per-fiber Schur complements), `dense` (the same steps through cuSOLVER and cuBLAS), `decorrelate` (polar
 //! route and Jacobi fallback), `results` (host-side results and the CPU fallback), `solve`
 //! (the steps of a chunk in order) and `timings`.
 //!
 //! Tuning variables, for measurements rather than production, are read once when a backend is
-//! created: `SPEX_GPU_CHUNK` (most patches per chunk) and those of [`decorrelate`]
-//! (`SPEX_GPU_DECORRELATE`, `SPEX_GPU_JACOBI_THREADS`, `SPEX_GPU_JACOBI_TOL`).
+//! created: `SPEX_GPU_CHUNK` (most patches per chunk) and those of `tuning` (`SPEX_GPU_SOLVE`,
+//! `SPEX_GPU_COUPLING_MAX`, `SPEX_GPU_DECORRELATE`, `SPEX_GPU_JACOBI_THREADS`,
+//! `SPEX_GPU_JACOBI_TOL`).
 
-pub mod decorrelate;
+mod decorrelate;
 mod dense;
 mod device;
 mod error;
 mod kernels;
 mod launchers;
 mod results;
+mod schur;
 mod solve;
 mod tables;
 mod timings;
+mod tuning;
 mod workspace;
 
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-pub use decorrelate::{BlockKind, Route};
+pub use decorrelate::BlockKind;
 pub use kernels::{arch_name, compile, SOURCES};
 pub use timings::GpuTimings;
+pub use tuning::{Route, Solve};
 
 use crate::backend::{Backend, FrameInput, Progress};
 use crate::error::{Error, Result};
 use crate::extract::PatchResult;
 use crate::plan::Patch;
-use decorrelate::Tuning;
 use device::Device;
 use kernels::Kernels;
 use launchers::{CoreIn, CoreOut, Gpu};
+use tuning::Tuning;
 use workspace::Shape;
 
 /// Default budget of device memory per backend, in bytes.
@@ -157,6 +161,17 @@ impl CudaBackend {
         self.tuning.route = route;
     }
 
+    /// Chooses the route of steps 2-3 (the dense route by default; see [`Solve`]).
+    pub fn set_solve(&mut self, solve: Solve) {
+        self.tuning.solve = solve;
+    }
+
+    /// Sets the largest second-neighbour coupling the Schur route accepts; patches above it
+    /// are solved densely by the CPU reference (for tests of that fallback).
+    pub fn set_coupling_max(&mut self, max: f64) {
+        self.tuning.coupling_max = max;
+    }
+
     /// Limits the number of patches solved together (for tests of the chunking; the default
     /// follows the memory budget).
     pub fn set_max_chunk(&mut self, patches: Option<usize>) {
@@ -166,7 +181,7 @@ impl CudaBackend {
     /// Patches per chunk: the per-patch buffers must fit in the budget left after the spots
     /// and the image region of a chunk (bounded by a quarter of the budget).
     fn chunk_size(&self, sh: &Shape) -> usize {
-        let per = sh.bytes_per_patch() + 8 * 8192;
+        let per = sh.bytes_per_patch(self.tuning.solve) + 8 * 8192;
         let fit = (self.budget * 3 / 4) / per;
         self.max_chunk.unwrap_or(fit).min(fit).max(1)
     }
@@ -350,7 +365,7 @@ impl Backend for CudaBackend {
         timings.peak_bytes = self.dev.stats.peak();
         timings.total_ms = t0.elapsed().as_secs_f64() * 1e3;
         tracing::info!(
-            "cuda: {} patches in {:.1} ms ({} chunks; {}); decorrelation: {} blocks polar (at most {} steps), {} by Jacobi after the polar route gave up; peak device memory {:.2} GB (process {:.2} GB)",
+            "cuda: {} patches in {:.1} ms ({} chunks; {}); {:?} route, {} patches coupled to second neighbours (largest coupling {:.1e}); decorrelation: {} blocks polar (at most {} steps), {} by Jacobi after the polar route gave up; peak device memory {:.2} GB (process {:.2} GB)",
             patches.len(),
             timings.total_ms,
             timings.chunks,
@@ -360,6 +375,9 @@ impl Backend for CudaBackend {
                 .map(|(n, ms)| format!("{n} {ms:.1}"))
                 .collect::<Vec<_>>()
                 .join(", "),
+            self.tuning.solve,
+            timings.coupled,
+            timings.max_coupling,
             timings.polar_blocks,
             timings.max_polar_steps,
             timings.polar_fallback,

@@ -4,7 +4,9 @@
 //! 1. copies in: host tables and the chunk's image region;
 //! 2. spots of every bundle in the chunk (`launchers::spots`);
 //! 3. assembly of icov, y, fluxweight and regularisation (`launchers::assemble`);
-//! 4. factorisation with its retry, xflux and the core covariance blocks (`dense`);
+//! 4. factorisation with its retry, xflux and the core covariance blocks C_bb through cuSOLVER
+//!    and cuBLAS (`dense`), or, where second neighbours decouple, each core block's Schur
+//!    complement S_b = C_bb^-1 and xflux by block sweeps over the fibers (`schur`);
 //! 5. decorrelation of each core block (`decorrelate`: polar, Jacobi for the blocks it gives
 //!    up on);
 //! 6. the model of each patch, chi2pix and the optional core model image;
@@ -12,13 +14,15 @@
 
 use std::time::Instant;
 
-use super::decorrelate::{self, BlockKind, Counts, Scratch, Tuning};
-use super::dense::{self, Keep};
+use super::decorrelate::{self, BlockKind, Counts, Scratch};
+use super::dense::{self, Factorization, Keep};
 use super::device::PinnedBuf;
 use super::launchers::{self, CoreIn, CoreOut, Gpu};
 use super::results::{self, Back};
+use super::schur;
 use super::tables::ChunkHost;
 use super::timings::{GpuTimings, PhaseClock};
+use super::tuning::{Solve, Tuning};
 use super::workspace::{Region, Workspace};
 use crate::backend::FrameInput;
 use crate::error::{Error, Result};
@@ -56,7 +60,6 @@ fn copy_in(
     ws.pixmask.ensure(dev, n * ncore * nws)?;
     ws.masked.ensure(dev, n)?;
     ws.x.ensure(dev, n * m)?;
-    ws.xinv.ensure(dev, n * sh.mc() * sh.mc())?;
     dev.copy_to(ws.xy.get(), &host.xy, "trace positions")?;
     dev.copy_to(ws.coef.get(), &host.coef, "PSF coefficients")?;
     dev.copy_to(ws.waves.get(), &input.plan.fullwave, "wavelength grid")?;
@@ -72,8 +75,15 @@ fn copy_in(
     dev.zero_prefix(ws.masked.get(), n)
 }
 
-/// Step 5 for the `n` live patches: flux, ivar and resolution of every core block.
-fn decorrelate_chunk(g: Gpu<'_>, tuning: &Tuning, ws: &mut Workspace, n: usize) -> Result<()> {
+/// Step 5 for the `n` live patches: flux, ivar and resolution of every core block, from the
+/// blocks step 4 left (`kind`).
+fn decorrelate_chunk(
+    g: Gpu<'_>,
+    tuning: &Tuning,
+    ws: &mut Workspace,
+    n: usize,
+    kind: BlockKind,
+) -> Result<()> {
     let (dev, sh) = (g.dev, g.sh);
     let nblocks = n * sh.ncore;
     let per = nblocks * sh.nws;
@@ -91,12 +101,15 @@ fn decorrelate_chunk(g: Gpu<'_>, tuning: &Tuning, ws: &mut Workspace, n: usize) 
         g,
         tuning,
         CoreIn {
-            blocks: ws.icov.get().ptr,
+            blocks: match kind {
+                BlockKind::Covariance => ws.icov.get().ptr,
+                BlockKind::Precision => ws.sblocks.get().ptr,
+            },
             count: nblocks,
             xflux: ws.x.get().ptr,
             nkeep: ws.nkeep.get().ptr,
         },
-        BlockKind::Covariance,
+        kind,
         Scratch {
             pbuf: ws.pbuf.get(),
             steps: ws.steps.get(),
@@ -169,6 +182,28 @@ fn copy_out(
     Ok((steps, sweeps))
 }
 
+/// Step 4 on the dense route: factorisation with its retry, xflux, then the covariance blocks
+/// C_bb into `ws.icov`.
+fn dense_steps(
+    g: Gpu<'_>,
+    ws: &mut Workspace,
+    live: &[&Patch],
+    region: Region,
+    input: &FrameInput<'_>,
+    clock: &mut PhaseClock<'_>,
+    keep: &mut Keep,
+) -> Result<Factorization> {
+    let n = live.len();
+    ws.xinv.ensure(g.dev, n * g.sh.mc() * g.sh.mc())?;
+    let fact = dense::factorize(g, ws, live, region, input.options.regularize)?;
+    clock.mark("factorize")?;
+    dense::solve_flux(g, ws, n, keep)?;
+    clock.mark("solve")?;
+    dense::core_covariance(g, ws, n, keep)?;
+    clock.mark("inverse")?;
+    Ok(fact)
+}
+
 /// Solves one prepared chunk; results in the order of `chunk`, and the chunk's pinned image
 /// buffer back for reuse.
 pub(crate) fn solve_chunk(
@@ -238,14 +273,29 @@ fn solve_live(
     clock.mark("spots")?;
     launchers::assemble(g, n, None, ws, region, input.options.regularize)?;
     clock.mark("assemble")?;
-    let fact = dense::factorize(g, ws, &live, region, input.options.regularize)?;
-    clock.mark("factorize")?;
     let mut keep = Keep::new();
-    dense::solve_flux(g, ws, n, &mut keep)?;
-    clock.mark("solve")?;
-    dense::core_covariance(g, ws, n, &mut keep)?;
-    clock.mark("inverse")?;
-    decorrelate_chunk(g, tuning, ws, n)?;
+    let (fact, kind) = match tuning.solve {
+        Solve::Schur => {
+            schur::ensure(g, ws, n)?;
+            let (fact, coupled) = schur::factorize(
+                g,
+                ws,
+                &live,
+                region,
+                input.options.regularize,
+                tuning.coupling_max,
+            )?;
+            clock.mark("sweeps")?;
+            timings.coupled += coupled.patches;
+            timings.max_coupling = timings.max_coupling.max(coupled.largest);
+            (fact, BlockKind::Precision)
+        }
+        Solve::Dense => (
+            dense_steps(g, ws, &live, region, input, &mut clock, &mut keep)?,
+            BlockKind::Covariance,
+        ),
+    };
+    decorrelate_chunk(g, tuning, ws, n, kind)?;
     clock.mark("decorrelate")?;
     finalize(g, ws, host, region, input)?;
     clock.mark("finalize")?;

@@ -34,6 +34,12 @@ pub struct GpuTimings {
     /// Core blocks the polar route gave up on (not positive definite, or no convergence),
     /// decorrelated by the Jacobi eigensolver instead.
     pub polar_fallback: usize,
+    /// Patches the Schur route handed to the CPU reference because their second-neighbour
+    /// coupling was not negligible (counted in `cpu_fallback` too).
+    pub coupled: usize,
+    /// Largest second-neighbour coupling of any patch on the Schur route (|A_ij| of blocks two
+    /// fibers apart over sqrt(A_ii A_jj)).
+    pub max_coupling: f64,
 }
 
 impl GpuTimings {

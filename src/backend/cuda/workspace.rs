@@ -3,6 +3,7 @@
 //! of the CCD a chunk uploads.
 
 use super::device::{DevBuf, Device, PinSlot, Slot};
+use super::tuning::Solve;
 use crate::backend::FrameInput;
 use crate::error::Result;
 use crate::plan::Patch;
@@ -60,14 +61,15 @@ impl Shape {
     }
 
     /// Device bytes per patch of the per-patch buffers (icov, which later holds the covariance
-    /// blocks, L22^-1, the parked polar factors, vectors, outputs), without the model boxes.
-    pub(crate) fn bytes_per_patch(&self) -> usize {
+    /// blocks; L22^-1 on the dense route, the sweeps' updates and the complements on the Schur
+    /// route; the parked polar factors, vectors, outputs), without the model boxes.
+    pub(crate) fn bytes_per_patch(&self, solve: Solve) -> usize {
         let (m, mc, nt) = (self.m(), self.mc(), self.nt);
-        8 * (m * m
-            + mc * mc
-            + 2 * self.ncore * nt * nt
-            + 6 * m
-            + self.ncore * self.nws * (4 + self.nd()))
+        let route = match solve {
+            Solve::Dense => mc * mc,
+            Solve::Schur => 2 * self.ncore * nt * nt + 2 * self.nblock * nt * (nt + 1),
+        };
+        8 * (m * m + route + self.ncore * nt * nt + 6 * m + self.ncore * self.nws * (4 + self.nd()))
             + 4 * m
             + 64
     }
@@ -111,6 +113,11 @@ pub(crate) struct Workspace {
     pub(crate) fluxcol: Slot<f64>,
     pub(crate) sweeps: Slot<i32>,
     pub(crate) pbuf: Slot<f64>,
+    pub(crate) su: Slot<f64>,
+    pub(crate) sv: Slot<f64>,
+    pub(crate) sblocks: Slot<f64>,
+    pub(crate) info: Slot<i32>,
+    pub(crate) coupling: Slot<f64>,
     pub(crate) steps: Slot<i32>,
     pub(crate) model: Slot<f64>,
     pub(crate) chi2: Slot<f64>,
@@ -145,6 +152,11 @@ impl Workspace {
             fluxcol: Slot::new("core flux by column"),
             sweeps: Slot::new("Jacobi sweeps"),
             pbuf: Slot::new("parked polar factors"),
+            su: Slot::new("Schur sweep updates"),
+            sv: Slot::new("Schur sweep right-hand sides"),
+            sblocks: Slot::new("Schur complements"),
+            info: Slot::new("sweep verdicts"),
+            coupling: Slot::new("second-neighbour coupling"),
             steps: Slot::new("polar steps"),
             model: Slot::new("patch models"),
             chi2: Slot::new("chi2pix"),
