@@ -102,7 +102,8 @@ fn assert_agree(gpu: &[PatchResult], cpu: &[PatchResult]) {
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn kernels_compile_with_nvrtc() {
-    // Every source, compiled afresh (not from the kernel cache) for device 0's architecture.
+    // Every source, compiled afresh (not from the kernel cache) into CUBIN for device 0's
+    // architecture.
     let d = backend().describe();
     say(&format!("compiling for {d}"));
     let (_, a) = d
@@ -112,11 +113,13 @@ fn kernels_compile_with_nvrtc() {
     let (maj, min) = a.split_at(a.len() - 1);
     let arch = cuda::arch_name((maj.parse().unwrap(), min.parse().unwrap()));
     for (name, src, kernels) in cuda::SOURCES {
-        let text = cuda::compile(name, src, arch)
-            .unwrap_or_else(|e| panic!("{e}"))
-            .to_src();
+        let code = cuda::compile(name, src, arch).unwrap_or_else(|e| panic!("{e}"));
+        assert!(code.starts_with(b"\x7fELF"), "{name}: not a CUBIN");
         for k in *kernels {
-            assert!(text.contains(k), "{name}: kernel {k} missing from the PTX");
+            assert!(
+                code.windows(k.len()).any(|w| w == k.as_bytes()),
+                "{name}: kernel {k} missing from the CUBIN"
+            );
         }
     }
 }

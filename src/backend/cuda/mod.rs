@@ -79,8 +79,8 @@ impl CudaBackend {
         // context and the cuBLAS / cuSOLVER libraries open, which take as long.
         let (ptx, opened) = std::thread::scope(|scope| {
             let compiling = scope.spawn(|| {
-                let ptx = kernels::ptx_for(arch);
-                (ptx, t0.elapsed().as_secs_f64())
+                let cubins = kernels::cubins_for(arch);
+                (cubins, t0.elapsed().as_secs_f64())
             });
             let opened = Device::open(device).and_then(|dev| dev.bind().map(|()| dev));
             let t_open = t0.elapsed().as_secs_f64();
@@ -91,7 +91,7 @@ impl CudaBackend {
         });
         let (dev, t_open) = opened?;
         let (ptx, t_ptx) = ptx;
-        let kernels = Kernels::load(&dev, ptx?)?;
+        let kernels = Kernels::load(&dev, arch, ptx?)?;
         let t_kernels = t0.elapsed().as_secs_f64();
         let budget = match std::env::var("SPEX_GPU_MEMORY_GB") {
             Ok(v) => {
@@ -109,7 +109,7 @@ impl CudaBackend {
         let tuning = Tuning::from_env()?;
         tracing::info!(
             "CUDA device {device}: {} (compute capability {}.{}), kernels for {}; ready in \
-             {t_kernels:.2} s (device and libraries {t_open:.2} s, PTX {t_ptx:.2} s)",
+             {t_kernels:.2} s (device and libraries {t_open:.2} s, CUBIN {t_ptx:.2} s)",
             dev.name,
             dev.arch.0,
             dev.arch.1,
