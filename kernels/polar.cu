@@ -12,7 +12,7 @@
 // what makes it accurate: it never forms eigenvectors of nearly equal eigenvalues.
 //
 // Iteration (Chen and Chow's scaling): with X = A / ||A||_F, every singular value of X lies in
-// [l, 1], l = 1 / (||A||_F ||A^-1||_F). A step X <- a X (3 I - a^2 X^T X) / 2 with
+// [l, 1], l = 1 / (||A||_F ||A^-1||_2) (the 2-norm estimated by power steps). A step X <- a X (3 I - a^2 X^T X) / 2 with
 // a = sqrt(3 / (1 + l + l^2)) maps [l, 1] into [l', 1], l' = a l (3 - a^2 l^2) / 2, and the
 // measured ||X^T X - I||_F = e < 1 gives a second bound, sqrt((1 - e) / (1 + e)) after
 // dividing X by sqrt(1 + e); the larger bound is used. The block stops one step after
@@ -28,11 +28,44 @@
 #include "outputs.cuh"
 #include "tiles.cuh"
 
+// An estimate of the 2-norm of the lower triangular n x n matrix M, ||M v|| after a few power
+// steps on M^T M from the all-ones direction. It comes from below, so the bound l it gives the
+// iteration may be optimistic; that only slows the blocks where it is, and their convergence
+// test still decides. `v`, `w`: n doubles each.
+__device__ double lower_norm2(const double* M, int ld, int n, double* v, double* w, double* red) {
+    int tid = threadIdx.x, nth = blockDim.x;
+    for (int i = tid; i < n; i += nth) v[i] = rsqrt((double)n);
+    __syncthreads();
+    double est = 0.0;
+    for (int it = 0; it < 6; ++it) {
+        double part = 0.0;
+        for (int i = tid; i < n; i += nth) {
+            double s = 0.0;
+            for (int k = 0; k <= i; ++k) s += M[i * ld + k] * v[k];
+            w[i] = s;
+            part += s * s;
+        }
+        est = sqrt(block_sum(part, red));  // also orders w before its reads
+        part = 0.0;
+        for (int j = tid; j < n; j += nth) {
+            double s = 0.0;
+            for (int i = j; i < n; ++i) s += M[i * ld + j] * w[i];
+            v[j] = s;
+            part += s * s;
+        }
+        double len = sqrt(block_sum(part, red));
+        double inv = len > 0.0 ? 1.0 / len : 0.0;
+        for (int j = tid; j < n; j += nth) v[j] *= inv;
+        __syncthreads();
+    }
+    return est;
+}
+
 // `blocks`: C (from_cov != 0) or S, n x n each, row-major, one per (patch, core fiber).
 // `iters_out[blk]`: the number of steps, or -1 (not positive definite) or -2 (no convergence).
 // `pbuf`: n x n doubles per block of scratch. `qout`, when not null, receives Q.
 //
-// Shared memory (dynamic): X[N ld], T[N ld], rowsum[n], red[32], flag.
+// Shared memory (dynamic): X[N ld], T[N ld], rowsum[n], v[n], red[32], flag.
 extern "C" __global__ void polar_f64(
     const double* __restrict__ blocks, int from_cov, const double* __restrict__ xflux,
     const int* __restrict__ nkeep, int n, int m, int ncore, int wavepad, int nwavestep,
@@ -44,7 +77,8 @@ extern "C" __global__ void polar_f64(
     double* X = sm;
     double* T = X + N * ld;
     double* rowsum = T + N * ld;
-    double* red = rowsum + n;
+    double* v = rowsum + n;
+    double* red = v + n;
     int* flag = (int*)(red + 32);
     int tid = threadIdx.x, nth = blockDim.x;
     int blk = blockIdx.x;
@@ -66,7 +100,7 @@ extern "C" __global__ void polar_f64(
     if (from_cov) {
         // A = L^-1 (in X), A^-1 = L
         norm_a = frobenius(X, ld, n, true, red);
-        norm_ainv = frobenius(T, ld, n, true, red);
+        norm_ainv = lower_norm2(T, ld, n, rowsum, v, red);
         for (int idx = tid; idx < n * n; idx += nth) {
             int i = idx / n, j = idx % n;
             P[idx] = j <= i ? X[i * ld + j] : 0.0;
@@ -80,7 +114,7 @@ extern "C" __global__ void polar_f64(
     } else {
         // A = G^T, A^-1 = G^-T (G^-1 in X)
         norm_a = frobenius(T, ld, n, true, red);
-        norm_ainv = frobenius(X, ld, n, true, red);
+        norm_ainv = lower_norm2(X, ld, n, rowsum, v, red);
         for (int idx = tid; idx < n * n; idx += nth) {
             int i = idx / n, j = idx % n;
             P[idx] = j >= i ? T[j * ld + i] : 0.0;
@@ -98,16 +132,20 @@ extern "C" __global__ void polar_f64(
     double l = 1.0 / (norm_a * norm_ainv);
     int verdict = -2;
     for (int it = 1; it <= max_iter && isfinite(l); ++it) {
-        // T = X^T X
+        // X^T X in registers (this warp's row tile), its distance to I, then M into T
         tile_row_tn(X, X, ld, N, acc);
-        store_rows(T, ld, N, acc);
-        __syncthreads();
+        int lane = tid & 31, g = lane >> 2, t = lane & 3, r = 8 * (tid >> 5) + g;
         double e = 0.0;
-        for (int idx = tid; idx < n * n; idx += nth) {
-            int i = idx / n, j = idx % n;
-            double v = T[i * ld + j] - (i == j ? 1.0 : 0.0);
-            e += v * v;
-        }
+#pragma unroll
+        for (int J = 0; J < SPEX_TILES; ++J)
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                int c = 8 * J + 2 * t + q;
+                if (J < N / 8 && r < n && c < n) {
+                    double d = acc[J][q] - (r == c ? 1.0 : 0.0);
+                    e += d * d;
+                }
+            }
         e = sqrt(block_sum(e, red));
         if (!isfinite(e)) break;
         double s = 1.0;
@@ -121,12 +159,16 @@ extern "C" __global__ void polar_f64(
         l = fmin(l, 1.0);
         double a = sqrt(3.0 / (1.0 + l + l * l));
         double b = a / s;
-        // T <- M = 1.5 b I - 0.5 b^3 T, then X <- X M
+        // M = 1.5 b I - 0.5 b^3 X^T X (zero outside n x n), then X <- X M
         double c1 = 1.5 * b, c3 = -0.5 * b * b * b;
-        for (int idx = tid; idx < N * N; idx += nth) {
-            int i = idx / N, j = idx % N;
-            T[i * ld + j] = (i < n && j < n) ? c3 * T[i * ld + j] + (i == j ? c1 : 0.0) : 0.0;
-        }
+#pragma unroll
+        for (int J = 0; J < SPEX_TILES; ++J)
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                int c = 8 * J + 2 * t + q;
+                acc[J][q] = (r < n && c < n) ? c3 * acc[J][q] + (r == c ? c1 : 0.0) : 0.0;
+            }
+        store_rows(T, ld, N, acc);
         __syncthreads();
         tile_row_nn(X, T, ld, N, acc);
         __syncwarp();

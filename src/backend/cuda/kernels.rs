@@ -263,7 +263,7 @@ impl Kernels {
 /// A directory of compiled CUBIN, so that the ranks of later jobs skip NVRTC (about half a
 /// second per rank, paid again by every rank of every job): `SPEX_KERNEL_CACHE` (`off`
 /// disables it), else `$XDG_CACHE_HOME/spex/kernels`, else `$HOME/.cache/spex/kernels`. An
-/// entry is named after a digest of everything that shapes the PTX (the expanded source, the
+/// entry is named after a digest of everything that shapes the code (the expanded source, the
 /// options, the architecture, the NVRTC version), written atomically, and every failure to
 /// read or write it falls back to compiling.
 mod cache {
@@ -353,7 +353,7 @@ mod cache {
         use super::*;
 
         #[test]
-        fn keys_change_with_everything_that_shapes_the_ptx() {
+        fn keys_change_with_everything_that_shapes_the_code() {
             let base = key("spots.cu", "__global__ void f() {}", "sm_90", "12.4");
             assert!(
                 base.starts_with("spots-sm_90-") && base.ends_with(".cubin"),
