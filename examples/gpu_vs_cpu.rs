@@ -131,13 +131,17 @@ fn main() -> anyhow::Result<()> {
         let wall = t.elapsed().as_secs_f64();
         let tm = gpu.timings();
         println!(
-            "gpu run {rep}: {:.1} ms wall, {} chunks, peak buffers {:.2} GB, device in use {:.2} GB, retried {}, cpu fallback {}, max Jacobi sweeps {}",
+            "gpu run {rep}: {:.1} ms wall, {} chunks, peak buffers {:.2} GB, device in use {:.2} GB, retried {}, cpu fallback {} ({} coupled), polar blocks {} (max {} steps), polar fallback {} (max Jacobi sweeps {})",
             wall * 1e3,
             tm.chunks,
             tm.peak_bytes as f64 / 1e9,
             tm.device_used_bytes as f64 / 1e9,
             tm.retried,
             tm.cpu_fallback,
+            tm.coupled,
+            tm.polar_blocks,
+            tm.max_polar_steps,
+            tm.polar_fallback,
             tm.max_sweeps
         );
         let phases: Vec<String> = tm

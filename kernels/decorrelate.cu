@@ -1,7 +1,10 @@
-// Step 4 of the solve for one core fiber block per thread block: the symmetric inverse square
-// root Q = C^(-1/2) of its covariance block C (nwavetot x nwavetot) by a cyclic Jacobi
-// eigensolver in shared memory, then R = Q / rowsum, ivar = rowsum^2, flux = R xflux and the
-// resolution diagonals, exactly as `backend::cpu::solve_patch`.
+// Step 4 of the solve for one core fiber block per thread block, by eigendecomposition: the
+// symmetric inverse square root Q = C^(-1/2) of its covariance block C (nwavetot x nwavetot),
+// or the square root Q = S^(1/2) of S = C^-1 (`from_cov` = 0), by a cyclic Jacobi eigensolver
+// in shared memory, its eigenvalues clipped as the CPU
+// reference clips them, then the outputs of outputs.cuh. The polar route (polar.cu) is the
+// main one; this kernel takes the blocks it gives up on (a covariance block that is not
+// numerically positive definite, or an iteration that does not converge).
 //
 // Jacobi, parallel ordering: each round applies n/2 disjoint rotations (a round-robin
 // tournament of the indices), A <- J^T A J and V <- V J. A rotation touches only the rows and
@@ -10,6 +13,7 @@
 // relative to the norm and converges quadratically; sweeps stop when no rotation was needed.
 
 #include "common.cuh"
+#include "outputs.cuh"
 
 #define SPEX_JACOBI_MAX_SWEEPS 20
 
@@ -17,16 +21,19 @@
 // perturbation of C near tol.
 //
 // `qout`, when not null, receives Q itself (for the residual checks of the tests).
+// `only_failed`, when not null, limits the work to the blocks whose entry is negative (the
+// polar kernel's verdict); the others return at once.
 //
 // Shared memory (dynamic): A[n n], V[n n], cos and sin [npair each], d[n], rowsum[n],
 // red[32], then ints: pairs [2 npair], flag [2], triangle table [npair (npair + 1)] shorts.
 extern "C" __global__ void decorrelate_f64(
     const double* __restrict__ cblocks, const double* __restrict__ xflux,
-    const int* __restrict__ nkeep, int n, int m, int ncore, int wavepad, int nwavestep, int ndiag,
-    double eigen_clip, double tol, double* __restrict__ flux, double* __restrict__ ivar,
+    const int* __restrict__ nkeep, int from_cov, int n, int m, int ncore, int wavepad,
+    int nwavestep, int ndiag, double eigen_clip, double tol, double* __restrict__ flux, double* __restrict__ ivar,
     double* __restrict__ resolution, double* __restrict__ fluxcol, int* __restrict__ sweeps_out,
-    double* __restrict__ qout) {
+    double* __restrict__ qout, const int* __restrict__ only_failed) {
     extern __shared__ double sm[];
+    if (only_failed && only_failed[blockIdx.x] >= 0) return;
     // Threads form a (npair, ny) grid: x picks a pair (a column pair of A, a column pair of
     // V), y strides over rows; no integer division in the inner loops.
     int n2 = n + (n & 1);
@@ -47,7 +54,6 @@ extern "C" __global__ void decorrelate_f64(
     unsigned short* tri = (unsigned short*)(flag + 2);  // (kr, kc), kr <= kc
 
     int blk = blockIdx.x;  // patch * ncore + core fiber
-    int p = blk / ncore, c = blk % ncore;
     const double* C = cblocks + (size_t)blk * n * n;
     for (int i = tid; i < n * n; i += nthreads) {
         A[i] = C[i];
@@ -161,16 +167,25 @@ extern "C" __global__ void decorrelate_f64(
         __syncthreads();
     }
 
-    // eigenvalues clipped at eigen_clip of the largest, then their inverse square roots
-    // (a serial maximum: the block need not be a whole number of warps)
+    // Eigenvalues clipped at eigen_clip of the largest, then their inverse square roots (a
+    // serial extremum: the block need not be a whole number of warps). For S = C^-1 the same
+    // clip of C's eigenvalues 1/lambda bounds lambda from above by lambda_min / eigen_clip
+    // (lambda_min the smallest positive one), which also replaces the others.
     if (tid == 0) {
-        double mx = A[0];
-        for (int i = 1; i < n; ++i) mx = fmax(mx, A[i * n + i]);
-        red[0] = mx;
+        double mx = A[0], mn = 1e308;
+        for (int i = 0; i < n; ++i) {
+            double v = A[i * n + i];
+            mx = fmax(mx, v);
+            if (v > 0.0) mn = fmin(mn, v);
+        }
+        red[0] = from_cov ? mx * eigen_clip : mn / eigen_clip;
     }
     __syncthreads();
-    double floor_v = red[0] * eigen_clip;
-    for (int i = tid; i < n; i += nthreads) d[i] = 1.0 / sqrt(fmax(A[i * n + i], floor_v));
+    double bound = red[0];
+    for (int i = tid; i < n; i += nthreads) {
+        double v = A[i * n + i];
+        d[i] = from_cov ? 1.0 / sqrt(fmax(v, bound)) : sqrt(v > 0.0 && v < bound ? v : bound);
+    }
     __syncthreads();
     // Q = V diag(d) V^T into A
     for (int idx = tid; idx < n * n; idx += nthreads) {
@@ -183,35 +198,7 @@ extern "C" __global__ void decorrelate_f64(
     if (qout) {
         for (int idx = tid; idx < n * n; idx += nthreads) qout[(size_t)blk * n * n + idx] = A[idx];
     }
-    for (int i = tid; i < n; i += nthreads) {
-        double s = 0.0;
-        for (int k = 0; k < n; ++k) s += A[i * n + k];
-        rowsum[i] = s;
-    }
-    __syncthreads();
-
-    int nblk = m / n;
-    int b = nblk - ncore + c;
-    const double* xb = xflux + (size_t)p * m + (size_t)b * n;
-    // Every core bin goes into the model, also those past the last output bin (`nkeep`
-    // bounds only what the host keeps), as in gpu_specter's model image.
-    int nd = 2 * ndiag + 1;
-    size_t o = ((size_t)p * ncore + c) * nwavestep;
-    for (int j = tid; j < nwavestep; j += nthreads) {
-        int row = wavepad + j;
-        double norm = rowsum[row];
-        double f = 0.0;
-        for (int k = 0; k < n; ++k) f += A[row * n + k] * xb[k];
-        f /= norm;
-        flux[o + j] = f;
-        ivar[o + j] = norm * norm;
-        fluxcol[(size_t)p * m + (size_t)b * n + row] = f;
-        for (int k = 0; k < nd; ++k) {
-            int rr = row + k - ndiag;
-            double v = 0.0;
-            if (rr >= 0 && rr < n) v = A[rr * n + row] / rowsum[rr];
-            resolution[(((size_t)p * ncore + c) * nd + k) * nwavestep + j] = v;
-        }
-    }
+    write_decorrelated(A, n, n, rowsum, blk, tid, nthreads, xflux, nkeep, m, ncore, wavepad,
+                       nwavestep, ndiag, flux, ivar, resolution, fluxcol);
     if (tid == 0 && sweeps_out) sweeps_out[blk] = sweep;
 }

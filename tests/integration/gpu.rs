@@ -102,7 +102,8 @@ fn assert_agree(gpu: &[PatchResult], cpu: &[PatchResult]) {
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn kernels_compile_with_nvrtc() {
-    // Every source, compiled afresh (not from the kernel cache) for device 0's architecture.
+    // Every source, compiled afresh (not from the kernel cache) into CUBIN for device 0's
+    // architecture.
     let d = backend().describe();
     say(&format!("compiling for {d}"));
     let (_, a) = d
@@ -112,11 +113,13 @@ fn kernels_compile_with_nvrtc() {
     let (maj, min) = a.split_at(a.len() - 1);
     let arch = cuda::arch_name((maj.parse().unwrap(), min.parse().unwrap()));
     for (name, src, kernels) in cuda::SOURCES {
-        let text = cuda::compile(name, src, arch)
-            .unwrap_or_else(|e| panic!("{e}"))
-            .to_src();
+        let code = cuda::compile(name, src, arch).unwrap_or_else(|e| panic!("{e}"));
+        assert!(code.starts_with(b"\x7fELF"), "{name}: not a CUBIN");
         for k in *kernels {
-            assert!(text.contains(k), "{name}: kernel {k} missing from the PTX");
+            assert!(
+                code.windows(k.len()).any(|w| w == k.as_bytes()),
+                "{name}: kernel {k} missing from the CUBIN"
+            );
         }
     }
 }
@@ -152,6 +155,95 @@ fn gpu_matches_cpu_reference() {
         let c2: Vec<_> = subset.iter().map(|p| cpu[p.index].clone()).collect();
         assert_agree(&g2, &c2);
     }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn every_route_matches_the_cpu_reference() {
+    // The default (dense route, polar decorrelation) is covered above; the Jacobi decorrelation
+    // and the Schur route (with its coupling check) must agree as well.
+    let mut gpu = backend();
+    let psf = psf();
+    let plan = Plan::new(PlanOptions::new(6000.0, 6100.0, 0.8, 0, 25)).unwrap();
+    let image = synthetic_image(&psf, &plan, 13);
+    let options = solve_options(0.0, true);
+    let input = FrameInput {
+        plan: &plan,
+        psf: &psf,
+        image: &image,
+        options: &options,
+    };
+    let cpu = CpuBackend::new(0)
+        .unwrap()
+        .extract(input, &plan.patches, &Progress::silent())
+        .unwrap();
+    for (solve, route) in [
+        (cuda::Solve::Dense, cuda::Route::Jacobi),
+        (cuda::Solve::Schur, cuda::Route::Polar),
+        (cuda::Solve::Schur, cuda::Route::Jacobi),
+    ] {
+        gpu.set_solve(solve);
+        gpu.set_route(route);
+        say(&format!("{solve:?} route, {route:?} decorrelation"));
+        let g = gpu
+            .extract(input, &plan.patches, &Progress::silent())
+            .unwrap();
+        assert_agree(&g, &cpu);
+        let t = gpu.timings();
+        match route {
+            cuda::Route::Polar => assert!(t.polar_blocks > 0 && t.max_sweeps == 0),
+            cuda::Route::Jacobi => assert!(t.polar_blocks == 0 && t.max_sweeps > 0),
+        }
+    }
+    gpu.set_solve(cuda::Solve::Dense);
+    gpu.set_route(cuda::Route::Polar);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn schur_route_sends_coupled_patches_to_the_reference() {
+    // Fibers two apart couple through their stamps' tails on this PSF: the Schur route measures
+    // that coupling per patch and hands the patches above its bound to the CPU reference, so
+    // the results stay the reference's. Accepting every coupling shows what the check
+    // prevents: the dropped blocks move the fluxes far beyond rounding.
+    let mut gpu = backend();
+    gpu.set_solve(cuda::Solve::Schur);
+    let psf = psf();
+    let plan = Plan::new(PlanOptions::new(6000.0, 6040.0, 0.8, 0, 25)).unwrap();
+    let image = synthetic_image(&psf, &plan, 17);
+    let options = solve_options(0.0, false);
+    let input = FrameInput {
+        plan: &plan,
+        psf: &psf,
+        image: &image,
+        options: &options,
+    };
+    let (g, cpu) = solve_both(&mut gpu, input);
+    let t = gpu.timings().clone();
+    say(&format!(
+        "{} of {} patches coupled (largest coupling {:.1e})",
+        t.coupled,
+        plan.patches.len(),
+        t.max_coupling
+    ));
+    assert!(
+        t.coupled > 0,
+        "no patch measured any second-neighbour coupling"
+    );
+    assert_eq!(t.cpu_fallback, t.coupled);
+    assert_agree(&g, &cpu);
+    gpu.set_coupling_max(1.0);
+    let dropped = gpu
+        .extract(input, &plan.patches, &Progress::silent())
+        .unwrap();
+    assert_eq!(gpu.timings().coupled, 0);
+    let a = agreement(&dropped, &cpu).expect("same patches");
+    say(&format!("coupling dropped: {a}"));
+    assert!(
+        !a.failures(1e-6).is_empty(),
+        "dropping a coupling of {:.1e} went unnoticed",
+        t.max_coupling
+    );
 }
 
 #[test]
@@ -274,48 +366,277 @@ fn random_spd(n: usize, decades: f64, rng: &mut rand::rngs::StdRng) -> Vec<f64> 
     a
 }
 
+/// Largest |entry| of the product a b of two n x n row-major matrices minus `minus` (n x n).
+fn product_error(a: &[f64], b: &[f64], minus: &[f64], n: usize) -> f64 {
+    let mut worst = 0f64;
+    for i in 0..n {
+        for k in 0..n {
+            let v: f64 = (0..n).map(|l| a[i * n + l] * b[l * n + k]).sum();
+            worst = worst.max((v - minus[i * n + k]).abs());
+        }
+    }
+    worst
+}
+
+fn eye(n: usize) -> Vec<f64> {
+    (0..n * n)
+        .map(|i| if i / n == i % n { 1.0 } else { 0.0 })
+        .collect()
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
-fn inverse_sqrt_residual() {
+fn decorrelation_residuals_on_both_routes() {
     let mut gpu = backend();
     let mut rng = rand::rngs::StdRng::seed_from_u64(11);
-    for n in [74usize, 31, 9] {
-        for decades in [0.5, 4.0, 8.0] {
-            let count = 40;
-            let mats: Vec<f64> = (0..count)
-                .flat_map(|_| random_spd(n, decades, &mut rng))
-                .collect();
-            let qs = gpu.inverse_sqrt_batched(&mats, n).unwrap();
-            let mut worst = 0f64;
-            for b in 0..count {
-                let c = &mats[b * n * n..(b + 1) * n * n];
-                let q = &qs[b * n * n..(b + 1) * n * n];
-                // Q C Q - I
-                let mut qc = vec![0.0; n * n];
-                for i in 0..n {
-                    for k in 0..n {
-                        qc[i * n + k] = (0..n).map(|l| q[i * n + l] * c[l * n + k]).sum();
+    for route in [cuda::Route::Polar, cuda::Route::Jacobi] {
+        gpu.set_route(route);
+        for kind in [cuda::BlockKind::Covariance, cuda::BlockKind::Precision] {
+            for n in [74usize, 31, 9] {
+                for decades in [0.5, 4.0, 8.0] {
+                    let count = 40;
+                    let mats: Vec<f64> = (0..count)
+                        .flat_map(|_| random_spd(n, decades, &mut rng))
+                        .collect();
+                    let (qs, steps) = gpu.decorrelation_batched(&mats, n, kind).unwrap();
+                    let mut worst = 0f64;
+                    for b in 0..count {
+                        let a = &mats[b * n * n..(b + 1) * n * n];
+                        let q = &qs[b * n * n..(b + 1) * n * n];
+                        for i in 0..n {
+                            for k in 0..i {
+                                let scale = q[i * n + i].abs().max(q[k * n + k].abs());
+                                assert!((q[i * n + k] - q[k * n + i]).abs() <= 1e-12 * scale);
+                            }
+                        }
+                        worst = worst.max(match kind {
+                            // Q C Q = I
+                            cuda::BlockKind::Covariance => {
+                                let mut qc = vec![0.0; n * n];
+                                for i in 0..n {
+                                    for k in 0..n {
+                                        qc[i * n + k] =
+                                            (0..n).map(|l| q[i * n + l] * a[l * n + k]).sum();
+                                    }
+                                }
+                                product_error(&qc, q, &eye(n), n)
+                            }
+                            // Q Q = S, relative to the largest entry of S
+                            cuda::BlockKind::Precision => {
+                                let smax = a.iter().fold(0f64, |m, v| m.max(v.abs()));
+                                product_error(q, q, a, n) / smax
+                            }
+                        });
                     }
+                    let max_steps = steps.iter().copied().max().unwrap_or(0);
+                    say(&format!(
+                        "{route:?} {kind:?} n {n}, condition 1e{decades}: residual {worst:.2e}, polar steps at most {max_steps}"
+                    ));
+                    match route {
+                        cuda::Route::Polar => assert!(
+                            steps.iter().all(|&s| s > 0),
+                            "the polar route gave up on a well-posed block: {steps:?}"
+                        ),
+                        cuda::Route::Jacobi => assert!(steps.iter().all(|&s| s == 0)),
+                    }
+                    let bound = match kind {
+                        cuda::BlockKind::Covariance => 1e-9 * 10f64.powf(decades / 2.0).max(1.0),
+                        cuda::BlockKind::Precision => 1e-12,
+                    };
+                    assert!(worst < bound, "residual {worst} over {bound}");
                 }
-                for i in 0..n {
+            }
+        }
+    }
+    gpu.set_route(cuda::Route::Polar);
+}
+
+/// Extended-precision (double-double) references of the decorrelation.
+mod reference {
+    use twofloat::TwoFloat;
+
+    type Dd = TwoFloat;
+
+    fn dd(v: f64) -> Dd {
+        Dd::from(v)
+    }
+
+    /// Eigenvalues and eigenvectors (columns of V, row-major) of a symmetric matrix by cyclic
+    /// Jacobi in double-double: accurate far beyond f64 for any conditioning.
+    pub fn eigh(a: &[f64], n: usize) -> (Vec<Dd>, Vec<Dd>) {
+        let mut a: Vec<Dd> = a.iter().map(|&v| dd(v)).collect();
+        let mut v: Vec<Dd> = (0..n * n)
+            .map(|i| dd(if i / n == i % n { 1.0 } else { 0.0 }))
+            .collect();
+        for _sweep in 0..40 {
+            let mut rotated = false;
+            for p in 0..n {
+                for q in p + 1..n {
+                    let apq = a[p * n + q];
+                    let scale = (a[p * n + p] * a[q * n + q]).abs().sqrt();
+                    if apq.abs() <= scale * 1e-31 || apq == dd(0.0) {
+                        continue;
+                    }
+                    rotated = true;
+                    let theta = (a[q * n + q] - a[p * n + p]) / (apq * 2.0);
+                    let mut t = dd(1.0) / (theta.abs() + (theta * theta + 1.0).sqrt());
+                    if theta < dd(0.0) {
+                        t = -t;
+                    }
+                    let c = dd(1.0) / (t * t + 1.0).sqrt();
+                    let s = t * c;
                     for k in 0..n {
-                        let v: f64 = (0..n).map(|l| qc[i * n + l] * q[l * n + k]).sum();
-                        let e = if i == k { v - 1.0 } else { v };
-                        worst = worst.max(e.abs());
-                        assert!(
-                            (q[i * n + k] - q[k * n + i]).abs()
-                                <= 1e-12 * q[i * n + i].abs().max(q[k * n + k].abs())
-                        );
+                        let (akp, akq) = (a[k * n + p], a[k * n + q]);
+                        a[k * n + p] = c * akp - s * akq;
+                        a[k * n + q] = s * akp + c * akq;
+                    }
+                    for k in 0..n {
+                        let (apk, aqk) = (a[p * n + k], a[q * n + k]);
+                        a[p * n + k] = c * apk - s * aqk;
+                        a[q * n + k] = s * apk + c * aqk;
+                    }
+                    for k in 0..n {
+                        let (vkp, vkq) = (v[k * n + p], v[k * n + q]);
+                        v[k * n + p] = c * vkp - s * vkq;
+                        v[k * n + q] = s * vkp + c * vkq;
                     }
                 }
             }
-            say(&format!(
-                "inverse sqrt n {n}, condition 1e{decades}: max |QCQ - I| {worst:.2e}"
-            ));
-            assert!(
-                worst < 1e-9 * 10f64.powf(decades / 2.0).max(1.0),
-                "residual {worst}"
-            );
+            if !rotated {
+                break;
+            }
         }
+        ((0..n).map(|i| a[i * n + i]).collect(), v)
     }
+
+    /// V f(Lambda) V^T.
+    pub fn spectral(lam: &[Dd], v: &[Dd], n: usize, f: impl Fn(Dd) -> Dd) -> Vec<Dd> {
+        let fl: Vec<Dd> = lam.iter().map(|&l| f(l)).collect();
+        let mut out = vec![dd(0.0); n * n];
+        for i in 0..n {
+            for k in 0..n {
+                let mut s = dd(0.0);
+                for l in 0..n {
+                    s += v[i * n + l] * fl[l] * v[k * n + l];
+                }
+                out[i * n + k] = s;
+            }
+        }
+        out
+    }
+
+    /// Flux (Q x)_j / rowsum_j and rowsum_j (= 1 / sigma_j) of every row.
+    pub fn flux(q: &[Dd], x: &[f64], n: usize) -> Vec<(Dd, Dd)> {
+        (0..n)
+            .map(|j| {
+                let mut num = dd(0.0);
+                let mut norm = dd(0.0);
+                for k in 0..n {
+                    num += q[j * n + k] * x[k];
+                    norm += q[j * n + k];
+                }
+                (num / norm, norm)
+            })
+            .collect()
+    }
+
+    pub fn to_f64(v: Dd) -> f64 {
+        v.hi() + v.lo()
+    }
+}
+
+/// Largest flux error, in sigma, of the decorrelation `q` (f64, row-major) against the
+/// reference fluxes of `x`.
+fn flux_error_sigma(
+    q: &[f64],
+    x: &[f64],
+    reference: &[(twofloat::TwoFloat, twofloat::TwoFloat)],
+) -> f64 {
+    let n = x.len();
+    (0..n)
+        .map(|j| {
+            let row = &q[j * n..(j + 1) * n];
+            let norm: f64 = row.iter().sum();
+            let f = row.iter().zip(x).map(|(a, b)| a * b).sum::<f64>() / norm;
+            let (fr, nr) = reference[j];
+            ((f - reference::to_f64(fr)) * reference::to_f64(nr)).abs()
+        })
+        .fold(0f64, f64::max)
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn polar_route_is_accurate_on_ill_conditioned_blocks() {
+    // Precision blocks S = C^-1 of order 74 whose condition numbers reach 1e8-1e10 the way a
+    // patch's do: a well-conditioned core with a few bins of almost no weight (masked pixels).
+    let mut gpu = backend();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(29);
+    let normal = Normal::new(0.0, 1.0).unwrap();
+    let n = 74;
+    let mut blocks = Vec::new();
+    for (decades, masked, weight) in [
+        (3.0, 2, 3e-3),
+        (4.0, 3, 1e-3),
+        (4.0, 5, 3e-4),
+        (5.0, 3, 1e-3),
+    ] {
+        let mut s = random_spd(n, decades, &mut rng);
+        let bins: Vec<usize> = (0..masked).map(|k| 10 + 17 * k).collect();
+        for i in 0..n {
+            for k in 0..n {
+                let di = if bins.contains(&i) { weight } else { 1.0 };
+                let dk = if bins.contains(&k) { weight } else { 1.0 };
+                s[i * n + k] *= di * dk;
+            }
+        }
+        blocks.push(s);
+    }
+    let mats: Vec<f64> = blocks.concat();
+    let (q_polar, steps) = gpu
+        .decorrelation_batched(&mats, n, cuda::BlockKind::Precision)
+        .unwrap();
+    gpu.set_route(cuda::Route::Jacobi);
+    let (q_jacobi, _) = gpu
+        .decorrelation_batched(&mats, n, cuda::BlockKind::Precision)
+        .unwrap();
+    gpu.set_route(cuda::Route::Polar);
+    let mut worst_cond = 0f64;
+    for (b, s) in blocks.iter().enumerate() {
+        let (lam, v) = reference::eigh(s, n);
+        let (lo, hi) = lam.iter().fold((f64::MAX, 0f64), |(lo, hi), &l| {
+            let l = reference::to_f64(l);
+            (lo.min(l), hi.max(l))
+        });
+        let cond = hi / lo;
+        worst_cond = worst_cond.max(cond);
+        let q_ref = reference::spectral(&lam, &v, n, |l| l.sqrt());
+        // a spectrum with a signal to noise of about 100 per bin
+        let sigma: Vec<f64> = reference::flux(&q_ref, &vec![0.0; n], n)
+            .iter()
+            .map(|&(_, norm)| 1.0 / reference::to_f64(norm))
+            .collect();
+        let mut sorted = sigma.clone();
+        sorted.sort_by(f64::total_cmp);
+        let typical = sorted[n / 2];
+        let x: Vec<f64> = (0..n)
+            .map(|_| 100.0 * typical * (1.0 + 0.3 * normal.sample(&mut rng)))
+            .collect();
+        let fref = reference::flux(&q_ref, &x, n);
+        let block = b * n * n..(b + 1) * n * n;
+        let e_polar = flux_error_sigma(&q_polar[block.clone()], &x, &fref);
+        let e_jacobi = flux_error_sigma(&q_jacobi[block], &x, &fref);
+        say(&format!(
+            "block {b}: condition {cond:.1e}, polar steps {}: flux error {e_polar:.1e} sigma (Jacobi {e_jacobi:.1e} sigma)",
+            steps[b]
+        ));
+        assert!(steps[b] > 0, "the polar route gave up on block {b}");
+        assert!(
+            e_polar <= 1e-10,
+            "block {b}: polar flux off by {e_polar} sigma"
+        );
+    }
+    assert!(
+        worst_cond >= 1e8,
+        "the blocks are not ill-conditioned: {worst_cond:.1e}"
+    );
 }

@@ -1,17 +1,22 @@
 //! The CUDA C kernels of the backend: their sources (embedded at build time), their
-//! compilation by NVRTC for the device's architecture at start-up, and launches.
+//! compilation by NVRTC into CUBIN (machine code) for the device's architecture at start-up,
+//! kept in an on-disk cache, and launches.
 
-use std::ffi::c_void;
+use std::ffi::{c_void, CString};
 
 use cudarc::driver::{result as drv, sys as drv_sys, CudaFunction, CudaModule};
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions};
+use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys, Ptx};
 
 use super::device::Device;
 use super::error;
 use crate::error::{Error, Result};
 
-/// The header included by every source (`#include "common.cuh"`).
-const COMMON: &str = include_str!("../../../kernels/common.cuh");
+/// The headers the sources include, by name.
+const HEADERS: &[(&str, &str)] = &[
+    ("common.cuh", include_str!("../../../kernels/common.cuh")),
+    ("outputs.cuh", include_str!("../../../kernels/outputs.cuh")),
+    ("tiles.cuh", include_str!("../../../kernels/tiles.cuh")),
+];
 
 /// Every kernel source: (file name, text, kernels it defines).
 pub const SOURCES: &[(&str, &str, &[&str])] = &[
@@ -31,6 +36,16 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
         &["eye_f64"],
     ),
     (
+        "schur.cu",
+        include_str!("../../../kernels/schur.cu"),
+        &["schur_sweep_f64", "schur_combine_f64"],
+    ),
+    (
+        "polar.cu",
+        include_str!("../../../kernels/polar.cu"),
+        &["polar_f64"],
+    ),
+    (
         "decorrelate.cu",
         include_str!("../../../kernels/decorrelate.cu"),
         &["decorrelate_f64"],
@@ -42,33 +57,62 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
     ),
 ];
 
-/// Replaces the include of the shared header by its text: NVRTC is given one string per
-/// program, and the header must not be looked up on the file system at run time.
+/// Replaces the includes of the shared headers by their text: NVRTC is given one string per
+/// program, and the headers must not be looked up on the file system at run time.
 fn expand(src: &str) -> String {
-    src.replace(
-        "#include \"common.cuh\"",
-        COMMON.replace("#pragma once", "").as_str(),
-    )
+    HEADERS
+        .iter()
+        .fold(src.to_string(), |text, (name, header)| {
+            text.replace(
+                &format!("#include \"{name}\""),
+                header.replace("#pragma once", "").as_str(),
+            )
+        })
 }
 
 /// NVRTC options besides the architecture.
 const OPTIONS: &[&str] = &["--std=c++17"];
 
-/// Compiles one source for `arch` (e.g. "sm_90") into PTX; the NVRTC log is in the error.
-pub fn compile(name: &str, src: &str, arch: &'static str) -> Result<cudarc::nvrtc::Ptx> {
-    let opts = CompileOptions {
-        arch: Some(arch),
-        name: Some(name.to_string()),
-        options: OPTIONS.iter().map(|o| o.to_string()).collect(),
-        ..Default::default()
+/// Compiles one source for `arch` (e.g. "sm_90") into CUBIN, machine code the driver loads
+/// without a JIT pass; the NVRTC log is in the error.
+pub fn compile(name: &str, src: &str, arch: &str) -> Result<Vec<u8>> {
+    let fail = |what: String| Error::Gpu(format!("NVRTC failed on {name} for {arch}: {what}"));
+    let text = CString::new(expand(src)).map_err(|e| fail(e.to_string()))?;
+    let cname = CString::new(name).map_err(|e| fail(e.to_string()))?;
+    let prog = nvrtc::create_program(&text, Some(&cname)).map_err(|e| fail(format!("{e:?}")))?;
+    let mut options = vec![format!("--gpu-architecture={arch}")];
+    options.extend(OPTIONS.iter().map(|o| o.to_string()));
+    // SAFETY: `prog` was created above and is destroyed once, at the end.
+    let out = unsafe {
+        let compiled = nvrtc::compile_program(prog, &options);
+        let result = match compiled {
+            Err(e) => {
+                let log = nvrtc::get_program_log(prog)
+                    .map(|l| {
+                        let bytes: Vec<u8> = l.iter().map(|&c| c as u8).collect();
+                        String::from_utf8_lossy(&bytes)
+                            .trim_end_matches('\0')
+                            .to_string()
+                    })
+                    .unwrap_or_default();
+                Err(fail(format!("{e:?} (options {options:?}):\n{log}")))
+            }
+            Ok(()) => {
+                let mut size = 0usize;
+                nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size)
+                    .result()
+                    .map_err(|e| fail(format!("nvrtcGetCUBINSize: {e:?}")))?;
+                let mut cubin = vec![0u8; size];
+                nvrtc_sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast())
+                    .result()
+                    .map_err(|e| fail(format!("nvrtcGetCUBIN: {e:?}")))?;
+                Ok(cubin)
+            }
+        };
+        let _ = nvrtc::destroy_program(prog);
+        result
     };
-    compile_ptx_with_opts(expand(src), opts).map_err(|e| match e {
-        CompileError::CompileError { log, options, .. } => Error::Gpu(format!(
-            "NVRTC failed to compile {name} for {arch} (options {options:?}):\n{}",
-            log.to_string_lossy()
-        )),
-        other => Error::Gpu(format!("NVRTC failed on {name}: {other:?}")),
-    })
+    out
 }
 
 /// The `compute_XY`/`sm_XY` name NVRTC expects for a compute capability.
@@ -96,30 +140,41 @@ pub fn arch_name(cc: (i32, i32)) -> &'static str {
     }
 }
 
-/// The PTX of every source for `arch`, in the order of [`SOURCES`]: from the kernel cache
+/// The CUBIN of one source for `arch`: from the kernel cache when it holds it (and
+/// `fresh` is false), else compiled by NVRTC and stored there.
+fn cubin_of(
+    cache: Option<&cache::Cache>,
+    name: &str,
+    src: &str,
+    arch: &'static str,
+    version: &str,
+    fresh: bool,
+) -> Result<Vec<u8>> {
+    let key = cache::key(name, &expand(src), arch, version);
+    if !fresh {
+        if let Some(cubin) = cache.and_then(|c| c.get(&key)) {
+            return Ok(cubin);
+        }
+    }
+    let _r = nvtx::LocalRange::new(nvtx::Str::from_str_lossy(&format!("nvrtc {name}")));
+    let cubin = compile(name, src, arch)?;
+    if let Some(c) = cache {
+        c.put(&key, &cubin);
+    }
+    Ok(cubin)
+}
+
+/// The CUBIN of every source for `arch`, in the order of [`SOURCES`]: from the kernel cache
 /// when it holds them, else compiled by NVRTC, one thread per source, and stored there.
-pub(crate) fn ptx_for(arch: &'static str) -> Result<Vec<String>> {
+pub(crate) fn cubins_for(arch: &'static str) -> Result<Vec<Vec<u8>>> {
     let cache = cache::Cache::open();
     let version = cache::nvrtc_version();
     std::thread::scope(|scope| {
         let jobs: Vec<_> = SOURCES
             .iter()
             .map(|&(name, src, _)| {
-                let (cache, version) = (&cache, &version);
-                scope.spawn(move || -> Result<String> {
-                    let text = expand(src);
-                    let key = cache::key(name, &text, arch, version);
-                    if let Some(ptx) = cache.as_ref().and_then(|c| c.get(&key)) {
-                        return Ok(ptx);
-                    }
-                    let _r =
-                        nvtx::LocalRange::new(nvtx::Str::from_str_lossy(&format!("nvrtc {name}")));
-                    let ptx = compile(name, src, arch)?.to_src();
-                    if let Some(c) = cache {
-                        c.put(&key, &ptx);
-                    }
-                    Ok(ptx)
-                })
+                let (cache, version) = (cache.as_ref(), &version);
+                scope.spawn(move || cubin_of(cache, name, src, arch, version, false))
             })
             .collect();
         jobs.into_iter()
@@ -139,24 +194,43 @@ pub(crate) struct Kernels {
     pub assemble: CudaFunction,
     pub regularize: CudaFunction,
     pub eye: CudaFunction,
+    pub schur_sweep: CudaFunction,
+    pub schur_combine: CudaFunction,
+    pub polar: CudaFunction,
     pub decorrelate: CudaFunction,
     pub project: CudaFunction,
     pub chi2pix: CudaFunction,
 }
 
 impl Kernels {
-    /// Loads the kernels of `ptx` (from [`ptx_for`] for the device's architecture).
-    pub(crate) fn load(dev: &Device, ptx: Vec<String>) -> Result<Self> {
+    /// Loads the kernels of `cubins` (from [`cubins_for`] for the device's architecture). A
+    /// module the driver refuses (a damaged cache entry, say) is compiled afresh and loaded
+    /// once more.
+    pub(crate) fn load(dev: &Device, arch: &'static str, cubins: Vec<Vec<u8>>) -> Result<Self> {
         let mut modules = Vec::new();
         let mut functions = std::collections::HashMap::new();
-        for ((name, _, kernels), ptx) in SOURCES.iter().zip(ptx) {
-            let module = dev
-                .ctx
-                .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
-                .map_err(error::driver(format!(
-                    "cannot load module {name} on device {}",
-                    dev.ordinal
-                )))?;
+        for ((name, src, kernels), cubin) in SOURCES.iter().zip(cubins) {
+            let module = match dev.ctx.load_module(Ptx::from_binary(cubin)) {
+                Ok(m) => m,
+                Err(e) => {
+                    tracing::warn!("cannot load module {name} ({e:?}); compiling it again");
+                    let cache = cache::Cache::open();
+                    let cubin = cubin_of(
+                        cache.as_ref(),
+                        name,
+                        src,
+                        arch,
+                        &cache::nvrtc_version(),
+                        true,
+                    )?;
+                    dev.ctx
+                        .load_module(Ptx::from_binary(cubin))
+                        .map_err(error::driver(format!(
+                            "cannot load module {name} on device {}",
+                            dev.ordinal
+                        )))?
+                }
+            };
             for k in *kernels {
                 let f = module
                     .load_function(k)
@@ -175,6 +249,9 @@ impl Kernels {
             assemble: take("assemble_f64"),
             regularize: take("regularize_f64"),
             eye: take("eye_f64"),
+            schur_sweep: take("schur_sweep_f64"),
+            schur_combine: take("schur_combine_f64"),
+            polar: take("polar_f64"),
             decorrelate: take("decorrelate_f64"),
             project: take("project_f64"),
             chi2pix: take("chi2pix_f64"),
@@ -183,10 +260,10 @@ impl Kernels {
     }
 }
 
-/// A directory of compiled PTX, so that the ranks of later jobs skip NVRTC (about half a
+/// A directory of compiled CUBIN, so that the ranks of later jobs skip NVRTC (about half a
 /// second per rank, paid again by every rank of every job): `SPEX_KERNEL_CACHE` (`off`
 /// disables it), else `$XDG_CACHE_HOME/spex/kernels`, else `$HOME/.cache/spex/kernels`. An
-/// entry is named after a digest of everything that shapes the PTX (the expanded source, the
+/// entry is named after a digest of everything that shapes the code (the expanded source, the
 /// options, the architecture, the NVRTC version), written atomically, and every failure to
 /// read or write it falls back to compiling.
 mod cache {
@@ -215,19 +292,22 @@ mod cache {
             Cache { dir }
         }
 
-        pub(super) fn get(&self, key: &str) -> Option<String> {
-            let text = std::fs::read_to_string(self.dir.join(key)).ok()?;
-            // A complete entry ends with the marker written after the PTX.
-            let ptx = text.strip_suffix(END)?;
+        pub(super) fn get(&self, key: &str) -> Option<Vec<u8>> {
+            let mut data = std::fs::read(self.dir.join(key)).ok()?;
+            // A complete entry ends with the marker written after the CUBIN.
+            if !data.ends_with(END) {
+                return None;
+            }
+            data.truncate(data.len() - END.len());
             tracing::debug!("kernel cache: {key}");
-            Some(ptx.to_string())
+            Some(data)
         }
 
-        pub(super) fn put(&self, key: &str, ptx: &str) {
+        pub(super) fn put(&self, key: &str, cubin: &[u8]) {
             let write = || -> std::io::Result<()> {
                 std::fs::create_dir_all(&self.dir)?;
                 let tmp = self.dir.join(format!(".{key}.{}.tmp", std::process::id()));
-                std::fs::write(&tmp, format!("{ptx}{END}"))?;
+                std::fs::write(&tmp, [cubin, END].concat())?;
                 std::fs::rename(&tmp, self.dir.join(key))
             };
             if let Err(e) = write() {
@@ -239,9 +319,9 @@ mod cache {
         }
     }
 
-    const END: &str = "\n// spex kernel cache entry end\n";
+    const END: &[u8] = b"\nspex kernel cache entry end\n";
 
-    /// The version of the NVRTC library, which shapes the PTX it writes.
+    /// The version of the NVRTC library, which shapes the code it writes.
     pub(super) fn nvrtc_version() -> String {
         let (mut major, mut minor) = (0, 0);
         // SAFETY: NVRTC writes two integers; the library was checked before any compile.
@@ -249,12 +329,15 @@ mod cache {
         format!("{major}.{minor}")
     }
 
-    /// The file name of the PTX of source `name` (expanded `text`) for `arch` by NVRTC
-    /// `version`: two independent 64-bit digests (FNV-1a and SipHash) of everything the PTX
+    /// The file name of the CUBIN of source `name` (expanded `text`) for `arch` by NVRTC
+    /// `version`: two independent 64-bit digests (FNV-1a and SipHash) of everything the code
     /// depends on.
     pub(super) fn key(name: &str, text: &str, arch: &str, version: &str) -> String {
         use std::hash::{Hash, Hasher};
-        let material = format!("{name}\0{arch}\0{version}\0{:?}\0{text}", super::OPTIONS);
+        let material = format!(
+            "{name}\0{arch}\0{version}\0{:?}\0cubin\0{text}",
+            super::OPTIONS
+        );
         let mut fnv: u64 = 0xcbf2_9ce4_8422_2325;
         for b in material.bytes() {
             fnv = (fnv ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
@@ -262,7 +345,7 @@ mod cache {
         let mut sip = std::collections::hash_map::DefaultHasher::new();
         material.hash(&mut sip);
         let stem = name.trim_end_matches(".cu");
-        format!("{stem}-{arch}-{fnv:016x}{:016x}.ptx", sip.finish())
+        format!("{stem}-{arch}-{fnv:016x}{:016x}.cubin", sip.finish())
     }
 
     #[cfg(test)]
@@ -270,10 +353,10 @@ mod cache {
         use super::*;
 
         #[test]
-        fn keys_change_with_everything_that_shapes_the_ptx() {
+        fn keys_change_with_everything_that_shapes_the_code() {
             let base = key("spots.cu", "__global__ void f() {}", "sm_90", "12.4");
             assert!(
-                base.starts_with("spots-sm_90-") && base.ends_with(".ptx"),
+                base.starts_with("spots-sm_90-") && base.ends_with(".cubin"),
                 "{base}"
             );
             assert_eq!(
@@ -294,20 +377,18 @@ mod cache {
         fn entries_come_back_whole_or_not_at_all() {
             let dir = tempfile::tempdir().expect("temporary directory");
             let cache = Cache::at(dir.path().join("kernels"));
-            assert_eq!(cache.get("a.ptx"), None);
-            cache.put("a.ptx", ".version 8.4\n.target sm_90\n");
-            assert_eq!(
-                cache.get("a.ptx").as_deref(),
-                Some(".version 8.4\n.target sm_90\n")
-            );
+            assert_eq!(cache.get("a.cubin"), None);
+            let code = b"\x7fELF\x02\x01\x01\x00 machine code \x00\xff";
+            cache.put("a.cubin", code);
+            assert_eq!(cache.get("a.cubin").as_deref(), Some(&code[..]));
             // A file cut short (a writer killed before the rename cannot leave one, but a full
             // disk or a copy can) is not an entry.
-            std::fs::write(dir.path().join("kernels/b.ptx"), ".version 8.4\n.tar").expect("write");
-            assert_eq!(cache.get("b.ptx"), None);
+            std::fs::write(dir.path().join("kernels/b.cubin"), &code[..6]).expect("write");
+            assert_eq!(cache.get("b.cubin"), None);
             // An unwritable place only costs the compile.
-            let blocked = Cache::at(dir.path().join("kernels/a.ptx/sub"));
-            blocked.put("c.ptx", "x");
-            assert_eq!(blocked.get("c.ptx"), None);
+            let blocked = Cache::at(dir.path().join("kernels/a.cubin/sub"));
+            blocked.put("c.cubin", b"x");
+            assert_eq!(blocked.get("c.cubin"), None);
         }
     }
 }

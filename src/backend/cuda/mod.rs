@@ -2,28 +2,49 @@
 //!
 //! Nothing CUDA is needed to build it: the driver, NVRTC, cuBLAS and cuSOLVER are loaded at
 //! run time (cudarc's dynamic loading), and the kernels in `kernels/` are compiled by NVRTC
-//! for the device's architecture when the backend is created. The solve follows the CPU
-//! reference step by step (see `solve`); results agree with it to rounding.
+//! into CUBIN for the device's architecture when the backend is created (or come from the
+//! kernel cache). The solve follows the CPU reference step by step (see `solve`); results agree
+//! with it to rounding, except that the decorrelation takes the polar route where the CPU
+//! diagonalises (the two agree to 1e-9 sigma or better).
 //!
 //! All patches of a call are solved in chunks as large as the device memory budget allows
 //! (`SPEX_GPU_MEMORY_GB`, default 8 GB per backend), so that one batched factorisation covers
 //! thousands of patches; the host tables of the next chunk are built while the device works.
 //! Device and pinned buffers are kept between calls (a process extracts frame after frame).
 //!
-//! Tuning variables, for measurements rather than production: `SPEX_GPU_CHUNK` (most patches
-//! per chunk), `SPEX_GPU_JACOBI_THREADS` (threads per Jacobi block, default 512) and
-//! `SPEX_GPU_JACOBI_TOL` (rotation threshold, default 1e-14).
+//! The code is split by concern: `workspace` (buffers kept between calls and shapes),
+//! `tables` (host tables of a chunk), `launchers` (one typed launcher per kernel), `dense`
+//! (factorisation and core covariance through cuSOLVER and cuBLAS), `schur` (the same by
+//! per-fiber Schur complements), `decorrelate` (polar route and Jacobi fallback), `results`
+//! (host-side results and the CPU fallback), `solve` (the steps of a chunk in order),
+//! `tuning` and `timings`.
+//!
+//! Tuning variables, for measurements rather than production, are read once when a backend is
+//! created: `SPEX_GPU_CHUNK` (most patches per chunk) and those of `tuning` (`SPEX_GPU_SOLVE`,
+//! `SPEX_GPU_COUPLING_MAX`, `SPEX_GPU_DECORRELATE`, `SPEX_GPU_JACOBI_THREADS`,
+//! `SPEX_GPU_JACOBI_TOL`).
 
+mod decorrelate;
+mod dense;
 mod device;
 mod error;
 mod kernels;
+mod launchers;
+mod results;
+mod schur;
 mod solve;
+mod tables;
+mod timings;
+mod tuning;
+mod workspace;
 
 use std::collections::BTreeMap;
 use std::time::Instant;
 
+pub use decorrelate::BlockKind;
 pub use kernels::{arch_name, compile, SOURCES};
-pub use solve::GpuTimings;
+pub use timings::GpuTimings;
+pub use tuning::{Route, Solve};
 
 use crate::backend::{Backend, FrameInput, Progress};
 use crate::error::{Error, Result};
@@ -31,7 +52,9 @@ use crate::extract::PatchResult;
 use crate::plan::Patch;
 use device::Device;
 use kernels::Kernels;
-use solve::Shape;
+use launchers::{CoreIn, CoreOut, Gpu};
+use tuning::Tuning;
+use workspace::Shape;
 
 /// Default budget of device memory per backend, in bytes.
 const DEFAULT_BUDGET: f64 = 8e9;
@@ -42,8 +65,9 @@ pub struct CudaBackend {
     kernels: Kernels,
     budget: usize,
     max_chunk: Option<usize>,
+    tuning: Tuning,
     timings: GpuTimings,
-    workspace: solve::Workspace,
+    workspace: workspace::Workspace,
     /// Pinned image buffers kept between calls (two take turns).
     pinned: Vec<device::PinnedBuf<f32>>,
 }
@@ -56,21 +80,21 @@ impl CudaBackend {
         let arch = arch_name(device::compute_capability(device)?);
         // NVRTC needs no context: the kernels compile (or come from the cache) while the
         // context and the cuBLAS / cuSOLVER libraries open, which take as long.
-        let (ptx, opened) = std::thread::scope(|scope| {
+        let (cubins, opened) = std::thread::scope(|scope| {
             let compiling = scope.spawn(|| {
-                let ptx = kernels::ptx_for(arch);
-                (ptx, t0.elapsed().as_secs_f64())
+                let cubins = kernels::cubins_for(arch);
+                (cubins, t0.elapsed().as_secs_f64())
             });
             let opened = Device::open(device).and_then(|dev| dev.bind().map(|()| dev));
             let t_open = t0.elapsed().as_secs_f64();
-            let ptx = compiling
+            let cubins = compiling
                 .join()
                 .unwrap_or_else(|_| (Err(Error::Gpu("NVRTC thread panicked".into())), 0.0));
-            (ptx, opened.map(|dev| (dev, t_open)))
+            (cubins, opened.map(|dev| (dev, t_open)))
         });
         let (dev, t_open) = opened?;
-        let (ptx, t_ptx) = ptx;
-        let kernels = Kernels::load(&dev, ptx?)?;
+        let (cubins, t_cubin) = cubins;
+        let kernels = Kernels::load(&dev, arch, cubins?)?;
         let t_kernels = t0.elapsed().as_secs_f64();
         let budget = match std::env::var("SPEX_GPU_MEMORY_GB") {
             Ok(v) => {
@@ -85,9 +109,10 @@ impl CudaBackend {
         let max_chunk = std::env::var("SPEX_GPU_CHUNK")
             .ok()
             .and_then(|v| v.trim().parse().ok());
+        let tuning = Tuning::from_env()?;
         tracing::info!(
             "CUDA device {device}: {} (compute capability {}.{}), kernels for {}; ready in \
-             {t_kernels:.2} s (device and libraries {t_open:.2} s, PTX {t_ptx:.2} s)",
+             {t_kernels:.2} s (device and libraries {t_open:.2} s, CUBIN {t_cubin:.2} s)",
             dev.name,
             dev.arch.0,
             dev.arch.1,
@@ -98,8 +123,9 @@ impl CudaBackend {
             kernels,
             budget,
             max_chunk,
+            tuning,
             timings: GpuTimings::default(),
-            workspace: solve::Workspace::new(),
+            workspace: workspace::Workspace::new(),
             pinned: Vec::new(),
         })
     }
@@ -114,8 +140,9 @@ impl CudaBackend {
             kernels: self.kernels.clone(),
             budget: self.budget,
             max_chunk: self.max_chunk,
+            tuning: self.tuning,
             timings: GpuTimings::default(),
-            workspace: solve::Workspace::new(),
+            workspace: workspace::Workspace::new(),
             pinned: Vec::new(),
         })
     }
@@ -132,6 +159,22 @@ impl CudaBackend {
         self.pinned.clear();
     }
 
+    /// Chooses the decorrelation route (for comparisons; the polar route is the default).
+    pub fn set_route(&mut self, route: Route) {
+        self.tuning.route = route;
+    }
+
+    /// Chooses the route of steps 2-3 (the dense route by default; see [`Solve`]).
+    pub fn set_solve(&mut self, solve: Solve) {
+        self.tuning.solve = solve;
+    }
+
+    /// Sets the largest second-neighbour coupling the Schur route accepts; patches above it
+    /// are solved densely by the CPU reference (for tests of that fallback).
+    pub fn set_coupling_max(&mut self, max: f64) {
+        self.tuning.coupling_max = max;
+    }
+
     /// Limits the number of patches solved together (for tests of the chunking; the default
     /// follows the memory budget).
     pub fn set_max_chunk(&mut self, patches: Option<usize>) {
@@ -141,16 +184,23 @@ impl CudaBackend {
     /// Patches per chunk: the per-patch buffers must fit in the budget left after the spots
     /// and the image region of a chunk (bounded by a quarter of the budget).
     fn chunk_size(&self, sh: &Shape) -> usize {
-        let per = sh.bytes_per_patch() + 8 * 8192;
+        let per = sh.bytes_per_patch(self.tuning.solve) + 8 * 8192;
         let fit = (self.budget * 3 / 4) / per;
         self.max_chunk.unwrap_or(fit).min(fit).max(1)
     }
 
-    /// The symmetric inverse square roots of `count` symmetric positive definite matrices of
-    /// order `n` (row-major, back to back), by the Jacobi kernel of the decorrelation step.
-    /// Exposed for residual checks.
-    pub fn inverse_sqrt_batched(&mut self, blocks: &[f64], n: usize) -> Result<Vec<f64>> {
-        let count = blocks.len() / (n * n);
+    /// The decorrelation matrices Q of `count` symmetric positive definite blocks of order `n`
+    /// (row-major, back to back): Q = C^(-1/2) of covariance blocks, Q = S^(1/2) of precision
+    /// blocks, by the decorrelation step of the current route; with each block's polar steps
+    /// (0 for the Jacobi route, negative where the polar route handed the block to the Jacobi
+    /// kernel). Exposed for residual and accuracy checks.
+    pub fn decorrelation_batched(
+        &mut self,
+        blocks: &[f64],
+        n: usize,
+        kind: BlockKind,
+    ) -> Result<(Vec<f64>, Vec<i32>)> {
+        let count = blocks.len() / (n * n).max(1);
         if count * n * n != blocks.len() || n == 0 {
             return Err(Error::Gpu(format!(
                 "{} values are not whole {n} x {n} matrices",
@@ -174,31 +224,49 @@ impl CudaBackend {
         let cb = d.upload(blocks, "test matrices")?;
         let x = d.zeros::<f64>(count * n, "zero rhs")?;
         let nkeep = d.upload(&vec![0i32; count], "kept bins")?;
-        let flux = d.alloc::<f64>(count * n, "flux")?;
-        let ivar = d.alloc::<f64>(count * n, "ivar")?;
-        let res = d.alloc::<f64>(count * n, "resolution")?;
-        let fluxcol = d.zeros::<f64>(count * n, "flux by column")?;
+        let out = [
+            d.alloc::<f64>(count * n, "flux")?,
+            d.alloc::<f64>(count * n, "ivar")?,
+            d.alloc::<f64>(count * n, "resolution")?,
+            d.zeros::<f64>(count * n, "flux by column")?,
+        ];
+        let steps = d.zeros::<i32>(count, "polar steps")?;
         let sweeps = d.zeros::<i32>(count, "sweeps")?;
+        let pbuf = d.alloc::<f64>(count * n * n, "parked polar factors")?;
         let q = d.alloc::<f64>(count * n * n, "inverse square roots")?;
-        solve::decorrelate(
-            d,
-            &self.kernels,
-            &sh,
-            count,
-            &cb,
-            &x,
-            &nkeep,
-            &flux,
-            &ivar,
-            &res,
-            &fluxcol,
-            &sweeps,
+        decorrelate::decorrelate(
+            Gpu {
+                dev: d,
+                k: &self.kernels,
+                sh: &sh,
+            },
+            &self.tuning,
+            CoreIn {
+                blocks: cb.ptr,
+                count,
+                xflux: x.ptr,
+                nkeep: nkeep.ptr,
+            },
+            kind,
+            decorrelate::Scratch {
+                pbuf: &pbuf,
+                steps: &steps,
+                sweeps: &sweeps,
+            },
+            CoreOut {
+                flux: out[0].ptr,
+                ivar: out[1].ptr,
+                res: out[2].ptr,
+                fluxcol: out[3].ptr,
+            },
             q.ptr,
         )?;
-        let mut out = vec![0.0; count * n * n];
-        d.copy_from(&mut out, &q, 0, "inverse square roots")?;
+        let mut qs = vec![0.0; count * n * n];
+        let mut st = vec![0i32; count];
+        d.copy_from(&mut qs, &q, 0, "inverse square roots")?;
+        d.copy_from(&mut st, &steps, 0, "polar steps")?;
         d.sync("inverse square roots")?;
-        Ok(out)
+        Ok((qs, st))
     }
 }
 
@@ -252,7 +320,7 @@ impl Backend for CudaBackend {
         let mut results: Vec<Option<PatchResult>> = vec![None; patches.len()];
         let ctx = self.dev.ctx.clone();
         let mut pool = std::mem::take(&mut self.pinned);
-        let mut next = Some(solve::prepare(&input, &chunks[0], &sh, &ctx, pool.pop())?);
+        let mut next = Some(tables::prepare(&input, &chunks[0], &sh, &ctx, pool.pop())?);
         for (ci, chunk) in chunks.iter().enumerate() {
             let host = next.take().expect("prepared above");
             let _r = nvtx::LocalRange::new(nvtx::Str::from_str_lossy(&format!(
@@ -263,16 +331,20 @@ impl Backend for CudaBackend {
                 let helper = chunks.get(ci + 1).map(|c| {
                     let (input, sh, ctx) = (&input, &sh, &ctx);
                     let buf = pool.pop();
-                    s.spawn(move || solve::prepare(input, c, sh, ctx, buf))
+                    s.spawn(move || tables::prepare(input, c, sh, ctx, buf))
                 });
+                let gpu = Gpu {
+                    dev: &self.dev,
+                    k: &self.kernels,
+                    sh: &sh,
+                };
                 let solved = solve::solve_chunk(
-                    &self.dev,
-                    &self.kernels,
+                    gpu,
+                    &self.tuning,
                     &mut self.workspace,
                     &input,
                     chunk,
                     host,
-                    &sh,
                     &mut timings,
                 );
                 if let Some(h) = helper {
@@ -296,7 +368,7 @@ impl Backend for CudaBackend {
         timings.peak_bytes = self.dev.stats.peak();
         timings.total_ms = t0.elapsed().as_secs_f64() * 1e3;
         tracing::info!(
-            "cuda: {} patches in {:.1} ms ({} chunks; {}); peak device memory {:.2} GB (process {:.2} GB)",
+            "cuda: {} patches in {:.1} ms ({} chunks; {}); {:?} route, {} patches coupled to second neighbours (largest coupling {:.1e}); decorrelation: {} blocks polar (at most {} steps), {} by Jacobi after the polar route gave up; peak device memory {:.2} GB (process {:.2} GB)",
             patches.len(),
             timings.total_ms,
             timings.chunks,
@@ -306,6 +378,12 @@ impl Backend for CudaBackend {
                 .map(|(n, ms)| format!("{n} {ms:.1}"))
                 .collect::<Vec<_>>()
                 .join(", "),
+            self.tuning.solve,
+            timings.coupled,
+            timings.max_coupling,
+            timings.polar_blocks,
+            timings.max_polar_steps,
+            timings.polar_fallback,
             timings.peak_bytes as f64 / 1e9,
             timings.device_used_bytes as f64 / 1e9
         );

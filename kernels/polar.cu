@@ -1,0 +1,219 @@
+// Step 4 of the solve by the polar route, one core fiber block per thread block: the inverse
+// square root Q = C^(-1/2) of a covariance block as the symmetric polar factor of a triangular
+// factor, by a scaled Newton-Schulz iteration on FP64 tensor cores, then the outputs of
+// outputs.cuh.
+//
+// With S = C^-1 and any A such that A^T A = S, the polar decomposition A = U H has
+// H = (A^T A)^(1/2) = S^(1/2) = Q, so Q = U^T A. Two starting points:
+// - from C (`from_cov`): C = L L^T, A = L^-1 (then A^-1 = L);
+// - from S (a Schur complement): S = G G^T, A = G^T.
+// cond(A) = sqrt(cond(C)), so the iteration converges in about a dozen steps even for the
+// blocks with masked bins (cond(C) up to 1e10), and it uses matrix products only, which is
+// what makes it accurate: it never forms eigenvectors of nearly equal eigenvalues.
+//
+// Iteration (Chen and Chow's scaling): with X = A / ||A||_F, every singular value of X lies in
+// [l, 1], l = 1 / (||A||_F ||A^-1||_2) (the 2-norm estimated by power steps). A step X <- a X (3 I - a^2 X^T X) / 2 with
+// a = sqrt(3 / (1 + l + l^2)) maps [l, 1] into [l', 1], l' = a l (3 - a^2 l^2) / 2, and the
+// measured ||X^T X - I||_F = e < 1 gives a second bound, sqrt((1 - e) / (1 + e)) after
+// dividing X by sqrt(1 + e); the larger bound is used. The block stops one step after
+// e < tol. A block whose covariance is not numerically positive definite, or that does not
+// converge in `max_iter` steps, gets a negative verdict and is left to the Jacobi kernel.
+//
+// Layout: N = n rounded up to 8, one warp per 8-row tile (N / 8 warps, N <= 8 SPEX_TILES); two
+// N x N matrices in shared memory with leading dimension N + 4 (conflict-free fragment
+// loads), zero outside n x n; the triangular factor A is parked in global memory (`pbuf`)
+// while they iterate.
+
+#include "common.cuh"
+#include "outputs.cuh"
+#include "tiles.cuh"
+
+// An estimate of the 2-norm of the lower triangular n x n matrix M, ||M v|| after a few power
+// steps on M^T M from the all-ones direction. It comes from below, so the bound l it gives the
+// iteration may be optimistic; that only slows the blocks where it is, and their convergence
+// test still decides. `v`, `w`: n doubles each.
+__device__ double lower_norm2(const double* M, int ld, int n, double* v, double* w, double* red) {
+    int tid = threadIdx.x, nth = blockDim.x;
+    for (int i = tid; i < n; i += nth) v[i] = rsqrt((double)n);
+    __syncthreads();
+    double est = 0.0;
+    for (int it = 0; it < 6; ++it) {
+        double part = 0.0;
+        for (int i = tid; i < n; i += nth) {
+            double s = 0.0;
+            for (int k = 0; k <= i; ++k) s += M[i * ld + k] * v[k];
+            w[i] = s;
+            part += s * s;
+        }
+        est = sqrt(block_sum(part, red));  // also orders w before its reads
+        part = 0.0;
+        for (int j = tid; j < n; j += nth) {
+            double s = 0.0;
+            for (int i = j; i < n; ++i) s += M[i * ld + j] * w[i];
+            v[j] = s;
+            part += s * s;
+        }
+        double len = sqrt(block_sum(part, red));
+        double inv = len > 0.0 ? 1.0 / len : 0.0;
+        for (int j = tid; j < n; j += nth) v[j] *= inv;
+        __syncthreads();
+    }
+    return est;
+}
+
+// `blocks`: C (from_cov != 0) or S, n x n each, row-major, one per (patch, core fiber).
+// `iters_out[blk]`: the number of steps, or -1 (not positive definite) or -2 (no convergence).
+// `pbuf`: n x n doubles per block of scratch. `qout`, when not null, receives Q.
+//
+// Shared memory (dynamic): X[N ld], T[N ld], rowsum[n], v[n], red[32], flag.
+extern "C" __global__ void polar_f64(
+    const double* __restrict__ blocks, int from_cov, const double* __restrict__ xflux,
+    const int* __restrict__ nkeep, int n, int m, int ncore, int wavepad, int nwavestep,
+    int ndiag, double tol, int max_iter, double* __restrict__ pbuf, double* __restrict__ flux,
+    double* __restrict__ ivar, double* __restrict__ resolution, double* __restrict__ fluxcol,
+    int* __restrict__ iters_out, double* __restrict__ qout) {
+    extern __shared__ double sm[];
+    int N = (n + 7) / 8 * 8, ld = N + 4;
+    double* X = sm;
+    double* T = X + N * ld;
+    double* rowsum = T + N * ld;
+    double* v = rowsum + n;
+    double* red = v + n;
+    int* flag = (int*)(red + 32);
+    int tid = threadIdx.x, nth = blockDim.x;
+    int blk = blockIdx.x;
+    const double* src = blocks + (size_t)blk * n * n;
+    double* P = pbuf + (size_t)blk * n * n;
+
+    for (int idx = tid; idx < N * ld; idx += nth) {
+        int i = idx / ld, j = idx % ld;
+        T[idx] = (i < n && j < n) ? src[i * n + j] : 0.0;
+        X[idx] = 0.0;
+    }
+    __syncthreads();
+    if (!cholesky_in_place(T, ld, n, flag)) {
+        if (tid == 0) iters_out[blk] = -1;
+        return;
+    }
+    lower_inverse(T, X, ld, n);
+    double norm_a, norm_ainv;
+    if (from_cov) {
+        // A = L^-1 (in X), A^-1 = L
+        norm_a = frobenius(X, ld, n, true, red);
+        norm_ainv = lower_norm2(T, ld, n, rowsum, v, red);
+        for (int idx = tid; idx < n * n; idx += nth) {
+            int i = idx / n, j = idx % n;
+            P[idx] = j <= i ? X[i * ld + j] : 0.0;
+        }
+        __syncthreads();
+        double s = 1.0 / norm_a;
+        for (int idx = tid; idx < N * ld; idx += nth) {
+            int i = idx / ld, j = idx % ld;
+            X[idx] = (i < n && j <= i) ? X[idx] * s : 0.0;
+        }
+    } else {
+        // A = G^T, A^-1 = G^-T (G^-1 in X)
+        norm_a = frobenius(T, ld, n, true, red);
+        norm_ainv = lower_norm2(X, ld, n, rowsum, v, red);
+        for (int idx = tid; idx < n * n; idx += nth) {
+            int i = idx / n, j = idx % n;
+            P[idx] = j >= i ? T[j * ld + i] : 0.0;
+        }
+        __syncthreads();
+        double s = 1.0 / norm_a;
+        for (int idx = tid; idx < N * ld; idx += nth) {
+            int i = idx / ld, j = idx % ld;
+            X[idx] = (j < n && i <= j) ? T[j * ld + i] * s : 0.0;
+        }
+    }
+    __syncthreads();
+
+    double acc[SPEX_TILES][2];
+    double l = 1.0 / (norm_a * norm_ainv);
+    int verdict = -2;
+    for (int it = 1; it <= max_iter && isfinite(l); ++it) {
+        // X^T X in registers (this warp's row tile), its distance to I, then M into T
+        tile_row_tn(X, X, ld, N, acc);
+        int lane = tid & 31, g = lane >> 2, t = lane & 3, r = 8 * (tid >> 5) + g;
+        double e = 0.0;
+#pragma unroll
+        for (int J = 0; J < SPEX_TILES; ++J)
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                int c = 8 * J + 2 * t + q;
+                if (J < N / 8 && r < n && c < n) {
+                    double d = acc[J][q] - (r == c ? 1.0 : 0.0);
+                    e += d * d;
+                }
+            }
+        e = sqrt(block_sum(e, red));
+        if (!isfinite(e)) break;
+        double s = 1.0;
+        if (e < 1.0) {
+            double lb = sqrt((1.0 - e) / (1.0 + e));
+            if (lb > l) {
+                l = lb;
+                s = sqrt(1.0 + e);
+            }
+        }
+        l = fmin(l, 1.0);
+        double a = sqrt(3.0 / (1.0 + l + l * l));
+        double b = a / s;
+        // M = 1.5 b I - 0.5 b^3 X^T X (zero outside n x n), then X <- X M
+        double c1 = 1.5 * b, c3 = -0.5 * b * b * b;
+#pragma unroll
+        for (int J = 0; J < SPEX_TILES; ++J)
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                int c = 8 * J + 2 * t + q;
+                acc[J][q] = (r < n && c < n) ? c3 * acc[J][q] + (r == c ? c1 : 0.0) : 0.0;
+            }
+        store_rows(T, ld, N, acc);
+        __syncthreads();
+        tile_row_nn(X, T, ld, N, acc);
+        __syncwarp();
+        store_rows(X, ld, N, acc);
+        __syncthreads();
+        l = 0.5 * a * l * (3.0 - a * a * l * l);
+        if (e < tol) {
+            verdict = it;
+            break;
+        }
+    }
+    if (verdict < 0) {
+        if (tid == 0) iters_out[blk] = verdict;
+        return;
+    }
+
+    // Q^T = (U^T A)^T into X (warp I writes the column tile I that only it reads), then Q
+    // symmetrised into T.
+    for (int idx = tid; idx < N * ld; idx += nth) {
+        int i = idx / ld, j = idx % ld;
+        T[idx] = (i < n && j < n) ? P[i * n + j] : 0.0;
+    }
+    __syncthreads();
+    tile_row_tn(X, T, ld, N, acc);
+    __syncwarp();
+    {
+        int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, I = threadIdx.x >> 5;
+#pragma unroll
+        for (int J = 0; J < SPEX_TILES; ++J)
+            if (J < N / 8) {
+                X[(8 * J + 2 * t) * ld + 8 * I + g] = acc[J][0];
+                X[(8 * J + 2 * t + 1) * ld + 8 * I + g] = acc[J][1];
+            }
+    }
+    __syncthreads();
+    for (int idx = tid; idx < n * n; idx += nth) {
+        int i = idx / n, j = idx % n;
+        T[i * ld + j] = 0.5 * (X[i * ld + j] + X[j * ld + i]);
+    }
+    __syncthreads();
+    if (qout) {
+        for (int idx = tid; idx < n * n; idx += nth)
+            qout[(size_t)blk * n * n + idx] = T[(idx / n) * ld + idx % n];
+    }
+    write_decorrelated(T, ld, n, rowsum, blk, tid, nth, xflux, nkeep, m, ncore, wavepad,
+                       nwavestep, ndiag, flux, ivar, resolution, fluxcol);
+    if (tid == 0) iters_out[blk] = verdict;
+}

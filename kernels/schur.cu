@@ -1,0 +1,188 @@
+// Steps 2-3 of the solve by per-fiber Schur complements: a patch's icov is block-tridiagonal
+// in fiber order (neighbouring fibers couple through their stamps' overlap, second neighbours
+// only through stamp tails, ~1e-14 relative), so two block sweeps give what the extraction
+// needs without the full inverse:
+// - from the left, Sigma_0 = A_00 and, with Sigma_k = L L^T, W = A_{k+1,k} L^-T, z = L^-1 r_k:
+//   Sigma_{k+1} = A_{k+1,k+1} - W W^T and r_{k+1} = y_{k+1} - W z; from the right the mirror;
+// - for every block b, S_b = A_bb - (W W^T from the left) - (from the right) is the Schur
+//   complement of the block, S_b = C_bb^-1 with C = icov^-1, and
+//   xflux_b = S_b^-1 (y_b - (W z from the left) - (from the right)).
+// The sweeps store those contributions, U[p][dir][k] (n x n) and u[p][dir][k] (n); the combine
+// kernel sums them. The second-neighbour blocks the sweeps drop are measured per patch, so that
+// the host can send a patch whose coupling is not negligible to the dense route.
+
+#include "common.cuh"
+#include "tiles.cuh"
+
+// Element (i, j) of block (r, c) of patch p's icov (dense, m x m per patch).
+__device__ __forceinline__ double icov_at(const double* icov, size_t p, int m, int n, int r, int c,
+                                          int i, int j) {
+    return icov[(p * m + (size_t)r * n + i) * m + (size_t)c * n + j];
+}
+
+// One block per (patch, direction): blockIdx.y = 0 sweeps from the left, 1 from the right, over
+// the nb fiber blocks of order n. `info[p]` is set to 1 when a Sigma is not positive definite;
+// direction 0 also writes `coupling[p]`, the largest |A_ij| / sqrt(A_ii A_jj) over blocks two
+// or more fibers apart.
+//
+// Shared memory (dynamic): S[N ld] (Sigma, then W W^T), W[N ld] ([W; z^T]^T), r[n],
+// red[32], flag; N = n + 1 rounded up to 8, ld = N + 4; 4 N threads.
+extern "C" __global__ void schur_sweep_f64(const double* __restrict__ icov,
+                                           const double* __restrict__ y,
+                                           const int* __restrict__ patch_ids, int m, int n,
+                                           int nb, double* __restrict__ U, double* __restrict__ u,
+                                           int* __restrict__ info, double* __restrict__ coupling) {
+    extern __shared__ double sm[];
+    int N = (n + 8) / 8 * 8, ld = N + 4;
+    double* S = sm;
+    double* W = S + N * ld;
+    double* r = W + N * ld;
+    double* red = r + n;
+    int* flag = (int*)(red + 32);
+    int tid = threadIdx.x, nth = blockDim.x;
+    int lane = tid & 31, warp = tid >> 5, nwarp = nth >> 5;
+    int dir = blockIdx.y;
+    size_t p = patch_of(patch_ids, blockIdx.x);
+    const double* yp = y + p * m;
+
+    if (dir == 0 && nb > 2) {
+        // 1 / sqrt of icov's diagonal in W (free until the sweep starts)
+        for (int i = tid; i < nb * n; i += nth)
+            W[i] = rsqrt(fmax(icov[(p * m + (size_t)(m - nb * n + i)) * m + m - nb * n + i], 1e-300));
+        __syncthreads();
+        double worst = 0.0;
+        for (int k = 0; k + 2 < nb; ++k)
+            for (int l = k + 2; l < nb; ++l)
+                for (int idx = tid; idx < n * n; idx += nth) {
+                    int i = idx / n, j = idx % n;
+                    double a = icov_at(icov, p, m, n, l, k, i, j);
+                    worst = fmax(worst, fabs(a) * W[l * n + i] * W[k * n + j]);
+                }
+        worst = block_max(worst, red);
+        if (tid == 0) coupling[p] = worst;
+    } else if (dir == 0 && tid == 0) {
+        coupling[p] = 0.0;
+    }
+    int k = dir == 0 ? 0 : nb - 1;
+    for (int idx = tid; idx < N * ld; idx += nth) {
+        int i = idx / ld, j = idx % ld;
+        S[idx] = (i < n && j < n) ? icov_at(icov, p, m, n, k, k, i, j) : 0.0;
+    }
+    double* U0 = U + ((p * 2 + dir) * nb + k) * n * n;
+    for (int idx = tid; idx < n * n; idx += nth) U0[idx] = 0.0;
+    for (int i = tid; i < n; i += nth) {
+        r[i] = yp[(size_t)k * n + i];
+        u[((p * 2 + dir) * nb + k) * n + i] = 0.0;
+    }
+    __syncthreads();
+    double acc[SPEX_TILES][2];
+    for (int s = 0; s + 1 < nb; ++s) {
+        int kn = dir == 0 ? k + 1 : k - 1;
+        if (!cholesky_in_place(S, ld, n, flag)) {
+            if (tid == 0) info[p] = 1;
+            return;
+        }
+        // V = [A_{kn,k}; r^T]^T in W (n rows, n + 1 columns; icov is symmetric, so row j of V
+        // is row j of A_{k,kn}), then V <- L^-1 V, so that V^T = [W; z^T]
+        for (int idx = tid; idx < N * ld; idx += nth) {
+            int j = idx / ld, i = idx % ld;
+            double v = 0.0;
+            if (j < n && i < n) v = icov_at(icov, p, m, n, k, kn, j, i);
+            if (j < n && i == n) v = r[j];
+            W[idx] = v;
+        }
+        __syncthreads();
+        for (int j = 0; j < n; ++j) {
+            double inv = 1.0 / S[j * ld + j];
+            for (int l = j + 1 + warp; l < n; l += nwarp) {
+                double f = S[l * ld + j] * inv;
+                for (int i = lane; i <= n; i += 32) W[l * ld + i] -= f * W[j * ld + i];
+            }
+            __syncthreads();
+        }
+        for (int idx = tid; idx < n * (n + 1); idx += nth) {
+            int l = idx / (n + 1), i = idx % (n + 1);
+            W[l * ld + i] /= S[l * ld + l];
+        }
+        __syncthreads();
+        // S <- V^T V: columns 0..n-1 the update W W^T of Sigma, column n that of r, W z
+        tile_row_tn(W, W, ld, N, acc);
+        store_rows(S, ld, N, acc);
+        __syncthreads();
+        size_t o = (p * 2 + dir) * nb + kn;
+        for (int idx = tid; idx < n * n; idx += nth) {
+            int i = idx / n, j = idx % n;
+            double g = S[i * ld + j];
+            U[o * n * n + idx] = g;
+            S[i * ld + j] = icov_at(icov, p, m, n, kn, kn, i, j) - g;
+        }
+        for (int i = tid; i < n; i += nth) {
+            double g = S[i * ld + n];
+            u[o * n + i] = g;
+            r[i] = yp[(size_t)kn * n + i] - g;
+        }
+        __syncthreads();
+        for (int i = tid; i < N; i += nth) S[i * ld + n] = 0.0;
+        __syncthreads();
+        k = kn;
+    }
+}
+
+// One block per (fiber block b, patch): S_b and xflux_b from the sweeps' contributions. The
+// core blocks' S_b go to `sblocks[(patch * ncore + c) n^2]` (row-major) for the decorrelation;
+// xflux to `x[p * m + b * n]`. `info[p]` is set to 1 when S_b is not positive definite.
+//
+// Shared memory (dynamic): T[n (n + 1)], v[n], red[32], flag; 128 threads.
+extern "C" __global__ void schur_combine_f64(
+    const double* __restrict__ icov, const double* __restrict__ y,
+    const int* __restrict__ patch_ids, int m, int n, int nb, int ncore,
+    const double* __restrict__ U, const double* __restrict__ u, double* __restrict__ sblocks,
+    double* __restrict__ x, int* __restrict__ info) {
+    extern __shared__ double sm[];
+    int ld = n + 1;
+    double* T = sm;
+    double* v = T + n * ld;
+    double* red = v + n;
+    int* flag = (int*)(red + 32);
+    int tid = threadIdx.x, nth = blockDim.x;
+    int lane = tid & 31, warp = tid >> 5;
+    int b = blockIdx.x;
+    size_t p = patch_of(patch_ids, blockIdx.y);
+    const double* ul = U + ((p * 2 + 0) * nb + b) * n * n;
+    const double* ur = U + ((p * 2 + 1) * nb + b) * n * n;
+    int c = b - (nb - ncore);
+    double* so = c >= 0 ? sblocks + (p * ncore + c) * n * n : nullptr;
+    for (int idx = tid; idx < n * n; idx += nth) {
+        int i = idx / n, j = idx % n;
+        double s = icov_at(icov, p, m, n, b, b, i, j) - ul[idx] - ur[idx];
+        T[i * ld + j] = s;
+        if (so) so[idx] = s;
+    }
+    for (int i = tid; i < n; i += nth)
+        v[i] = y[p * m + (size_t)b * n + i] - u[((p * 2 + 0) * nb + b) * n + i] -
+               u[((p * 2 + 1) * nb + b) * n + i];
+    __syncthreads();
+    if (!cholesky_in_place(T, ld, n, flag)) {
+        if (tid == 0) info[p] = 1;
+        return;
+    }
+    // v <- L^-T L^-1 v by one warp
+    if (warp == 0) {
+        for (int i = 0; i < n; ++i) {
+            double s = 0.0;
+            for (int j = lane; j < i; j += 32) s += T[i * ld + j] * v[j];
+            s = warp_sum(s);
+            if (lane == 0) v[i] = (v[i] - s) / T[i * ld + i];
+            __syncwarp();
+        }
+        for (int i = n - 1; i >= 0; --i) {
+            double s = 0.0;
+            for (int j = i + 1 + lane; j < n; j += 32) s += T[j * ld + i] * v[j];
+            s = warp_sum(s);
+            if (lane == 0) v[i] = (v[i] - s) / T[i * ld + i];
+            __syncwarp();
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < n; i += nth) x[p * m + (size_t)b * n + i] = v[i];
+}

@@ -1,0 +1,213 @@
+//! The dense route of steps 2-3 through cuSOLVER and cuBLAS: batched Cholesky of icov padded to
+//! one size (every patch gets `nblock` fiber blocks of `nwavetot` unknowns; unused leading
+//! blocks are zero columns whose regularised diagonal decouples them exactly), the retry of
+//! failed factorisations with regularize 1e-4 (a second failure goes to the CPU reference),
+//! xflux by batched triangular solves, and the core blocks of icov^-1 as `X^T X` with
+//! `X = L22^-1` (batched trsm, then one strided batched GEMM).
+
+use cudarc::cublas::sys as cublas_sys;
+use cudarc::cusolver::sys as cusolver_sys;
+
+use super::device::{DevBuf, Device};
+use super::error;
+use super::launchers::{self, Gpu};
+use super::workspace::{pointer_array, Region, Shape, Workspace};
+use crate::backend::cpu::RETRY_REGULARIZE;
+use crate::error::Result;
+use crate::extract::PatchStatus;
+use crate::plan::Patch;
+
+/// Device arrays that queued library calls still read: dropped after the stream syncs (a free
+/// would wait for them).
+pub(crate) type Keep = Vec<Box<dyn std::any::Any>>;
+
+/// The outcome of the factorisation of a chunk's live patches.
+pub(crate) struct Factorization {
+    pub status: Vec<PatchStatus>,
+    /// 1 where a patch has no weight at all.
+    pub masked: Vec<i32>,
+    /// Patches whose factorisation failed twice: solved by the CPU reference.
+    pub to_cpu: Vec<usize>,
+    pub retried: usize,
+}
+
+/// Batched Cholesky of the patches `ids`; returns cuSOLVER's info per patch.
+fn potrf(dev: &Device, sh: &Shape, icov: &DevBuf<f64>, ids: &[usize]) -> Result<Vec<i32>> {
+    let m = sh.m();
+    let ptrs = pointer_array(dev, icov.ptr, m * m, ids, "Cholesky pointer array")?;
+    let info = dev.zeros::<i32>(ids.len(), "Cholesky info")?;
+    // SAFETY: every pointer addresses an m x m matrix inside `icov`.
+    let status = unsafe {
+        cusolver_sys::cusolverDnDpotrfBatched(
+            dev.cusolver,
+            cusolver_sys::cublasFillMode_t::CUBLAS_FILL_MODE_LOWER,
+            m as i32,
+            ptrs.ptr as *mut *mut f64,
+            m as i32,
+            info.ptr as *mut i32,
+            ids.len() as i32,
+        )
+    };
+    error::cusolver(
+        status,
+        &format!(
+            "cusolverDnDpotrfBatched of {} patches of order {m}",
+            ids.len()
+        ),
+    )?;
+    let mut host = vec![0i32; ids.len()];
+    dev.copy_from(&mut host, &info, 0, "Cholesky info")?;
+    dev.sync("Cholesky factorisation")?;
+    Ok(host)
+}
+
+/// Factorises icov of the `n` live patches (`patches[i]`, for the log), re-assembling and
+/// retrying the failures with regularize 1e-4 (DESIGN step 2).
+pub(crate) fn factorize(
+    g: Gpu<'_>,
+    ws: &Workspace,
+    patches: &[&Patch],
+    region: Region,
+    regularize: f64,
+) -> Result<Factorization> {
+    let (dev, n) = (g.dev, patches.len());
+    let all: Vec<usize> = (0..n).collect();
+    let info = potrf(dev, g.sh, ws.icov.get(), &all)?;
+    let mut masked = vec![0i32; n];
+    dev.copy_from(&mut masked, ws.masked.get(), 0, "masked flags")?;
+    dev.sync("masked flags")?;
+    let failed: Vec<usize> = (0..n).filter(|&i| info[i] != 0 && masked[i] == 0).collect();
+    let mut status = vec![PatchStatus::Ok; n];
+    let mut to_cpu = Vec::new();
+    for &i in &failed {
+        tracing::debug!(
+            "patch fibers {:?} bins {:?}: Cholesky failed (minor {}), retrying with regularize {RETRY_REGULARIZE}",
+            patches[i].fibers,
+            patches[i].waves,
+            info[i]
+        );
+    }
+    if !failed.is_empty() && regularize == RETRY_REGULARIZE {
+        to_cpu = failed.clone();
+    } else if !failed.is_empty() {
+        let ids: Vec<i32> = failed.iter().map(|&i| i as i32).collect();
+        let ids_dev = dev.upload(&ids, "retry patch list")?;
+        launchers::assemble(
+            g,
+            failed.len(),
+            Some(&ids_dev),
+            ws,
+            region,
+            RETRY_REGULARIZE,
+        )?;
+        let info2 = potrf(dev, g.sh, ws.icov.get(), &failed)?;
+        for (j, &i) in failed.iter().enumerate() {
+            if info2[j] == 0 {
+                status[i] = PatchStatus::Regularized;
+            } else {
+                to_cpu.push(i);
+            }
+        }
+    }
+    Ok(Factorization {
+        status,
+        masked,
+        to_cpu,
+        retried: failed.len(),
+    })
+}
+
+/// xflux = icov^-1 y for the `n` factorised patches, into `ws.x`.
+pub(crate) fn solve_flux(g: Gpu<'_>, ws: &Workspace, n: usize, keep: &mut Keep) -> Result<()> {
+    let (dev, m) = (g.dev, g.sh.m());
+    let all: Vec<usize> = (0..n).collect();
+    dev.dtod(ws.x.get(), ws.y.get(), n * m)?;
+    let a_ptrs = pointer_array(dev, ws.icov.get().ptr, m * m, &all, "solve pointer array")?;
+    let b_ptrs = pointer_array(dev, ws.x.get().ptr, m, &all, "solve rhs pointer array")?;
+    let solve_info = dev.zeros::<i32>(1, "solve info")?;
+    // SAFETY: pointers address the factors and right-hand sides of every live patch.
+    let st = unsafe {
+        cusolver_sys::cusolverDnDpotrsBatched(
+            dev.cusolver,
+            cusolver_sys::cublasFillMode_t::CUBLAS_FILL_MODE_LOWER,
+            m as i32,
+            1,
+            a_ptrs.ptr as *mut *mut f64,
+            m as i32,
+            b_ptrs.ptr as *mut *mut f64,
+            m as i32,
+            solve_info.ptr as *mut i32,
+            n as i32,
+        )
+    };
+    error::cusolver(st, &format!("cusolverDnDpotrsBatched of {n} patches"))?;
+    keep.push(Box::new((a_ptrs, b_ptrs, solve_info)));
+    Ok(())
+}
+
+/// The core blocks of icov^-1 of the `n` factorised patches: X = L22^-1 by a triangular solve
+/// on the identity, then C_b = X_b^T X_b into `ws.icov` (no longer needed), `nt x nt` per
+/// (patch, core fiber).
+pub(crate) fn core_covariance(g: Gpu<'_>, ws: &Workspace, n: usize, keep: &mut Keep) -> Result<()> {
+    let (dev, sh) = (g.dev, g.sh);
+    let (m, mc, nt, ncore) = (sh.m(), sh.mc(), sh.nt, sh.ncore);
+    let k0 = m - mc;
+    let xinv = ws.xinv.get();
+    launchers::eye(g, xinv, mc, n)?;
+    let l_ptrs: Vec<u64> = (0..n)
+        .map(|i| ws.icov.get().at(i * m * m + k0 * m + k0))
+        .collect();
+    let l_ptrs = dev.upload(&l_ptrs, "trsm pointer array")?;
+    let all: Vec<usize> = (0..n).collect();
+    let x_ptrs = pointer_array(dev, xinv.ptr, mc * mc, &all, "trsm rhs pointer array")?;
+    let one = 1.0f64;
+    let zero = 0.0f64;
+    // SAFETY: every pointer addresses an mc x mc block (lda m) or matrix (ld mc).
+    unsafe {
+        error::cublas(
+            cublas_sys::cublasDtrsmBatched(
+                dev.cublas,
+                cublas_sys::cublasSideMode_t::CUBLAS_SIDE_LEFT,
+                cublas_sys::cublasFillMode_t::CUBLAS_FILL_MODE_LOWER,
+                cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+                cublas_sys::cublasDiagType_t::CUBLAS_DIAG_NON_UNIT,
+                mc as i32,
+                mc as i32,
+                &one,
+                l_ptrs.ptr as *const *const f64,
+                m as i32,
+                x_ptrs.ptr as *const *mut f64,
+                mc as i32,
+                n as i32,
+            ),
+            &format!("cublasDtrsmBatched of {n} blocks of order {mc}"),
+        )?;
+    }
+    keep.push(Box::new((l_ptrs, x_ptrs)));
+    // SAFETY: consecutive (patch, core block) pairs are nt * mc apart in `xinv`.
+    unsafe {
+        error::cublas(
+            cublas_sys::cublasDgemmStridedBatched(
+                dev.cublas,
+                cublas_sys::cublasOperation_t::CUBLAS_OP_T,
+                cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+                nt as i32,
+                nt as i32,
+                mc as i32,
+                &one,
+                xinv.ptr as *const f64,
+                mc as i32,
+                (nt * mc) as i64,
+                xinv.ptr as *const f64,
+                mc as i32,
+                (nt * mc) as i64,
+                &zero,
+                ws.icov.get().ptr as *mut f64,
+                nt as i32,
+                (nt * nt) as i64,
+                (n * ncore) as i32,
+            ),
+            &format!("cublasDgemmStridedBatched of {} blocks", n * ncore),
+        )
+    }
+}

@@ -1,0 +1,324 @@
+//! Typed launchers, one per kernel of `kernels/`: each takes the buffers its kernel reads and
+//! writes and fills in the argument list in the kernel's order, so that the steps of the solve
+//! read as calls.
+
+use super::device::{DevBuf, Device};
+use super::kernels::{launch, Args, Kernels};
+use super::workspace::{Region, Shape, Workspace};
+use crate::backend::cpu::EIGEN_CLIP;
+use crate::error::Result;
+use crate::psf::GaussHermitePsf;
+
+/// The device, its kernels and the shapes of a call: what every launch needs.
+#[derive(Clone, Copy)]
+pub(crate) struct Gpu<'a> {
+    pub dev: &'a Device,
+    pub k: &'a Kernels,
+    pub sh: &'a Shape,
+}
+
+/// Where a decorrelation kernel writes, per core block: flux, ivar and resolution diagonals
+/// (`nwavestep` each) and the core flux by column (for the core model).
+#[derive(Clone, Copy)]
+pub(crate) struct CoreOut {
+    pub flux: u64,
+    pub ivar: u64,
+    pub res: u64,
+    pub fluxcol: u64,
+}
+
+/// The covariance-side input of a decorrelation: `count` blocks of order `sh.nt`, the xflux
+/// vectors of their patches and the kept bins per patch.
+#[derive(Clone, Copy)]
+pub(crate) struct CoreIn {
+    pub blocks: u64,
+    pub count: usize,
+    pub xflux: u64,
+    pub nkeep: u64,
+}
+
+/// Spots of `nspot` (fiber, wavelength) pairs from the trace positions and PSF coefficients
+/// in the workspace.
+pub(crate) fn spots(g: Gpu<'_>, psf: &GaussHermitePsf, ws: &Workspace, nspot: usize) -> Result<()> {
+    let sh = g.sh;
+    let (ngx, ngy) = (psf.ghdegx + 1, psf.ghdegy + 1);
+    let smem = (sh.nx + 1) * (1 + psf.ghdegx)
+        + ngx * sh.nx
+        + (sh.ny + 1) * (1 + psf.ghdegy)
+        + ngy * sh.ny
+        + ngx * sh.ny
+        + 2
+        + ngx * ngy
+        + 32;
+    let (wmin, wmax) = psf.param_domain();
+    launch(
+        g.dev,
+        &g.k.spots,
+        "spots_f64",
+        (nspot as u32, 1, 1),
+        128,
+        smem * 8,
+        Args::new()
+            .ptr(ws.xy.get().ptr)
+            .ptr(ws.coef.get().ptr)
+            .ptr(ws.waves.get().ptr)
+            .i32(nspot as i32)
+            .i32(sh.nfull as i32)
+            .i32(psf.ghsigx.ncoef as i32)
+            .f64(wmin)
+            .f64(wmax)
+            .i32(psf.ghdegx as i32)
+            .i32(psf.ghdegy as i32)
+            .i32(sh.nx as i32)
+            .i32(sh.ny as i32)
+            .ptr(ws.spots.get().ptr),
+    )
+}
+
+/// Dense assembly (and regularisation) of icov, y and fluxweight for the patches `ids` (all
+/// `n` live patches when None).
+pub(crate) fn assemble(
+    g: Gpu<'_>,
+    n: usize,
+    ids: Option<&DevBuf<i32>>,
+    ws: &Workspace,
+    region: Region,
+    reg: f64,
+) -> Result<()> {
+    let sh = g.sh;
+    let m = sh.m();
+    let size = sh.nx * sh.ny;
+    let ids_ptr = ids.map_or(0, |b| b.ptr);
+    launch(
+        g.dev,
+        &g.k.assemble,
+        "assemble_f64",
+        (m as u32, n as u32, 1),
+        128,
+        (size + m + 32) * 8,
+        Args::new()
+            .ptr(ws.spots.get().ptr)
+            .ptr(ws.corners.get().ptr)
+            .ptr(ws.colspot.get().ptr)
+            .ptr(ws.boxes.get().ptr)
+            .ptr(ids_ptr)
+            .ptr(ws.pix.get().ptr)
+            .ptr(ws.ivar.get().ptr)
+            .i32(region.row0 as i32)
+            .i32(region.col0 as i32)
+            .i32(region.width as i32)
+            .i32(m as i32)
+            .i32(sh.nx as i32)
+            .i32(sh.ny as i32)
+            .i32(sh.nt as i32)
+            .i32(sh.ncore as i32)
+            .i32(sh.wavepad as i32)
+            .i32(sh.nws as i32)
+            .ptr(ws.icov.get().ptr)
+            .ptr(ws.y.get().ptr)
+            .ptr(ws.fw.get().ptr)
+            .ptr(ws.diag0.get().ptr)
+            .ptr(ws.pixmask.get().ptr),
+    )?;
+    launch(
+        g.dev,
+        &g.k.regularize,
+        "regularize_f64",
+        (n as u32, 1, 1),
+        256,
+        0,
+        Args::new()
+            .ptr(ws.icov.get().ptr)
+            .ptr(ws.fw.get().ptr)
+            .ptr(ws.diag0.get().ptr)
+            .ptr(ids_ptr)
+            .i32(m as i32)
+            .f64(reg)
+            .ptr(ws.masked.get().ptr),
+    )
+}
+
+/// `count` identity matrices of order `n` into `x`.
+pub(crate) fn eye(g: Gpu<'_>, x: &DevBuf<f64>, n: usize, count: usize) -> Result<()> {
+    launch(
+        g.dev,
+        &g.k.eye,
+        "eye_f64",
+        (((count * n * n).div_ceil(256)).min(65535 * 8) as u32, 1, 1),
+        256,
+        0,
+        Args::new().ptr(x.ptr).i32(n as i32).i64(count as i64),
+    )
+}
+
+/// Order, rounded up to the polar kernel's 8 x 8 tiles, up to which the polar route runs.
+pub(crate) const POLAR_MAX_ORDER: usize = 112;
+
+/// Shared memory of the polar kernel for blocks of order `n`.
+fn polar_smem(n: usize) -> usize {
+    let nn = n.div_ceil(8) * 8;
+    (2 * nn * (nn + 4) + 2 * n + 32) * 8 + 16
+}
+
+/// The polar decorrelation of the blocks of `input` (C when `from_cov`, else S = C^-1).
+/// `steps` gets each block's number of steps, or a negative verdict; `pbuf` holds `n * n`
+/// doubles per block of scratch.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn polar(
+    g: Gpu<'_>,
+    input: CoreIn,
+    from_cov: bool,
+    tol: f64,
+    max_steps: usize,
+    pbuf: &DevBuf<f64>,
+    out: CoreOut,
+    steps: &DevBuf<i32>,
+    qout: u64,
+) -> Result<()> {
+    let sh = g.sh;
+    let n = sh.nt;
+    launch(
+        g.dev,
+        &g.k.polar,
+        "polar_f64",
+        (input.count as u32, 1, 1),
+        (4 * n.div_ceil(8) * 8) as u32,
+        polar_smem(n),
+        Args::new()
+            .ptr(input.blocks)
+            .i32(from_cov as i32)
+            .ptr(input.xflux)
+            .ptr(input.nkeep)
+            .i32(n as i32)
+            .i32(sh.m() as i32)
+            .i32(sh.ncore as i32)
+            .i32(sh.wavepad as i32)
+            .i32(sh.nws as i32)
+            .i32(sh.ndiag as i32)
+            .f64(tol)
+            .i32(max_steps as i32)
+            .ptr(pbuf.ptr)
+            .ptr(out.flux)
+            .ptr(out.ivar)
+            .ptr(out.res)
+            .ptr(out.fluxcol)
+            .ptr(steps.ptr)
+            .ptr(qout),
+    )
+}
+
+/// The Jacobi decorrelation of the blocks of `input` (C when `from_cov`, else S = C^-1): all
+/// of them, or only those whose entry of `only_failed` is negative.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn jacobi(
+    g: Gpu<'_>,
+    input: CoreIn,
+    from_cov: bool,
+    tol: f64,
+    threads: u32,
+    out: CoreOut,
+    sweeps: &DevBuf<i32>,
+    qout: u64,
+    only_failed: Option<&DevBuf<i32>>,
+) -> Result<()> {
+    let sh = g.sh;
+    let n = sh.nt;
+    let npair = n.div_ceil(2);
+    let ints = 2 * npair + 2 + npair * (npair + 1);
+    let smem = (2 * n * n + 2 * npair + 2 * n + 32) * 8 + ints * 4;
+    let rows = (threads / npair as u32).max(1);
+    launch(
+        g.dev,
+        &g.k.decorrelate,
+        "decorrelate_f64",
+        (input.count as u32, 1, 1),
+        (npair as u32, rows),
+        smem,
+        Args::new()
+            .ptr(input.blocks)
+            .ptr(input.xflux)
+            .ptr(input.nkeep)
+            .i32(from_cov as i32)
+            .i32(n as i32)
+            .i32(sh.m() as i32)
+            .i32(sh.ncore as i32)
+            .i32(sh.wavepad as i32)
+            .i32(sh.nws as i32)
+            .i32(sh.ndiag as i32)
+            .f64(EIGEN_CLIP)
+            .f64(tol)
+            .ptr(out.flux)
+            .ptr(out.ivar)
+            .ptr(out.res)
+            .ptr(out.fluxcol)
+            .ptr(sweeps.ptr)
+            .ptr(qout)
+            .ptr(only_failed.map_or(0, |b| b.ptr)),
+    )
+}
+
+/// Adds A x of the `n` patches into their model boxes.
+pub(crate) fn project(g: Gpu<'_>, n: usize, ws: &Workspace, x: &DevBuf<f64>) -> Result<()> {
+    let sh = g.sh;
+    let m = sh.m();
+    launch(
+        g.dev,
+        &g.k.project,
+        "project_f64",
+        (m as u32, n as u32, 1),
+        64,
+        0,
+        Args::new()
+            .ptr(ws.spots.get().ptr)
+            .ptr(ws.corners.get().ptr)
+            .ptr(ws.colspot.get().ptr)
+            .ptr(ws.boxes.get().ptr)
+            .ptr(ws.boxoff.get().ptr)
+            .ptr(x.ptr)
+            .i32(m as i32)
+            .i32(sh.nx as i32)
+            .i32(sh.ny as i32)
+            .ptr(ws.model.get().ptr),
+    )
+}
+
+/// chi2pix of the core bins of the `n` patches against their model boxes.
+pub(crate) fn chi2pix(
+    g: Gpu<'_>,
+    n: usize,
+    ws: &Workspace,
+    region: Region,
+    psferr: f64,
+) -> Result<()> {
+    let sh = g.sh;
+    launch(
+        g.dev,
+        &g.k.chi2pix,
+        "chi2pix_f64",
+        ((sh.ncore * sh.nws) as u32, n as u32, 1),
+        64,
+        0,
+        Args::new()
+            .ptr(ws.spots.get().ptr)
+            .ptr(ws.corners.get().ptr)
+            .ptr(ws.colspot.get().ptr)
+            .ptr(ws.boxes.get().ptr)
+            .ptr(ws.boxoff.get().ptr)
+            .ptr(ws.model.get().ptr)
+            .ptr(ws.pix.get().ptr)
+            .ptr(ws.ivar.get().ptr)
+            .i32(region.row0 as i32)
+            .i32(region.col0 as i32)
+            .i32(region.width as i32)
+            .ptr(ws.nkeep.get().ptr)
+            .i32(sh.m() as i32)
+            .i32(sh.nx as i32)
+            .i32(sh.ny as i32)
+            .i32(sh.nt as i32)
+            .i32(sh.ncore as i32)
+            .i32(sh.wavepad as i32)
+            .i32(sh.nws as i32)
+            .f64(psferr)
+            .ptr(ws.chi2.get().ptr),
+    )
+}

@@ -1,0 +1,174 @@
+//! Host side of the end of a chunk: the core arrays copied back are cut into one
+//! [`PatchResult`] per patch, and the patches the device could not factorise are solved by the
+//! CPU reference (its eigendecomposition fallback included).
+
+use std::collections::BTreeMap;
+
+use rayon::prelude::*;
+
+use super::dense::Factorization;
+use super::tables::ChunkHost;
+use super::workspace::Shape;
+use crate::backend::cpu;
+use crate::backend::FrameInput;
+use crate::extract::{ModelPatch, PatchGeometry, PatchResult, PatchStatus};
+use crate::plan::Patch;
+use crate::psf::Spots;
+
+/// The core arrays of a chunk as copied back, `per = live patches * ncore * nwavestep`
+/// values each (resolution `nd` times that), then the model boxes when asked.
+pub(crate) struct Back<'a> {
+    flux: &'a [f64],
+    ivar: &'a [f64],
+    mask: &'a [f64],
+    chi2: &'a [f64],
+    res: &'a [f64],
+    model: &'a [f64],
+}
+
+impl<'a> Back<'a> {
+    /// Values copied back for `per` core bins, resolution diagonals `nd` and the model boxes.
+    pub(crate) fn len(per: usize, nd: usize, model: usize) -> usize {
+        per * (4 + nd) + model
+    }
+
+    pub(crate) fn split(back: &'a [f64], per: usize, nd: usize) -> Self {
+        let (flux, rest) = back.split_at(per);
+        let (ivar, rest) = rest.split_at(per);
+        let (mask, rest) = rest.split_at(per);
+        let (chi2, rest) = rest.split_at(per);
+        let (res, model) = rest.split_at(per * nd);
+        Back {
+            flux,
+            ivar,
+            mask,
+            chi2,
+            res,
+            model,
+        }
+    }
+}
+
+/// The result of live patch `li` from the copied-back arrays.
+#[allow(clippy::too_many_arguments)]
+fn patch_result(
+    sh: &Shape,
+    patch: &Patch,
+    li: usize,
+    geom: &PatchGeometry,
+    back: &Back<'_>,
+    boxoff: usize,
+    status: PatchStatus,
+    masked: bool,
+    core_model: bool,
+) -> PatchResult {
+    let (ncore, nws, nd) = (sh.ncore, sh.nws, sh.nd());
+    let nk = patch.waves.len();
+    let mut r = PatchResult::empty(patch, sh.ndiag, status);
+    for c in 0..ncore {
+        let o = (li * ncore + c) * nws;
+        r.pixmask_fraction[c * nk..(c + 1) * nk].copy_from_slice(&back.mask[o..o + nk]);
+    }
+    if masked {
+        r.status = PatchStatus::Masked;
+        return r;
+    }
+    for c in 0..ncore {
+        let o = (li * ncore + c) * nws;
+        r.flux[c * nk..(c + 1) * nk].copy_from_slice(&back.flux[o..o + nk]);
+        r.ivar[c * nk..(c + 1) * nk].copy_from_slice(&back.ivar[o..o + nk]);
+        r.chi2pix[c * nk..(c + 1) * nk].copy_from_slice(&back.chi2[o..o + nk]);
+        for d in 0..nd {
+            let o = ((li * ncore + c) * nd + d) * nws;
+            r.resolution[(c * nd + d) * nk..(c * nd + d + 1) * nk]
+                .copy_from_slice(&back.res[o..o + nk]);
+        }
+    }
+    if core_model {
+        let len = geom.rows.len() * geom.cols.len();
+        r.model = Some(ModelPatch {
+            rows: geom.rows.clone(),
+            cols: geom.cols.clone(),
+            data: back.model[boxoff..boxoff + len].to_vec(),
+        });
+    }
+    if !r.is_finite() {
+        tracing::warn!(
+            "patch fibers {:?} bins {:?}: non-finite solution, flux and ivar set to 0",
+            patch.fibers,
+            patch.waves
+        );
+        let mut empty = PatchResult::empty(patch, sh.ndiag, PatchStatus::NonFinite);
+        empty.pixmask_fraction = r.pixmask_fraction;
+        r = empty;
+    }
+    r
+}
+
+/// Fills `results` (by position in `chunk`) for every live patch the device solved.
+pub(crate) fn unpack(
+    sh: &Shape,
+    chunk: &[&Patch],
+    host: &ChunkHost,
+    back: &Back<'_>,
+    fact: &Factorization,
+    core_model: bool,
+    results: &mut [Option<PatchResult>],
+) {
+    // the pinned image in `host` is not shared between threads: take the tables alone
+    let (live, boxoff) = (&host.live, &host.boxoff);
+    let solved: Vec<(usize, PatchResult)> = live
+        .par_iter()
+        .enumerate()
+        .filter(|(li, _)| !fact.to_cpu.contains(li))
+        .map(|(li, (ci, geom, _))| {
+            let r = patch_result(
+                sh,
+                chunk[*ci],
+                li,
+                geom,
+                back,
+                boxoff[li] as usize,
+                fact.status[li],
+                fact.masked[li] != 0,
+                core_model,
+            );
+            (*ci, r)
+        })
+        .collect();
+    for (ci, r) in solved {
+        results[ci] = Some(r);
+    }
+}
+
+/// Solves the live patches `to_cpu` with the CPU reference.
+pub(crate) fn cpu_fallback(
+    input: &FrameInput<'_>,
+    sh: &Shape,
+    chunk: &[&Patch],
+    host: &ChunkHost,
+    to_cpu: &[usize],
+    results: &mut [Option<PatchResult>],
+) {
+    let mut host_spots: BTreeMap<usize, Spots> = BTreeMap::new();
+    for &li in to_cpu {
+        let (ci, _, slot) = &host.live[li];
+        let patch = chunk[*ci];
+        let b = host.bundles[*slot];
+        let spots = host_spots
+            .entry(b)
+            .or_insert_with(|| input.psf.spots(b..b + sh.bundlesize, &input.plan.fullwave));
+        tracing::warn!(
+            "patch fibers {:?} bins {:?}: Cholesky failed twice on the GPU, solved on the CPU",
+            patch.fibers,
+            patch.waves
+        );
+        results[*ci] = Some(cpu::solve_patch(
+            input.plan,
+            patch,
+            spots,
+            input.image,
+            input.options,
+        ));
+    }
+}

@@ -1,0 +1,206 @@
+//! The host tables of a chunk of patches: trace positions and spot corners of its bundles,
+//! the PSF's Legendre coefficients, each patch's pixel box and column table, and its image
+//! region packed into a pinned buffer. Built on a helper thread while the device solves the
+//! previous chunk.
+
+use std::time::Instant;
+
+use cudarc::driver::CudaContext;
+use rayon::prelude::*;
+
+use super::device::PinnedBuf;
+use super::error;
+use super::workspace::Shape;
+use crate::backend::FrameInput;
+use crate::error::Result;
+use crate::extract::{PatchGeometry, PatchResult, PatchStatus};
+use crate::plan::Patch;
+use crate::psf::{Corners, GaussHermitePsf};
+
+/// Host-side tables of a chunk.
+pub(crate) struct ChunkHost {
+    /// Patches of the chunk that have pixels, with their geometry and bundle slot.
+    pub(crate) live: Vec<(usize, PatchGeometry, usize)>,
+    /// Results of patches without pixels (off the CCD), by position in the chunk.
+    pub(crate) off: Vec<(usize, PatchResult)>,
+    pub(crate) bundles: Vec<usize>,
+    /// Trace positions `[spot][x, y]`, spot = (bundle slot * bundlesize + fiber) * nfull + wave.
+    pub(crate) xy: Vec<f64>,
+    /// Legendre coefficients of GHSIGX, GHSIGY and the GH-i-j, `[fiber][param][k]`.
+    pub(crate) coef: Vec<f64>,
+    pub(crate) corners: Vec<i32>,
+    pub(crate) colspot: Vec<i32>,
+    pub(crate) boxes: Vec<i32>,
+    pub(crate) nkeep: Vec<i32>,
+    pub(crate) boxoff: Vec<i64>,
+    pub(crate) box_total: usize,
+    pub(crate) region: (usize, usize, usize, usize),
+    /// The image region: pixels, then inverse variances, row by row (pinned, for the upload).
+    pub(crate) image: Option<PinnedBuf<f32>>,
+    /// Host time spent preparing the chunk, milliseconds.
+    pub(crate) prep_ms: f64,
+}
+
+/// Trace positions of one fiber on the padded grid, with the spots' corners.
+fn fiber_trace(
+    psf: &GaussHermitePsf,
+    fiber: usize,
+    waves: &[f64],
+) -> (Vec<f64>, Vec<i32>, Vec<i32>) {
+    let mut xy = Vec::with_capacity(2 * waves.len());
+    let mut xc = Vec::with_capacity(waves.len());
+    let mut yc = Vec::with_capacity(waves.len());
+    for &w in waves {
+        let (x, y) = psf.xy(fiber, w);
+        let (cx, cy) = psf.corner_of(x, y);
+        xy.extend_from_slice(&[x, y]);
+        xc.push(cx);
+        yc.push(cy);
+    }
+    (xy, xc, yc)
+}
+
+/// Builds the host tables of a chunk and packs its image region into `pinned` (grown if
+/// needed). Runs on a helper thread while the device solves the previous chunk.
+pub(crate) fn prepare(
+    input: &FrameInput<'_>,
+    chunk: &[&Patch],
+    sh: &Shape,
+    ctx: &CudaContext,
+    pinned: Option<PinnedBuf<f32>>,
+) -> Result<ChunkHost> {
+    let t0 = Instant::now();
+    let _r = nvtx::LocalRange::new(c"host tables");
+    let plan = input.plan;
+    let psf = input.psf;
+    let mut bundles: Vec<usize> = chunk.iter().map(|p| p.bundle_start).collect();
+    bundles.sort_unstable();
+    bundles.dedup();
+    let fibers: Vec<usize> = bundles.iter().flat_map(|&b| b..b + sh.bundlesize).collect();
+    let traces: Vec<(Vec<f64>, Vec<i32>, Vec<i32>)> = fibers
+        .par_iter()
+        .map(|&f| fiber_trace(psf, f, &plan.fullwave))
+        .collect();
+    let (ny, nx) = psf.spot_shape();
+    let per_bundle: Vec<Corners> = bundles
+        .iter()
+        .enumerate()
+        .map(|(slot, &b)| {
+            let t = &traces[slot * sh.bundlesize..(slot + 1) * sh.bundlesize];
+            Corners {
+                fibers: b..b + sh.bundlesize,
+                nwave: plan.fullwave.len(),
+                ny,
+                nx,
+                xc: t.iter().flat_map(|x| x.1.iter().copied()).collect(),
+                yc: t.iter().flat_map(|x| x.2.iter().copied()).collect(),
+            }
+        })
+        .collect();
+    let ccd = (input.image.nrows, input.image.ncols);
+    let m = sh.m();
+    let mut live = Vec::new();
+    let mut off = Vec::new();
+    for (i, p) in chunk.iter().enumerate() {
+        let slot = bundles
+            .binary_search(&p.bundle_start)
+            .expect("bundle listed");
+        let geom = PatchGeometry::new(plan, p, &per_bundle[slot], ccd);
+        if geom.is_empty() {
+            off.push((i, PatchResult::empty(p, sh.ndiag, PatchStatus::OffImage)));
+        } else {
+            live.push((i, geom, slot));
+        }
+    }
+    let mut colspot = vec![-1i32; live.len() * m];
+    let mut boxes = Vec::with_capacity(live.len() * 4);
+    let mut nkeep = Vec::with_capacity(live.len());
+    let mut boxoff = Vec::with_capacity(live.len());
+    let mut box_total = 0usize;
+    let mut region = (usize::MAX, 0, usize::MAX, 0);
+    for (k, (i, g, slot)) in live.iter().enumerate() {
+        let nb = g.block_fibers.len();
+        let lead = sh.nblock - nb;
+        for (b, &f) in g.block_fibers.iter().enumerate() {
+            let base = (slot * sh.bundlesize + f) * sh.nfull + g.wave0;
+            for w in 0..sh.nt {
+                colspot[k * m + (lead + b) * sh.nt + w] = (base + w) as i32;
+            }
+        }
+        boxes.extend_from_slice(&[
+            g.rows.start as i32,
+            g.rows.end as i32,
+            g.cols.start as i32,
+            g.cols.end as i32,
+        ]);
+        nkeep.push(chunk[*i].waves.len() as i32);
+        boxoff.push(box_total as i64);
+        box_total += g.rows.len() * g.cols.len();
+        region = (
+            region.0.min(g.rows.start),
+            region.1.max(g.rows.end),
+            region.2.min(g.cols.start),
+            region.3.max(g.cols.end),
+        );
+    }
+    let mut xy = Vec::with_capacity(fibers.len() * sh.nfull * 2);
+    let mut corners = Vec::with_capacity(fibers.len() * sh.nfull * 2);
+    for (t, x, y) in &traces {
+        xy.extend_from_slice(t);
+        for (a, b) in x.iter().zip(y) {
+            corners.push(*a);
+            corners.push(*b);
+        }
+    }
+    let ncoef = psf.ghsigx.ncoef;
+    let mut coef = Vec::with_capacity(fibers.len() * (2 + psf.ngh()) * ncoef);
+    for &f in &fibers {
+        for l in [&psf.ghsigx, &psf.ghsigy].into_iter().chain(psf.gh.iter()) {
+            coef.extend_from_slice(&l.coeff[f * ncoef..(f + 1) * ncoef]);
+        }
+    }
+    // the image region, pixels then inverse variances
+    let image = if live.is_empty() {
+        pinned
+    } else {
+        let img = input.image;
+        let (r0, r1, c0, c1) = region;
+        let npix = (r1 - r0) * (c1 - c0);
+        let mut buf = match pinned {
+            Some(b) if b.len() >= 2 * npix => b,
+            other => {
+                drop(other);
+                ctx.bind_to_thread()
+                    .map_err(error::driver("cannot bind the CUDA context"))?;
+                PinnedBuf::new(2 * npix)?
+            }
+        };
+        let (pp, pv) = buf.as_mut_slice()[..2 * npix].split_at_mut(npix);
+        let w = c1 - c0;
+        pp.par_chunks_mut(w)
+            .zip(pv.par_chunks_mut(w))
+            .enumerate()
+            .for_each(|(r, (dp, dv))| {
+                let row = (r0 + r) * img.ncols;
+                dp.copy_from_slice(&img.pix[row + c0..row + c1]);
+                dv.copy_from_slice(&img.ivar[row + c0..row + c1]);
+            });
+        Some(buf)
+    };
+    Ok(ChunkHost {
+        live,
+        off,
+        bundles,
+        xy,
+        coef,
+        corners,
+        colspot,
+        boxes,
+        nkeep,
+        boxoff,
+        box_total,
+        region,
+        image,
+        prep_ms: t0.elapsed().as_secs_f64() * 1e3,
+    })
+}

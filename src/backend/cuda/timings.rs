@@ -1,0 +1,93 @@
+//! Where the time of an `extract` call goes: phase times from CUDA events around the steps of
+//! each chunk, host phases from the wall clock, and the counters of the fallbacks.
+
+use cudarc::driver::CudaEvent;
+
+use super::device::Device;
+use super::error;
+use crate::error::Result;
+
+/// Time spent in each phase, summed over chunks (device phases from CUDA events, host phases
+/// from the wall clock).
+#[derive(Clone, Debug, Default)]
+pub struct GpuTimings {
+    /// `(phase, milliseconds)` in execution order.
+    pub phases: Vec<(&'static str, f64)>,
+    /// Wall time of the whole `extract` call, milliseconds.
+    pub total_ms: f64,
+    /// Peak device memory held by the backend's buffers during the call, bytes.
+    pub peak_bytes: usize,
+    /// Device memory in use (all of the process, libraries included) at the end of the
+    /// largest chunk, bytes, from cuMemGetInfo.
+    pub device_used_bytes: usize,
+    pub chunks: usize,
+    pub patches: usize,
+    /// Patches whose first factorisation failed and that were retried with regularize 1e-4.
+    pub retried: usize,
+    /// Patches handed to the CPU reference after the retry failed too.
+    pub cpu_fallback: usize,
+    /// Largest number of Jacobi sweeps of any block (blocks the polar route gave up on).
+    pub max_sweeps: i32,
+    /// Core blocks decorrelated by the polar route, and the most steps any of them took.
+    pub polar_blocks: usize,
+    pub max_polar_steps: i32,
+    /// Core blocks the polar route gave up on (not positive definite, or no convergence),
+    /// decorrelated by the Jacobi eigensolver instead.
+    pub polar_fallback: usize,
+    /// Patches the Schur route handed to the CPU reference because their second-neighbour
+    /// coupling was not negligible (counted in `cpu_fallback` too).
+    pub coupled: usize,
+    /// Largest second-neighbour coupling of any patch on the Schur route (|A_ij| of blocks two
+    /// fibers apart over sqrt(A_ii A_jj)).
+    pub max_coupling: f64,
+}
+
+impl GpuTimings {
+    pub(crate) fn add(&mut self, phase: &'static str, ms: f64) {
+        if let Some(p) = self.phases.iter_mut().find(|p| p.0 == phase) {
+            p.1 += ms;
+        } else {
+            self.phases.push((phase, ms));
+        }
+    }
+}
+
+/// CUDA events around the phases of a chunk.
+pub(crate) struct PhaseClock<'a> {
+    dev: &'a Device,
+    marks: Vec<(&'static str, CudaEvent)>,
+}
+
+impl<'a> PhaseClock<'a> {
+    pub(crate) fn new(dev: &'a Device) -> Self {
+        PhaseClock {
+            dev,
+            marks: Vec::new(),
+        }
+    }
+
+    /// Marks the end of phase `name` (its start is the previous mark).
+    pub(crate) fn mark(&mut self, name: &'static str) -> Result<()> {
+        let ev = self
+            .dev
+            .ctx
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(error::driver("cuEventCreate"))?;
+        ev.record(&self.dev.stream)
+            .map_err(error::driver("cuEventRecord"))?;
+        self.marks.push((name, ev));
+        Ok(())
+    }
+
+    /// Adds the elapsed times to `t` (after the stream has been synchronised).
+    pub(crate) fn collect(&self, t: &mut GpuTimings) -> Result<()> {
+        for w in self.marks.windows(2) {
+            let ms = w[0]
+                .1
+                .elapsed_ms(&w[1].1)
+                .map_err(error::driver("cuEventElapsedTime"))?;
+            t.add(w[1].0, ms as f64);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,92 @@
+//! Tuning of the CUDA backend: which route each step takes and its thresholds, read once per
+//! backend.
+
+use crate::error::{Error, Result};
+
+/// Which kernel decorrelates the blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Route {
+    /// The polar route, the Jacobi kernel for the blocks it gives up on.
+    Polar,
+    /// The Jacobi kernel for every block (the route before the polar one; for comparisons).
+    Jacobi,
+}
+
+/// How steps 2-3 (factorisation, xflux, core blocks) run.
+///
+/// The Schur route assumes icov block-tridiagonal in fiber order. On the r-camera PSFs of the
+/// test data, fibers two apart still couple at up to 9e-4 relative (their stamps overlap by a
+/// few pixels), which is far from negligible: dropping that coupling moves fluxes by 2e-2
+/// sigma. So the dense route is the default, and the Schur route sends every patch whose
+/// coupling exceeds `coupling_max` to the CPU reference; it pays where fibers are farther apart
+/// than a stamp (a two-fiber block sweep would lift that limit).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Solve {
+    /// Dense Cholesky, xflux and core covariance blocks through cuSOLVER and cuBLAS (`dense`).
+    Dense,
+    /// Per-fiber Schur complements (`schur`), where second neighbours decouple.
+    Schur,
+}
+
+/// The backend's tuning, read once per backend from the environment (for measurements rather
+/// than production): `SPEX_GPU_SOLVE` (`dense` or `schur`), `SPEX_GPU_COUPLING_MAX` (largest
+/// relative second-neighbour coupling the Schur route accepts, default 1e-12),
+/// `SPEX_GPU_DECORRELATE` (`polar` or `jacobi`), `SPEX_GPU_JACOBI_THREADS` (threads per Jacobi
+/// block, default 512) and `SPEX_GPU_JACOBI_TOL` (rotation threshold, default 1e-14).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Tuning {
+    pub solve: Solve,
+    pub coupling_max: f64,
+    pub route: Route,
+    /// The polar iteration stops one step after `||X^T X - I||_F` falls under this: that step
+    /// squares it, to rounding.
+    pub polar_tol: f64,
+    /// Steps after which a block is handed to the Jacobi kernel; 1e10-conditioned blocks take
+    /// about 17.
+    pub polar_max_steps: usize,
+    /// Jacobi rotations are skipped where `|a_pq| <= tol sqrt(a_pp a_qq)`: that leaves a
+    /// relative perturbation of C near tol.
+    pub jacobi_tol: f64,
+    pub jacobi_threads: u32,
+}
+
+impl Tuning {
+    pub(crate) fn from_env() -> Result<Self> {
+        fn var<T: std::str::FromStr>(name: &str, default: T) -> Result<T> {
+            match std::env::var(name) {
+                Ok(v) => v
+                    .trim()
+                    .parse()
+                    .map_err(|_| Error::Gpu(format!("{name}={v:?} cannot be read"))),
+                Err(_) => Ok(default),
+            }
+        }
+        let solve = match std::env::var("SPEX_GPU_SOLVE").as_deref() {
+            Err(_) | Ok("dense") => Solve::Dense,
+            Ok("schur") => Solve::Schur,
+            Ok(v) => {
+                return Err(Error::Gpu(format!(
+                    "SPEX_GPU_SOLVE={v:?}: expected schur or dense"
+                )))
+            }
+        };
+        let route = match std::env::var("SPEX_GPU_DECORRELATE").as_deref() {
+            Err(_) | Ok("polar") => Route::Polar,
+            Ok("jacobi") => Route::Jacobi,
+            Ok(v) => {
+                return Err(Error::Gpu(format!(
+                    "SPEX_GPU_DECORRELATE={v:?}: expected polar or jacobi"
+                )))
+            }
+        };
+        Ok(Tuning {
+            solve,
+            coupling_max: var("SPEX_GPU_COUPLING_MAX", 1e-12)?,
+            route,
+            polar_tol: 1e-10,
+            polar_max_steps: 40,
+            jacobi_tol: var("SPEX_GPU_JACOBI_TOL", 1e-14)?,
+            jacobi_threads: var("SPEX_GPU_JACOBI_THREADS", 512)?,
+        })
+    }
+}

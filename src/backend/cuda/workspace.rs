@@ -1,0 +1,179 @@
+//! Buffers and workspace of the batched solve: the shapes shared by every patch of a call,
+//! the device and pinned buffers kept by a backend between chunks and calls, and the region
+//! of the CCD a chunk uploads.
+
+use super::device::{DevBuf, Device, PinSlot, Slot};
+use super::tuning::Solve;
+use crate::backend::FrameInput;
+use crate::error::Result;
+use crate::plan::Patch;
+
+/// Shapes shared by every patch of a call.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Shape {
+    pub nx: usize,
+    pub ny: usize,
+    pub nt: usize,
+    pub nws: usize,
+    pub wavepad: usize,
+    pub ncore: usize,
+    pub nblock: usize,
+    pub nfull: usize,
+    pub bundlesize: usize,
+    pub ndiag: usize,
+}
+
+impl Shape {
+    pub(crate) fn new(input: &FrameInput<'_>, patches: &[Patch]) -> Self {
+        let plan = input.plan;
+        let (ny, nx) = input.psf.spot_shape();
+        let ncore = plan.options.layout.bundlesize / plan.options.layout.nsubbundles;
+        let nblock = patches
+            .iter()
+            .map(|p| p.nspecpad())
+            .max()
+            .unwrap_or(ncore)
+            .max(ncore);
+        Shape {
+            nx,
+            ny,
+            nt: plan.nwavetot,
+            nws: plan.options.layout.nwavestep,
+            wavepad: plan.wavepad,
+            ncore,
+            nblock,
+            nfull: plan.fullwave.len(),
+            bundlesize: plan.options.layout.bundlesize,
+            ndiag: input.psf.hsizey,
+        }
+    }
+
+    pub(crate) fn m(&self) -> usize {
+        self.nblock * self.nt
+    }
+
+    pub(crate) fn mc(&self) -> usize {
+        self.ncore * self.nt
+    }
+
+    pub(crate) fn nd(&self) -> usize {
+        2 * self.ndiag + 1
+    }
+
+    /// Device bytes per patch of the per-patch buffers (icov, which later holds the covariance
+    /// blocks; L22^-1 on the dense route, the sweeps' updates and the complements on the Schur
+    /// route; the parked polar factors, vectors, outputs), without the model boxes.
+    pub(crate) fn bytes_per_patch(&self, solve: Solve) -> usize {
+        let (m, mc, nt) = (self.m(), self.mc(), self.nt);
+        let route = match solve {
+            Solve::Dense => mc * mc,
+            Solve::Schur => 2 * self.ncore * nt * nt + 2 * self.nblock * nt * (nt + 1),
+        };
+        8 * (m * m + route + self.ncore * nt * nt + 6 * m + self.ncore * self.nws * (4 + self.nd()))
+            + 4 * m
+            + 64
+    }
+}
+/// Device addresses `base + i * step` for `ids`, as a device array of pointers.
+pub(crate) fn pointer_array(
+    dev: &Device,
+    base: u64,
+    step: usize,
+    ids: &[usize],
+    what: &str,
+) -> Result<DevBuf<u64>> {
+    let host: Vec<u64> = ids.iter().map(|&i| base + (i * step * 8) as u64).collect();
+    dev.upload(&host, what)
+}
+
+/// Device and pinned buffers, kept by the backend between chunks and calls.
+pub(crate) struct Workspace {
+    pub(crate) xy: Slot<f64>,
+    pub(crate) coef: Slot<f64>,
+    pub(crate) waves: Slot<f64>,
+    pub(crate) spots: Slot<f64>,
+    pub(crate) corners: Slot<i32>,
+    pub(crate) colspot: Slot<i32>,
+    pub(crate) boxes: Slot<i32>,
+    pub(crate) nkeep: Slot<i32>,
+    pub(crate) boxoff: Slot<i64>,
+    pub(crate) pix: Slot<f32>,
+    pub(crate) ivar: Slot<f32>,
+    pub(crate) icov: Slot<f64>,
+    pub(crate) y: Slot<f64>,
+    pub(crate) fw: Slot<f64>,
+    pub(crate) diag0: Slot<f64>,
+    pub(crate) pixmask: Slot<f64>,
+    pub(crate) masked: Slot<i32>,
+    pub(crate) x: Slot<f64>,
+    pub(crate) xinv: Slot<f64>,
+    pub(crate) flux: Slot<f64>,
+    pub(crate) ivar_out: Slot<f64>,
+    pub(crate) res: Slot<f64>,
+    pub(crate) fluxcol: Slot<f64>,
+    pub(crate) sweeps: Slot<i32>,
+    pub(crate) pbuf: Slot<f64>,
+    pub(crate) su: Slot<f64>,
+    pub(crate) sv: Slot<f64>,
+    pub(crate) sblocks: Slot<f64>,
+    pub(crate) info: Slot<i32>,
+    pub(crate) coupling: Slot<f64>,
+    pub(crate) steps: Slot<i32>,
+    pub(crate) model: Slot<f64>,
+    pub(crate) chi2: Slot<f64>,
+    pub(crate) back: PinSlot<f64>,
+}
+
+impl Workspace {
+    pub(crate) fn new() -> Self {
+        Workspace {
+            xy: Slot::new("trace positions"),
+            coef: Slot::new("PSF coefficients"),
+            waves: Slot::new("wavelength grid"),
+            spots: Slot::new("spots"),
+            corners: Slot::new("spot corners"),
+            colspot: Slot::new("column table"),
+            boxes: Slot::new("pixel boxes"),
+            nkeep: Slot::new("kept bins"),
+            boxoff: Slot::new("box offsets"),
+            pix: Slot::new("image pixels"),
+            ivar: Slot::new("image inverse variance"),
+            icov: Slot::new("icov"),
+            y: Slot::new("y"),
+            fw: Slot::new("fluxweight"),
+            diag0: Slot::new("icov diagonal"),
+            pixmask: Slot::new("pixmask fraction"),
+            masked: Slot::new("masked flags"),
+            x: Slot::new("xflux"),
+            xinv: Slot::new("inverse Cholesky blocks"),
+            flux: Slot::new("flux"),
+            ivar_out: Slot::new("ivar"),
+            res: Slot::new("resolution"),
+            fluxcol: Slot::new("core flux by column"),
+            sweeps: Slot::new("Jacobi sweeps"),
+            pbuf: Slot::new("parked polar factors"),
+            su: Slot::new("Schur sweep updates"),
+            sv: Slot::new("Schur sweep right-hand sides"),
+            sblocks: Slot::new("Schur complements"),
+            info: Slot::new("sweep verdicts"),
+            coupling: Slot::new("second-neighbour coupling"),
+            steps: Slot::new("polar steps"),
+            model: Slot::new("patch models"),
+            chi2: Slot::new("chi2pix"),
+            back: PinSlot::new(),
+        }
+    }
+
+    /// Frees every buffer.
+    pub(crate) fn release(&mut self) {
+        *self = Workspace::new();
+    }
+}
+
+/// The region of the CCD uploaded for a chunk: rows, columns.
+#[derive(Clone, Copy)]
+pub(crate) struct Region {
+    pub(crate) row0: usize,
+    pub(crate) col0: usize,
+    pub(crate) width: usize,
+}
