@@ -5,8 +5,8 @@
 //! script's one-line reason. DESIMODEL points to an empty directory so that nothing here can
 //! depend on desimodel's data.
 //!
-//! The tests of the integrated command line (desi_proc's job lines, simulated preproc files
-//! read by desispec) are at the end, ignored until that command line exists.
+//! desi_proc's job lines run for the b, r and z ranges: the b and z PSFs are the bundled r
+//! PSF with its wavelength domain moved (see `camera_psf`).
 
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
@@ -188,41 +188,77 @@ fn barycentric_factor_matches_desispec_over_a_year() {
     );
 }
 
-/// A simulated r-camera preproc image of 25 fibers over desi_proc's r range.
-fn simulated_preproc() -> &'static Path {
-    static PREPROC: OnceLock<PathBuf> = OnceLock::new();
-    PREPROC.get_or_init(|| {
-        let (path, truth) = (
-            workdir().join("preproc-r0-sim.fits"),
-            workdir().join("truth-r0-sim.fits"),
-        );
-        let psf = data("psf-r0-00067784.fits");
-        let args: [&OsStr; 11] = [
-            "simulate".as_ref(),
-            "-p".as_ref(),
-            psf.as_os_str(),
-            "-o".as_ref(),
-            path.as_os_str(),
-            "--truth".as_ref(),
-            truth.as_os_str(),
-            "-w".as_ref(),
-            "5760.0,7620.0,0.8".as_ref(),
-            "-n".as_ref(),
-            "25".as_ref(),
-        ];
-        spex(&args);
-        path
-    })
+/// desi_proc's cameras: the name, the wavelength grid of its extraction line and its psferr.
+const CAMERAS: [(&str, &str, &str); 3] = [
+    ("b0", "3600.0,5800.0,0.8", "0.04"),
+    ("r0", "5760.0,7620.0,0.8", "0.01"),
+    ("z0", "7520.0,9824.0,0.8", "0.01"),
+];
+
+/// A PSF for `camera`: the bundled r-camera PSF for r0, otherwise the same PSF with its
+/// wavelength domain moved to cover that camera's range (its traces are Legendre series on
+/// the domain, so they land on the same CCD pixels) and CAMERA set, so that the b and z job
+/// lines run on a real PSF's spots.
+fn camera_psf(camera: &str) -> PathBuf {
+    let r = data("psf-r0-00067784.fits");
+    let domain = match camera {
+        "r0" => return r,
+        "b0" => (3500.0, 5900.0),
+        _ => (7450.0, 9900.0),
+    };
+    let path = workdir().join(format!("psf-{camera}-synthetic.fits"));
+    std::fs::copy(&r, &path).unwrap();
+    let mut fits = Fits::open_rw(&path).unwrap();
+    for hdu in ["PSF", "XTRACE", "YTRACE"] {
+        fits.move_to(hdu).unwrap();
+        fits.write_key_f64_exact("WAVEMIN", domain.0, "").unwrap();
+        fits.write_key_f64_exact("WAVEMAX", domain.1, "").unwrap();
+    }
+    fits.move_to("PSF").unwrap();
+    fits.write_key_str("CAMERA", camera, "").unwrap();
+    fits.close().unwrap();
+    path
+}
+
+/// A simulated preproc image of 25 fibers over desi_proc's range for `camera`, and its PSF.
+fn simulated_preproc(camera: &str) -> (PathBuf, PathBuf) {
+    static PREPROCS: OnceLock<Vec<(PathBuf, PathBuf)>> = OnceLock::new();
+    let all = PREPROCS.get_or_init(|| {
+        CAMERAS
+            .iter()
+            .map(|&(camera, grid, _)| {
+                let psf = camera_psf(camera);
+                let path = workdir().join(format!("preproc-{camera}-sim.fits"));
+                let truth = workdir().join(format!("truth-{camera}-sim.fits"));
+                let args: [&OsStr; 11] = [
+                    "simulate".as_ref(),
+                    "-p".as_ref(),
+                    psf.as_os_str(),
+                    "-o".as_ref(),
+                    path.as_os_str(),
+                    "--truth".as_ref(),
+                    truth.as_os_str(),
+                    "-w".as_ref(),
+                    grid.as_ref(),
+                    "-n".as_ref(),
+                    "25".as_ref(),
+                ];
+                spex(&args);
+                (path, psf)
+            })
+            .collect()
+    });
+    let k = CAMERAS.iter().position(|c| c.0 == camera).unwrap();
+    all[k].clone()
 }
 
 /// A spex frame of 25 simulated fibers over desi_proc's r range (so that the r top-hat, with
-/// signal everywhere, lies inside), with a SCORES HDU: the one spex wrote, or else the one
-/// computed here from the frame as read back from the file.
+/// signal everywhere, lies inside); spex writes its SCORES HDU.
 fn spex_frame_with_scores() -> &'static Path {
     static FRAME: OnceLock<PathBuf> = OnceLock::new();
     FRAME.get_or_init(|| {
         let path = workdir().join("frame-r0.fits");
-        let (input, psf) = (simulated_preproc(), data("psf-r0-00067784.fits"));
+        let (input, psf) = simulated_preproc("r0");
         let args: [&OsStr; 10] = [
             "-i".as_ref(),
             input.as_os_str(),
@@ -236,13 +272,11 @@ fn spex_frame_with_scores() -> &'static Path {
             "25".as_ref(),
         ];
         spex(&args);
-        if !Fits::open(&path).unwrap().has_hdu("SCORES") {
-            let frame = Frame::read(&path).unwrap();
-            let s = scores::raw_scores(&frame).unwrap();
-            let mut fits = Fits::open_rw(&path).unwrap();
-            scores::append_scores_hdu(&mut fits, &s).unwrap();
-            fits.close().unwrap();
-        }
+        assert!(
+            Fits::open(&path).unwrap().has_hdu("SCORES"),
+            "{}: no SCORES HDU",
+            path.display()
+        );
         path
     })
 }
@@ -254,20 +288,15 @@ fn desispec_reads_a_spex_frame_and_its_scores_match() {
     assert!(out.contains("MEDIAN_RAW_SNR_R"), "{out}");
 }
 
-// The integrated command line of issue 11: these run `spex simulate` and desi_proc's job
-// lines and wait for the options and the file contents that the integration brings
-// (--barycentric-correction, --no-scores, SCORES written by the frame writer, CHECKSUM,
-// gzip, uint32 MASK, a simulated preproc with FLAVOR, TILEID, read noise per amplifier,
-// pointing keywords and a FIBERMAP with desispec's columns).
-
-/// desi_proc's extraction line with the program name replaced (`--nspec 25` added to keep
-/// the test short), writing `name` in the work directory.
-fn job_line(name: &str, extra: &[&str]) -> PathBuf {
-    let (preproc, psf) = (simulated_preproc(), data("psf-r0-00067784.fits"));
+/// desi_proc's extraction line for `camera` with the program name replaced (`--nspec 25`
+/// added to keep the test short), writing `name` in the work directory.
+fn job_line(camera: &str, name: &str, extra: &[&str]) -> PathBuf {
+    let (preproc, psf) = simulated_preproc(camera);
+    let &(_, grid, psferr) = CAMERAS.iter().find(|c| c.0 == camera).unwrap();
     let out = workdir().join(name);
     let mut args: Vec<&OsStr> = vec![
         "-w".as_ref(),
-        "5760.0,7620.0,0.8".as_ref(),
+        grid.as_ref(),
         "-i".as_ref(),
         preproc.as_os_str(),
         "-p".as_ref(),
@@ -275,7 +304,7 @@ fn job_line(name: &str, extra: &[&str]) -> PathBuf {
         "-o".as_ref(),
         out.as_os_str(),
         "--psferr".as_ref(),
-        "0.01".as_ref(),
+        psferr.as_ref(),
         "--nspec".as_ref(),
         "25".as_ref(),
     ];
@@ -285,47 +314,54 @@ fn job_line(name: &str, extra: &[&str]) -> PathBuf {
 }
 
 #[test]
-#[ignore = "needs the integrated command line of issue 11"]
 fn desispec_reads_spex_simulated_preproc() {
-    let preproc = simulated_preproc();
-    python("pipeline.py", &["read-image".as_ref(), preproc.as_os_str()]);
+    for (camera, _, _) in CAMERAS {
+        let (preproc, _) = simulated_preproc(camera);
+        python("pipeline.py", &["read-image".as_ref(), preproc.as_os_str()]);
+    }
 }
 
+/// desi_proc's science and sky lines carry --barycentric-correction, its flat line does not;
+/// each runs with and without --no-gpu (without it a usable GPU is used), for the b, r and z
+/// ranges, and desispec must take every frame for its own.
 #[test]
-#[ignore = "needs the integrated command line of issue 11"]
 fn desi_proc_job_lines_through_spex_write_desispec_frames() {
-    let preproc = simulated_preproc();
-    // science and sky lines carry --barycentric-correction, the flat line does not; each
-    // with and without --no-gpu (the GPU is used when one is usable)
-    let lines: [(&str, &[&str], bool); 4] = [
-        (
-            "frame-r0-science.fits.gz",
-            &["--no-gpu", "--barycentric-correction"],
-            true,
-        ),
-        ("frame-r0-sky.fits.gz", &["--barycentric-correction"], true),
-        ("frame-r0-flat-cpu.fits.gz", &["--no-gpu"], false),
-        ("frame-r0-flat.fits.gz", &[], false),
-    ];
-    for (name, extra, barycentric) in lines {
-        let frame = job_line(name, extra);
-        let mut args: Vec<&OsStr> = vec![
-            "job-line".as_ref(),
-            frame.as_os_str(),
-            preproc.as_os_str(),
-            "5760.0,7620.0,0.8".as_ref(),
-        ];
-        if barycentric {
-            args.push("--barycentric".as_ref());
+    let lines: [(&str, bool); 3] = [("science", true), ("sky", true), ("flat", false)];
+    for (camera, grid, _) in CAMERAS {
+        let (preproc, _) = simulated_preproc(camera);
+        for (kind, barycentric) in lines {
+            for gpu in ["cpu", "any"] {
+                let mut extra = Vec::new();
+                if gpu == "cpu" {
+                    extra.push("--no-gpu");
+                }
+                if barycentric {
+                    extra.push("--barycentric-correction");
+                }
+                let name = format!("frame-{camera}-{kind}-{gpu}.fits.gz");
+                let frame = job_line(camera, &name, &extra);
+                let mut args: Vec<&OsStr> = vec![
+                    "job-line".as_ref(),
+                    frame.as_os_str(),
+                    preproc.as_os_str(),
+                    grid.as_ref(),
+                ];
+                if barycentric {
+                    args.push("--barycentric".as_ref());
+                }
+                python("pipeline.py", &args);
+            }
         }
-        python("pipeline.py", &args);
     }
 }
 
 #[test]
-#[ignore = "needs the integrated command line of issue 11"]
 fn frames2spectra_combines_a_spex_frame_with_a_desispec_frame() {
-    let frame = job_line("frame-r0-for-spectra.fits", &["--barycentric-correction"]);
+    let frame = job_line(
+        "r0",
+        "frame-r0-for-spectra.fits",
+        &["--barycentric-correction"],
+    );
     let dir = workdir().join("frames2spectra");
     std::fs::create_dir_all(&dir).unwrap();
     python("frames2spectra.py", &[frame.as_os_str(), dir.as_os_str()]);
