@@ -54,15 +54,17 @@ fn solve(l: &[Vec<Dd>], y: &[Dd]) -> Vec<Dd> {
     let mut z = y.to_vec();
     for i in 0..n {
         for k in 0..i {
-            z[i] = z[i] - l[i][k] * z[k];
+            let zk = z[k];
+            z[i] -= l[i][k] * zk;
         }
-        z[i] = z[i] / l[i][i];
+        z[i] /= l[i][i];
     }
     for i in (0..n).rev() {
         for k in i + 1..n {
-            z[i] = z[i] - l[k][i] * z[k];
+            let zk = z[k];
+            z[i] -= l[k][i] * zk;
         }
-        z[i] = z[i] / l[i][i];
+        z[i] /= l[i][i];
     }
     z
 }
