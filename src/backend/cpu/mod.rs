@@ -440,3 +440,88 @@ fn chi2pix(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Normal equations of 3 fibers x `nt` bins in the order (pad, core, core), along the CCD
+    /// (core, pad, core): a banded SPD matrix with neighbour coupling `c` and a coupling
+    /// `far` between the two outer fibers.
+    fn system(nt: usize, c: f64, far: f64) -> (NormalEquations, PatchGeometry) {
+        let band = |i: usize, j: usize| {
+            let d = i.abs_diff(j) as f64;
+            if d > 3.0 {
+                0.0
+            } else {
+                (-(d * d) / 2.0).exp() + if i == j { 0.2 } else { 0.0 }
+            }
+        };
+        let coupling = |i: usize, j: usize| if i == j { c } else { 0.0 };
+        let m = 3 * nt;
+        let ne = NormalEquations {
+            nt,
+            // block 1 (core) leftmost, then the padding fiber, then block 2 (core)
+            order: vec![1, 0, 2],
+            diag: vec![Mat::from_fn(nt, nt, band); 3],
+            sub: vec![Mat::from_fn(nt, nt, coupling); 2],
+            far: (0..nt).map(|w| (nt + w, 2 * nt + w, far)).collect(),
+            y: (0..m).map(|i| 1.0 + (i as f64 * 0.37).sin()).collect(),
+            fluxweight: vec![1.0; m],
+        };
+        let geom = PatchGeometry {
+            rows: 0..1,
+            cols: 0..1,
+            block_fibers: vec![1, 0, 2],
+            npad: 1,
+            wave0: 0,
+            nwavetot: nt,
+        };
+        (ne, geom)
+    }
+
+    fn options() -> SolveOptions {
+        SolveOptions {
+            regularize: 0.0,
+            psferr: 0.0,
+            model: false,
+        }
+    }
+
+    /// The sweeps give the flux and the core blocks' `Q` of the dense route, to rounding.
+    #[test]
+    fn schur_route_matches_dense_route() {
+        let (ne, geom) = system(12, 0.05, 0.0);
+        let mut counts = RouteCounts::default();
+        let schur = decorrelation(&ne, &geom, &options(), &mut counts).unwrap();
+        assert_eq!(counts.dense, 0);
+        let dense = dense::solve(&ne.dense(), &ne.y, &ne.fluxweight, &geom, 0.0).unwrap();
+        for (a, b) in schur.xflux.iter().zip(&dense.xflux) {
+            assert!((a - b).abs() < 1e-12 * b.abs().max(1.0), "xflux {a} vs {b}");
+        }
+        for (q, c) in schur.q.iter().zip(&dense.blocks) {
+            let qd = decorrelate::inverse_sqrt_of_covariance(c);
+            for i in 0..q.nrows() {
+                for j in 0..q.ncols() {
+                    assert!(
+                        (q[(i, j)] - qd[(i, j)]).abs() < 1e-12,
+                        "Q differs at ({i}, {j})"
+                    );
+                }
+            }
+        }
+    }
+
+    /// A coupling of fibers that are not neighbours above the limit sends the patch to the
+    /// dense route; below it, the sweeps drop it.
+    #[test]
+    fn far_coupling_above_the_limit_takes_the_dense_route() {
+        for (far, dense) in [(1e-3, 1), (1e-15, 0)] {
+            let (ne, geom) = system(6, 0.05, far);
+            let mut counts = RouteCounts::default();
+            let d = decorrelation(&ne, &geom, &options(), &mut counts).unwrap();
+            assert_eq!(counts.dense, dense, "far coupling {far}");
+            assert_eq!(d.status, PatchStatus::Ok);
+        }
+    }
+}
