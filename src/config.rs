@@ -7,7 +7,8 @@
 //! the parallel layer takes it as it is and knows nothing of the command line.
 //!
 //! Errors here are usage errors (exit status 2), except a `--list` file that cannot be read
-//! (an I/O error, exit status 1): [`ConfigError`] says which.
+//! or is malformed, and outputs that would replace an input (exit status 1):
+//! [`ConfigError`] says which.
 
 use std::path::PathBuf;
 
@@ -53,9 +54,10 @@ pub enum ConfigError {
     /// Options that cannot work together or with the files named (exit status 2).
     #[error("{0}")]
     Usage(String),
-    /// A file of the configuration could not be read (exit status 1).
+    /// A file of the configuration could not be read or holds something wrong, or an output
+    /// would replace an input (exit status 1).
     #[error(transparent)]
-    Io(Error),
+    Input(Error),
 }
 
 impl ConfigError {
@@ -63,7 +65,7 @@ impl ConfigError {
     pub fn exit_code(&self) -> u8 {
         match self {
             ConfigError::Usage(_) => 2,
-            ConfigError::Io(_) => 1,
+            ConfigError::Input(_) => 1,
         }
     }
 }
@@ -90,7 +92,7 @@ impl JobConfig {
             r.validate_options().map_err(|e| usage(e.to_string()))?;
         }
         // Outputs that would replace an input or one another are refused before any work.
-        check_job_paths(&requests, args.test.as_deref()).map_err(ConfigError::Io)?;
+        check_job_paths(&requests, args.test.as_deref()).map_err(ConfigError::Input)?;
         let mut config = JobConfig {
             frames: Vec::with_capacity(requests.len()),
             skipped: Vec::new(),
@@ -135,13 +137,14 @@ struct FrameFiles {
 fn frame_files(args: &ExtractArgs) -> Result<Vec<FrameFiles>, ConfigError> {
     if let Some(list) = &args.list {
         let text = std::fs::read_to_string(list).map_err(|source| {
-            ConfigError::Io(Error::Io {
+            ConfigError::Input(Error::Io {
                 path: list.clone(),
                 source,
             })
         })?;
-        let frames = parse_list(&text)
-            .map_err(|e| ConfigError::Usage(format!("{}: {e}", list.display())))?;
+        let frames = parse_list(&text).map_err(|e| {
+            ConfigError::Input(Error::config(format!("{}: {e}", list.display())))
+        })?;
         return Ok(frames
             .into_iter()
             .map(|(input, psf, output)| FrameFiles {

@@ -26,7 +26,8 @@ pub struct SolveOptions {
 /// How a patch was solved, for logs and statistics.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum PatchStatus {
-    /// Cholesky route as planned.
+    /// Solved as planned: the Schur-complement sweeps, or the dense Cholesky route where the
+    /// CPU backend falls back to it (see [`crate::backend::cpu`]).
     Ok,
     /// Cholesky failed and succeeded again with `regularize = 1e-4`.
     Regularized,

@@ -188,6 +188,12 @@ impl<'a> Reference<'a> {
         let reference = self
             .get()
             .map_err(|e| spex::Error::config(format!("--test {}: {e}", self.path.display())))?;
+        if let Some(why) = compare::parity_mismatch(frame, reference) {
+            return Err(spex::Error::config(format!(
+                "{}: reference frame does not match the extraction: {why}",
+                self.path.display()
+            )));
+        }
         let limits = ParityLimits::default();
         let parity = compare::parity(frame, reference, limits.rel_tolerance)?;
         println!(

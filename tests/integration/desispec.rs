@@ -15,8 +15,6 @@ use std::sync::OnceLock;
 
 use spex::barycentric;
 use spex::fits::Fits;
-use spex::frame::Frame;
-use spex::scores;
 
 fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))

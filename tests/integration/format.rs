@@ -105,7 +105,8 @@ fn extracted_frame_has_desispecs_layout_and_keywords() {
             "WAVELENGTH",
             "RESOLUTION",
             "FIBERMAP",
-            "CHI2PIX"
+            "CHI2PIX",
+            "SCORES"
         ]
     );
     assert_eq!(key::<i64>(&mut f, 0, "NSPEC"), 25);

@@ -3,6 +3,7 @@
 //!
 //! - `bad_input`: what bad input and hostile surroundings get (exit status, one line, no
 //!   leftovers, inputs untouched);
+//! - `conditioning`: the CPU flux of ill-conditioned blocks against a double-double reference;
 //! - `cli`: the command line end to end, exit codes and error lines;
 //! - `format`: the frame, model and simulated preproc files as desispec writes and reads them;
 //! - `extract`: physics and numerics of the CPU extraction against the reference cases;
@@ -13,6 +14,7 @@
 mod bad_input;
 mod cli;
 mod common;
+mod conditioning;
 mod desispec;
 mod extract;
 mod format;

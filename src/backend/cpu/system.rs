@@ -1,0 +1,365 @@
+//! The linear system of one patch: its projection matrix restricted to the patch's pixel box
+//! and the normal equations `icov x = y` (DESIGN "Solve of one patch", step 1), stored as the
+//! fiber blocks that the Schur-complement sweeps use.
+//!
+//! Fibers sit about 7 pixels apart and their spots are about 17 pixels wide, so `icov` is
+//! block-tridiagonal in the fibers' order along the CCD: a fiber couples to its neighbours
+//! (about 1.5e-4 relative) and, through the tails of the spots only, to its second neighbours
+//! (below 1e-13). The blocks of neighbouring fibers are kept; any other coupling is kept aside
+//! so that the solve can measure what dropping it costs and take the dense route instead.
+
+use faer::Mat;
+
+use crate::extract::PatchGeometry;
+use crate::image::Image;
+use crate::psf::Spots;
+
+/// The projection matrix of a patch restricted to its pixel box, with the box's pixels.
+pub(super) struct PatchSystem {
+    pub geom: PatchGeometry,
+    ny: usize,
+    nx: usize,
+    /// Per column: the spot with zeros outside the box, `[col][ny * nx]`.
+    a: Vec<f64>,
+    /// Per column: CCD corner (x, y).
+    corner: Vec<(i64, i64)>,
+    /// Box pixels and weights, `[row][col]` of the box.
+    pub pix: Vec<f64>,
+    pub ivar: Vec<f64>,
+}
+
+/// The normal equations of a patch, by fiber block.
+///
+/// Unknowns keep the order of [`PatchGeometry`] (padding fibers first); `order` lists the
+/// blocks in the fibers' order along the CCD, the order of the block-tridiagonal structure.
+#[derive(Clone, Debug)]
+pub struct NormalEquations {
+    /// Bins per fiber block.
+    pub nt: usize,
+    /// `order[k]`: the block (index in [`PatchGeometry::block_fibers`]) at position `k` along
+    /// the CCD.
+    pub order: Vec<usize>,
+    /// `A_kk` at each position, full symmetric.
+    pub diag: Vec<Mat<f64>>,
+    /// `A_{k+1,k}`: rows are the bins of position `k + 1`, columns those of position `k`.
+    pub sub: Vec<Mat<f64>>,
+    /// Couplings of blocks further apart: (unknown, unknown, value), each pair once.
+    pub far: Vec<(usize, usize, f64)>,
+    /// `A^T W p`.
+    pub y: Vec<f64>,
+    /// `A^T W 1`.
+    pub fluxweight: Vec<f64>,
+}
+
+impl NormalEquations {
+    /// Number of unknowns.
+    pub fn nunknowns(&self) -> usize {
+        self.y.len()
+    }
+
+    /// The whole `icov` in the order of the unknowns, for the dense route.
+    pub fn dense(&self) -> Mat<f64> {
+        let nt = self.nt;
+        let m = self.nunknowns();
+        let mut icov = Mat::<f64>::zeros(m, m);
+        for (k, &b) in self.order.iter().enumerate() {
+            let o = b * nt;
+            icov.as_mut()
+                .submatrix_mut(o, o, nt, nt)
+                .copy_from(&self.diag[k]);
+        }
+        for (k, s) in self.sub.iter().enumerate() {
+            let (r, c) = (self.order[k + 1] * nt, self.order[k] * nt);
+            icov.as_mut().submatrix_mut(r, c, nt, nt).copy_from(s);
+            icov.as_mut()
+                .submatrix_mut(c, r, nt, nt)
+                .copy_from(s.transpose());
+        }
+        for &(i, j, v) in &self.far {
+            icov[(i, j)] = v;
+            icov[(j, i)] = v;
+        }
+        icov
+    }
+
+    /// The largest coupling beyond neighbouring fibers relative to the diagonal,
+    /// `max |a_ij| / sqrt(a_ii a_jj)`, with the diagonal as regularised by `prior`.
+    pub fn far_coupling(&self, prior: &[f64]) -> f64 {
+        let nt = self.nt;
+        let mut pos = vec![0; self.order.len()];
+        for (k, &b) in self.order.iter().enumerate() {
+            pos[b] = k;
+        }
+        let diag = |j: usize| self.diag[pos[j / nt]][(j % nt, j % nt)] + prior[j];
+        self.far
+            .iter()
+            .map(|&(i, j, v)| v.abs() / (diag(i) * diag(j)).sqrt())
+            .fold(0.0, f64::max)
+    }
+}
+
+/// The diagonal prior of step 2 (`alpha^2 + 1e-15` per unknown, `alpha = minweight -
+/// fluxweight` where `fluxweight < minweight = 1e-4 max(fluxweight)`, else `regularize`);
+/// `None` when no pixel constrains the patch.
+pub fn prior(fluxweight: &[f64], regularize: f64) -> Option<Vec<f64>> {
+    let maxw = fluxweight.iter().cloned().fold(0.0, f64::max);
+    if !(maxw > 0.0) {
+        return None;
+    }
+    let minweight = 1e-4 * maxw;
+    Some(
+        fluxweight
+            .iter()
+            .map(|&fw| {
+                let alpha = if fw < minweight {
+                    minweight - fw
+                } else {
+                    regularize
+                };
+                alpha * alpha + 1e-15
+            })
+            .collect(),
+    )
+}
+
+impl PatchSystem {
+    #[inline(always)]
+    pub fn new(geom: PatchGeometry, spots: &Spots, image: &Image) -> Self {
+        let (ny, nx) = (spots.corners.ny, spots.corners.nx);
+        let size = ny * nx;
+        let m = geom.nunknowns();
+        let (r0, r1) = (geom.rows.start as i64, geom.rows.end as i64);
+        let (c0, c1) = (geom.cols.start as i64, geom.cols.end as i64);
+        let mut a = vec![0.0; m * size];
+        let mut corner = Vec::with_capacity(m);
+        for (b, &f) in geom.block_fibers.iter().enumerate() {
+            for w in 0..geom.nwavetot {
+                let j = b * geom.nwavetot + w;
+                let (xc, yc) = spots.corners.corner(f, geom.wave0 + w);
+                let (xc, yc) = (xc as i64, yc as i64);
+                corner.push((xc, yc));
+                let spot = spots.spot(f, geom.wave0 + w);
+                let col = &mut a[j * size..(j + 1) * size];
+                let ylo = (r0 - yc).clamp(0, ny as i64) as usize;
+                let yhi = (r1 - yc).clamp(0, ny as i64) as usize;
+                let xlo = (c0 - xc).clamp(0, nx as i64) as usize;
+                let xhi = (c1 - xc).clamp(0, nx as i64) as usize;
+                for iy in ylo..yhi {
+                    let row = iy * nx;
+                    col[row + xlo..row + xhi.max(xlo)]
+                        .copy_from_slice(&spot[row + xlo..row + xhi.max(xlo)]);
+                }
+            }
+        }
+        let (h, w) = (geom.rows.len(), geom.cols.len());
+        let mut pix = Vec::with_capacity(h * w);
+        let mut ivar = Vec::with_capacity(h * w);
+        for r in geom.rows.clone() {
+            let row = r * image.ncols;
+            pix.extend(
+                image.pix[row + geom.cols.start..row + geom.cols.end]
+                    .iter()
+                    .map(|&v| v as f64),
+            );
+            ivar.extend(
+                image.ivar[row + geom.cols.start..row + geom.cols.end]
+                    .iter()
+                    .map(|&v| v as f64),
+            );
+        }
+        PatchSystem {
+            geom,
+            ny,
+            nx,
+            a,
+            corner,
+            pix,
+            ivar,
+        }
+    }
+
+    pub fn m(&self) -> usize {
+        self.corner.len()
+    }
+
+    pub fn column(&self, j: usize) -> &[f64] {
+        let size = self.ny * self.nx;
+        &self.a[j * size..(j + 1) * size]
+    }
+
+    /// Calls `f(spot offset, box offset, length)` for every row of column `j`'s spot inside
+    /// the box: the pixels `spot[s..s + len]` lie at `box[p..p + len]`.
+    #[inline(always)]
+    pub fn for_rows(&self, j: usize, mut f: impl FnMut(usize, usize, usize)) {
+        let (xc, yc) = self.corner[j];
+        let (r0, c0) = (self.geom.rows.start as i64, self.geom.cols.start as i64);
+        let w = self.geom.cols.len() as i64;
+        let ylo = (r0 - yc).max(0);
+        let yhi = (self.geom.rows.end as i64 - yc).min(self.ny as i64);
+        let xlo = (c0 - xc).max(0);
+        let xhi = (self.geom.cols.end as i64 - xc).min(self.nx as i64);
+        if xhi <= xlo {
+            return;
+        }
+        let len = (xhi - xlo) as usize;
+        for iy in ylo..yhi {
+            let s = (iy * self.nx as i64 + xlo) as usize;
+            let p = ((yc + iy - r0) * w + xc + xlo - c0) as usize;
+            f(s, p, len);
+        }
+    }
+
+    /// `icov = A^T W A` by fiber block, `y = A^T W p`, `fluxweight = A^T W 1`.
+    ///
+    #[inline(always)]
+    pub fn normal_equations(&self) -> NormalEquations {
+        let m = self.m();
+        let nt = self.geom.nwavetot;
+        let nb = self.geom.block_fibers.len();
+        let size = self.ny * self.nx;
+        let (ny, nx) = (self.ny as i64, self.nx as i64);
+        let mut order: Vec<usize> = (0..nb).collect();
+        order.sort_by_key(|&b| self.geom.block_fibers[b]);
+        let mut pos = vec![0; nb];
+        for (k, &b) in order.iter().enumerate() {
+            pos[b] = k;
+        }
+
+        // weighted columns ws = W a, over the spot's own frame
+        let mut ws = vec![0.0; m * size];
+        let mut y = vec![0.0; m];
+        let mut fluxweight = vec![0.0; m];
+        for j in 0..m {
+            let col = self.column(j);
+            let out = &mut ws[j * size..(j + 1) * size];
+            let (mut sy, mut sw) = (0.0, 0.0);
+            self.for_rows(j, |s, p, len| {
+                let out = &mut out[s..s + len];
+                let ivar = &self.ivar[p..p + len];
+                for ((o, &a), &iv) in out.iter_mut().zip(&col[s..s + len]).zip(ivar) {
+                    *o = a * iv;
+                }
+                sy += dot(out, &self.pix[p..p + len]);
+                sw += out.iter().sum::<f64>();
+            });
+            y[j] = sy;
+            fluxweight[j] = sw;
+        }
+
+        let mut ne = NormalEquations {
+            nt,
+            order,
+            diag: vec![Mat::zeros(nt, nt); nb],
+            sub: vec![Mat::zeros(nt, nt); nb.saturating_sub(1)],
+            far: Vec::new(),
+            y,
+            fluxweight,
+        };
+        // The rows of a fiber's spots grow with the bin: the bins of block b2 that can overlap
+        // a spot at row y1 form one window, found by bisection.
+        let ycs: Vec<Vec<i64>> = (0..nb)
+            .map(|b| (0..nt).map(|w| self.corner[b * nt + w].1).collect())
+            .collect();
+        let sorted: Vec<bool> = ycs
+            .iter()
+            .map(|v| v.windows(2).all(|p| p[0] <= p[1]))
+            .collect();
+        for j1 in 0..m {
+            let (b1, w1) = (j1 / nt, j1 % nt);
+            let (x1, y1) = self.corner[j1];
+            let ws1 = &ws[j1 * size..(j1 + 1) * size];
+            for b2 in b1..nb {
+                let (lo, hi) = if sorted[b2] {
+                    (
+                        ycs[b2].partition_point(|&v| v <= y1 - ny),
+                        ycs[b2].partition_point(|&v| v < y1 + ny),
+                    )
+                } else {
+                    (0, nt)
+                };
+                let lo = if b2 == b1 { lo.max(w1) } else { lo };
+                for w2 in lo..hi.max(lo) {
+                    let j2 = b2 * nt + w2;
+                    let (x2, y2) = self.corner[j2];
+                    let (dx, dy) = (x2 - x1, y2 - y1);
+                    if dx.abs() >= nx || dy.abs() >= ny {
+                        continue;
+                    }
+                    let v = overlap(ws1, self.column(j2), nx, ny, dx, dy);
+                    let (k1, k2) = (pos[b1], pos[b2]);
+                    if k1 == k2 {
+                        ne.diag[k1][(w1, w2)] = v;
+                        ne.diag[k1][(w2, w1)] = v;
+                    } else if k2 == k1 + 1 {
+                        ne.sub[k1][(w2, w1)] = v;
+                    } else if k1 == k2 + 1 {
+                        ne.sub[k2][(w1, w2)] = v;
+                    } else if v != 0.0 {
+                        ne.far.push((j1, j2, v));
+                    }
+                }
+            }
+        }
+        ne
+    }
+
+    /// `A x` over the box.
+    #[inline(always)]
+    pub fn project(&self, x: &[f64], columns: impl Iterator<Item = usize>) -> Vec<f64> {
+        let mut model = vec![0.0; self.pix.len()];
+        for j in columns {
+            if x[j] == 0.0 {
+                continue;
+            }
+            let col = self.column(j);
+            self.for_rows(j, |s, p, len| {
+                for (m, &a) in model[p..p + len].iter_mut().zip(&col[s..s + len]) {
+                    *m += a * x[j];
+                }
+            });
+        }
+        model
+    }
+}
+
+/// `sum w1[s] a2[s - (dy nx + dx)]` over the overlap of two spots, the second one `(dx, dy)`
+/// pixels from the first; both are `ny x nx`, row-major.
+#[inline(always)]
+fn overlap(w1: &[f64], a2: &[f64], nx: i64, ny: i64, dx: i64, dy: i64) -> f64 {
+    let (ylo, yhi) = (dy.max(0), (ny + dy).min(ny));
+    if dx == 0 {
+        // whole rows on both sides: one contiguous run
+        let (o1, o2) = ((ylo * nx) as usize, ((ylo - dy) * nx) as usize);
+        let len = ((yhi - ylo) * nx) as usize;
+        return dot(&w1[o1..o1 + len], &a2[o2..o2 + len]);
+    }
+    let (xlo, xhi) = (dx.max(0), (nx + dx).min(nx));
+    let len = (xhi - xlo) as usize;
+    let mut sum = 0.0;
+    for iy in ylo..yhi {
+        let o1 = (iy * nx + xlo) as usize;
+        let o2 = ((iy - dy) * nx + xlo - dx) as usize;
+        sum += dot(&w1[o1..o1 + len], &a2[o2..o2 + len]);
+    }
+    sum
+}
+
+/// A dot product in a fixed order (eight interleaved partial sums, products rounded before
+/// they are added), so that it vectorises and gives the same bits on every machine.
+#[inline(always)]
+pub(super) fn dot(a: &[f64], b: &[f64]) -> f64 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut acc = [0.0f64; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ar, br) = (ac.remainder(), bc.remainder());
+    for (x, y) in ac.zip(bc) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    for (i, (x, y)) in ar.iter().zip(br).enumerate() {
+        acc[i] += x * y;
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+}
