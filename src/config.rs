@@ -142,9 +142,8 @@ fn frame_files(args: &ExtractArgs) -> Result<Vec<FrameFiles>, ConfigError> {
                 source,
             })
         })?;
-        let frames = parse_list(&text).map_err(|e| {
-            ConfigError::Input(Error::config(format!("{}: {e}", list.display())))
-        })?;
+        let frames = parse_list(&text)
+            .map_err(|e| ConfigError::Input(Error::config(format!("{}: {e}", list.display()))))?;
         return Ok(frames
             .into_iter()
             .map(|(input, psf, output)| FrameFiles {

@@ -25,14 +25,6 @@ pub enum Error {
     #[error("invalid options: {0}")]
     Config(String),
 
-    /// A numerical failure that the fallbacks could not recover.
-    #[error("patch (fibers {fibers:?}, output bins {waves:?}): {message}")]
-    Patch {
-        fibers: std::ops::Range<usize>,
-        waves: std::ops::Range<usize>,
-        message: String,
-    },
-
     /// The GPU backend: driver, NVRTC, cuBLAS/cuSOLVER or device memory.
     #[error("GPU: {0}")]
     Gpu(String),

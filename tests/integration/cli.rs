@@ -308,3 +308,62 @@ fn gpu_without_a_driver_is_one_clear_error() {
     );
     assert!(!out.exists());
 }
+
+/// desi_proc's science line on an image whose header has no pointing or date: one line names
+/// the file and the missing keyword, the status is 1 and no frame is written.
+#[test]
+fn barycentric_correction_without_its_keywords_names_the_file_and_the_keyword() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("frame.fits");
+    let (input, psf) = (data("preproc-bundle0.fits"), data("psf-r0-00067784.fits"));
+    let mut args = bundle0_args(s(&input), s(&psf), s(&out));
+    args.extend(["--barycentric-correction", "--no-gpu"]);
+    let o = spex(&args);
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_fails(&args, dir.path(), "preproc-bundle0.fits");
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    let line = stderr.lines().find(|l| l.contains("error")).unwrap_or("");
+    assert!(
+        ["TARGTRA", "MJD", "RA"].iter().any(|k| line.contains(k)),
+        "the error line names no keyword: {line}"
+    );
+}
+
+/// `-f` takes the fibermap from another file: its rows are the ones copied into the frame.
+#[test]
+fn fibermap_option_takes_the_fibermap_of_another_file() {
+    use fitsio::tables::{ColumnDataType, ColumnDescription};
+    let dir = tempfile::tempdir().unwrap();
+    let (out, fibermap) = (
+        dir.path().join("frame.fits"),
+        dir.path().join("fibermap.fits"),
+    );
+    {
+        let mut f = fitsio::FitsFile::create(&fibermap).open().unwrap();
+        let columns = ["FIBER", "TARGETID"].map(|name| {
+            ColumnDescription::new(name)
+                .with_type(ColumnDataType::Long)
+                .create()
+                .unwrap()
+        });
+        let h = f.create_table("FIBERMAP", &columns).unwrap();
+        let fibers: Vec<i64> = (0..500).collect();
+        let targets: Vec<i64> = fibers.iter().map(|f| 7_000_000 + f).collect();
+        h.write_col(&mut f, "FIBER", &fibers).unwrap();
+        h.write_col(&mut f, "TARGETID", &targets).unwrap();
+    }
+    let (input, psf) = (data("preproc-bundle0.fits"), data("psf-r0-00067784.fits"));
+    let mut args = bundle0_args(s(&input), s(&psf), s(&out));
+    args.extend(["-f", s(&fibermap), "--no-gpu"]);
+    let o = spex(&args);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let mut f = fitsio::FitsFile::open(&out).unwrap();
+    let h = f.hdu("FIBERMAP").unwrap();
+    let targets: Vec<i64> = h.read_col(&mut f, "TARGETID").unwrap();
+    assert_eq!(targets, (7_000_000..7_000_025).collect::<Vec<i64>>());
+}

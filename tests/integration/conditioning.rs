@@ -9,7 +9,6 @@
 //! For `cond <= 1e10` and `nt = 74` both stay below the 1e-10 sigma that the extraction
 //! promises.
 
-
 use crate::common::*;
 use rand::SeedableRng;
 use rand_distr::{Distribution, Normal};
