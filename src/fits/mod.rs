@@ -4,8 +4,7 @@
 //! and a failure of the operating system (a full disk, a permission) keeps its cause.
 //!
 //! File names are taken literally: `out[1].fits` is a file of that name, never cfitsio's
-//! "HDU 1 of out.fits" (only a name ending in `.gz` goes through cfitsio's parser, which is
-//! what makes it write a gzip-compressed file; such a name must not hold brackets). Every
+//! "HDU 1 of out.fits"; a new file whose name ends in `.gz` is compressed when closed. Every
 //! cfitsio function is called from one place only, [`Fits::call`] or a free function beside
 //! it, each with the reason it is sound.
 
@@ -17,6 +16,7 @@ use fitsio::sys;
 use crate::error::{Error, Result};
 
 mod desi;
+mod gzip;
 pub use desi::fits_float;
 
 const READONLY: c_int = 0;
@@ -75,6 +75,8 @@ pub struct Fits {
     ptr: *mut sys::fitsfile,
     path: PathBuf,
     hdu: String,
+    /// Compress the file with gzip when it is closed (a new file whose name ends in `.gz`).
+    gzip: bool,
 }
 
 // SAFETY: a cfitsio handle has no affinity to the thread that opened it (cfitsio is built
@@ -146,30 +148,13 @@ fn failure_message(status: c_int, cause: Option<std::io::Error>) -> String {
     }
 }
 
-/// The name cfitsio is given for `path`, and whether its extended syntax must parse it: only
-/// a `.gz` name does (cfitsio compresses such a file as a whole on close), and then the name
-/// must hold nothing that the syntax would read as an HDU or a filter.
-fn cfitsio_name(path: &Path) -> Result<(CString, bool)> {
-    let text = path.to_string_lossy();
-    let parsed = text.ends_with(".gz");
-    if parsed && text.contains(['[', ']', '(', ')', '!', '+', '$']) {
-        return Err(Error::Fits {
-            path: path.into(),
-            what: "cannot create".into(),
-            message: "a compressed (.gz) output's path must not contain [ ] ( ) ! + or $, \
-                      which cfitsio reads as its filename syntax"
-                .into(),
-        });
-    }
-    Ok((cstring(&text), parsed))
-}
-
 impl Fits {
     fn new(ptr: *mut sys::fitsfile, path: &Path) -> Self {
         Fits {
             ptr,
             path: path.into(),
             hdu: "primary".into(),
+            gzip: false,
         }
     }
 
@@ -199,9 +184,10 @@ impl Fits {
     }
 
     /// Creates a new file, replacing any file of that name (callers write to a temporary
-    /// name of their own, see [`crate::output`]).
+    /// name of their own, see [`crate::output`]). A name ending in `.gz` gets a
+    /// gzip-compressed file: cfitsio writes the plain file, which [`Fits::close`] compresses
+    /// in place on every core.
     pub fn create(path: &Path) -> Result<Self> {
-        let (name, parsed) = cfitsio_name(path)?;
         match std::fs::remove_file(path) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
                 return Err(Error::Io {
@@ -211,22 +197,21 @@ impl Fits {
             }
             _ => {}
         }
+        let name = cstring(&path.to_string_lossy());
         let mut ptr = std::ptr::null_mut();
         // SAFETY: `name` is NUL-terminated and outlives the call; cfitsio stores a handle in
         // `ptr` (null on failure) and only reads the name.
         run(|status| unsafe {
-            if parsed {
-                sys::ffinit(&mut ptr, name.as_ptr(), status);
-            } else {
-                sys::ffdkinit(&mut ptr, name.as_ptr(), status);
-            }
+            sys::ffdkinit(&mut ptr, name.as_ptr(), status);
         })
         .map_err(|(status, cause)| Error::Fits {
             path: path.into(),
             what: "cannot create".into(),
             message: failure_message(status, cause),
         })?;
-        Ok(Fits::new(ptr, path))
+        let mut fits = Fits::new(ptr, path);
+        fits.gzip = path.to_string_lossy().ends_with(".gz");
+        Ok(fits)
     }
 
     /// The file's path, for messages.
@@ -698,9 +683,14 @@ impl Fits {
         closed
     }
 
-    /// Closes the file, reporting any error of the final flush.
+    /// Closes the file, reporting any error of the final flush, and compresses a new `.gz`
+    /// file.
     pub fn close(mut self) -> Result<()> {
-        self.close_handle()
+        self.close_handle()?;
+        if self.gzip {
+            gzip::compress_in_place(&self.path)?;
+        }
+        Ok(())
     }
 }
 
