@@ -6,6 +6,8 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use ndarray::{s, Array2, ArrayView2};
+
 use crate::error::{Error, Result};
 use crate::extract::{PatchResult, PatchStatus};
 use crate::fits::Fits;
@@ -509,8 +511,7 @@ fn f32s(v: &[f64]) -> Vec<f32> {
 /// the primary HDU with the frame's header (BUNIT electron: the model is per pixel).
 pub fn write_model(
     path: &Path,
-    shape: (usize, usize),
-    model: &[f64],
+    model: ArrayView2<f64>,
     frame: &Frame,
     meta: &FrameMeta,
 ) -> Result<()> {
@@ -520,7 +521,11 @@ pub fn write_model(
         .unwrap_or(frame.specmin as i64);
     write_atomically(path, |tmp| {
         let mut fits = Fits::create(tmp)?;
-        fits.write_image("MODEL", &[shape.0, shape.1], model)?;
+        let model = model.as_standard_layout();
+        let values = model
+            .as_slice()
+            .expect("a standard-layout array is one slice");
+        fits.write_image("MODEL", model.shape(), values)?;
         meta.write_header(&mut fits, frame, fibermin)?;
         fits.write_key_str("BUNIT", "electron", "")?;
         fits.write_checksums()?;
@@ -563,19 +568,23 @@ pub fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-/// Sums patch model images into a CCD-sized image.
-pub fn model_image(shape: (usize, usize), results: &[PatchResult]) -> Vec<f64> {
-    let mut image = vec![0.0; shape.0 * shape.1];
+/// Sums patch model images into a CCD-sized `[row, col]` image.
+pub fn model_image(shape: (usize, usize), results: &[PatchResult]) -> Result<Array2<f64>> {
+    let mut image = Array2::zeros(shape);
     for m in results.iter().filter_map(|r| r.model.as_ref()) {
-        let w = m.cols.len();
-        for (i, r) in m.rows.clone().enumerate() {
-            let row = &mut image[r * shape.1 + m.cols.start..r * shape.1 + m.cols.end];
-            for (dst, src) in row.iter_mut().zip(&m.data[i * w..(i + 1) * w]) {
-                *dst += src;
-            }
+        let patch = ArrayView2::from_shape((m.rows.len(), m.cols.len()), &m.data)
+            .map_err(|e| Error::Internal(format!("model of a patch: {e}")))?;
+        let (rows, cols) = (m.rows.clone(), m.cols.clone());
+        if rows.end > shape.0 || cols.end > shape.1 {
+            return Err(Error::Internal(format!(
+                "patch model box {rows:?} x {cols:?} outside the {shape:?} image"
+            )));
         }
+        image
+            .slice_mut(s![rows, cols])
+            .zip_mut_with(&patch, |d, &v| *d += v);
     }
-    image
+    Ok(image)
 }
 
 #[cfg(test)]

@@ -455,8 +455,8 @@ pub fn write(
             frame.write(tmp[0], &meta)?;
             if let Some(path) = tmp.get(1) {
                 let shape = (inputs.image.nrows, inputs.image.ncols);
-                let model = frame::model_image(shape, results);
-                frame::write_model(path, shape, &model, frame, &meta)?;
+                let model = frame::model_image(shape, results)?;
+                frame::write_model(path, model.view(), frame, &meta)?;
             }
             Ok(())
         })

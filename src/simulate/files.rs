@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
+use ndarray::Array2;
 use tracing::info;
 
 use super::Simulation;
@@ -18,13 +19,19 @@ impl Simulation {
             path: PathBuf::from("simulated"),
             nrows: self.nrows,
             ncols: self.ncols,
-            pix: self.image.clone(),
-            ivar: self.ivar.clone(),
+            pix: self.pixel_array(&self.image),
+            ivar: self.pixel_array(&self.ivar),
             header: Vec::new(),
             has_fibermap: false,
             nmasked,
             nnonfinite: 0,
         }
+    }
+
+    /// A CCD-sized buffer of the simulation as a `[row, col]` array.
+    fn pixel_array(&self, v: &[f32]) -> Array2<f32> {
+        Array2::from_shape_vec((self.nrows, self.ncols), v.to_vec())
+            .expect("a simulation holds nrows x ncols pixels")
     }
 
     /// The truth of fiber `fiber` (absolute), photons per bin.

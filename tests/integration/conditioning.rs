@@ -9,7 +9,6 @@
 //! For `cond <= 1e10` and `nt = 74` both stay below the 1e-10 sigma that the extraction
 //! promises.
 
-
 use crate::common::*;
 use rand::SeedableRng;
 use rand_distr::{Distribution, Normal};
@@ -179,7 +178,7 @@ fn ill_conditioned_blocks_match_a_double_double_reference() {
     let (x13, _) = c.corner(13, w);
     for y in y12 as usize + 1..y12 as usize + c.ny {
         for x in x12 as usize..x13 as usize + c.nx {
-            image.ivar[y * image.ncols + x] = 0.0;
+            image.ivar[[y, x]] = 0.0;
         }
     }
 
