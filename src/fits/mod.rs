@@ -13,6 +13,7 @@ use std::ffi::{c_char, c_int, c_long, c_void, CString};
 use std::path::{Path, PathBuf};
 
 use fitsio::sys;
+use ndarray::{ArrayView, Dimension};
 
 use crate::error::{Error, Result};
 
@@ -450,6 +451,20 @@ impl Fits {
             })?;
         }
         Ok((shape, data))
+    }
+
+    /// Appends an image HDU holding `array`, its axes in FITS order (the last axis varies
+    /// fastest, as in numpy).
+    pub fn write_array<T: Element, D: Dimension>(
+        &mut self,
+        extname: &str,
+        array: ArrayView<T, D>,
+    ) -> Result<()> {
+        let values = array.as_standard_layout();
+        let values = values
+            .as_slice()
+            .expect("an array in standard layout is one slice");
+        self.write_image(extname, array.shape(), values)
     }
 
     /// Appends an image HDU (the primary one if the file is empty) and writes `data` into it.
