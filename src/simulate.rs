@@ -15,6 +15,7 @@
 
 use std::ops::Range;
 
+use ndarray::{s, Array2, ArrayView2, Zip};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use rand_distr::{Distribution, Poisson, StandardNormal};
@@ -216,12 +217,12 @@ pub struct Simulation {
     /// CCD size (rows = NPIX_Y, columns = NPIX_X of the PSF).
     pub nrows: usize,
     pub ncols: usize,
-    /// Pixels, `[row][column]`.
-    pub image: Vec<f32>,
+    /// Pixels, `[row, column]`.
+    pub image: Array2<f32>,
     /// Inverse variance of the noiseless model plus read noise; 0 where masked.
-    pub ivar: Vec<f32>,
+    pub ivar: Array2<f32>,
     /// [`MASK_BAD`], [`MASK_COSMIC`] or 0.
-    pub mask: Vec<i32>,
+    pub mask: Array2<i32>,
     /// CCD rows and columns that carry simulated signal (the bounding box of the spots plus
     /// the margin, clipped to the CCD); everything outside is masked.
     pub rows: Range<usize>,
@@ -293,23 +294,19 @@ pub fn simulate(psf: &GaussHermitePsf, opts: &SimulateOptions) -> Result<Simulat
     debug!(elapsed = ?start.elapsed(), "projected the truth");
 
     // Noise, and the mask of everything outside the region.
-    let npix = nrows * ncols;
-    let mut image = vec![0f32; npix];
-    let mut ivar = vec![0f32; npix];
-    let mut mask = vec![MASK_BAD; npix];
+    let mut image = Array2::<f32>::zeros((nrows, ncols));
+    let mut ivar = Array2::<f32>::zeros((nrows, ncols));
+    let mut mask = Array2::from_elem((nrows, ncols), MASK_BAD);
     let read_var = opts.read_noise * opts.read_noise;
-    image
-        .par_chunks_mut(ncols)
-        .zip(ivar.par_chunks_mut(ncols))
-        .zip(mask.par_chunks_mut(ncols))
-        .enumerate()
-        .filter(|(row, _)| rows.contains(row))
-        .for_each(|(row, ((image, ivar), mask))| {
+    let window = s![rows.clone(), cols.clone()];
+    Zip::indexed(image.slice_mut(window).rows_mut())
+        .and(ivar.slice_mut(window).rows_mut())
+        .and(mask.slice_mut(window).rows_mut())
+        .and(model.rows())
+        .par_for_each(|i, mut image, mut ivar, mut mask, model| {
+            let row = rows.start + i;
             let mut rng = stream_rng(opts.seed, STREAM_NOISE, row as u64);
-            let model =
-                &model[(row - rows.start) * cols.len()..(row - rows.start + 1) * cols.len()];
-            for (i, &m) in model.iter().enumerate() {
-                let col = cols.start + i;
+            for (col, &m) in model.iter().enumerate() {
                 let var = m + read_var;
                 let value = if opts.noise {
                     let photons = if m > 0.0 {
@@ -329,16 +326,15 @@ pub fn simulate(psf: &GaussHermitePsf, opts: &SimulateOptions) -> Result<Simulat
         });
     drop(model);
 
-    let ncosmic = add_cosmics(&mut image, &mut ivar, &mut mask, ncols, &region, opts);
+    let ncosmic = add_cosmics(&mut image, &mut ivar, &mut mask, &region, opts);
     if let Some(column) = opts.bad_column {
-        for row in 0..nrows {
-            let i = row * ncols + column;
-            if rows.contains(&row) && cols.contains(&column) {
-                image[i] += BAD_COLUMN_EXCESS as f32;
-            }
-            mask[i] |= MASK_BAD;
-            ivar[i] = 0.0;
+        if cols.contains(&column) {
+            image
+                .slice_mut(s![rows.clone(), column])
+                .mapv_inplace(|v| v + BAD_COLUMN_EXCESS as f32);
         }
+        mask.column_mut(column).mapv_inplace(|m| m | MASK_BAD);
+        ivar.column_mut(column).fill(0.0);
     }
 
     let camera = match &opts.camera {
@@ -395,9 +391,8 @@ struct Region {
 struct Stripe {
     row0: i64,
     col0: i64,
-    nrows: usize,
-    ncols: usize,
-    data: Vec<f64>,
+    /// `[row - row0, col - col0]`.
+    data: Array2<f64>,
 }
 
 /// The noiseless image of the region: sum over fibers and bins of truth times spot.
@@ -411,9 +406,9 @@ fn project(
     wave: &[f64],
     flux: &[f64],
     region: &Region,
-) -> Vec<f64> {
+) -> Array2<f64> {
     let (rw, cw) = (region.rows.len(), region.cols.len());
-    let mut model = vec![0f64; rw * cw];
+    let mut model = Array2::zeros((rw, cw));
     let nwave = wave.len();
     let chunk = 4 * rayon::current_num_threads().max(1);
     let all: Vec<usize> = fibers.clone().collect();
@@ -425,13 +420,13 @@ fn project(
                 stripe(psf, fiber, wave, &flux[i * nwave..(i + 1) * nwave])
             })
             .collect();
-        model.par_chunks_mut(cw).enumerate().for_each(|(r, out)| {
+        Zip::indexed(model.rows_mut()).par_for_each(|r, mut out| {
             let row = (region.rows.start + r) as i64;
             for s in &stripes {
-                if row < s.row0 || row >= s.row0 + s.nrows as i64 {
+                if row < s.row0 || row >= s.row0 + s.data.nrows() as i64 {
                     continue;
                 }
-                let src = &s.data[(row - s.row0) as usize * s.ncols..][..s.ncols];
+                let src = s.data.row((row - s.row0) as usize);
                 for (j, &v) in src.iter().enumerate() {
                     let col = s.col0 + j as i64 - region.cols.start as i64;
                     if col >= 0 && (col as usize) < cw {
@@ -452,38 +447,28 @@ fn stripe(psf: &GaussHermitePsf, fiber: usize, wave: &[f64], flux: &[f64]) -> St
     let row0 = c.yc.iter().copied().min().unwrap_or(0) as i64;
     let ncols = (c.xc.iter().copied().max().unwrap_or(0) as i64 - col0) as usize + nx;
     let nrows = (c.yc.iter().copied().max().unwrap_or(0) as i64 - row0) as usize + ny;
-    let mut data = vec![0f64; nrows * ncols];
+    let mut data = Array2::zeros((nrows, ncols));
     for (iw, &t) in flux.iter().enumerate() {
         if t == 0.0 {
             continue;
         }
         let (xc, yc) = c.corner(0, iw);
         let (x0, y0) = ((xc as i64 - col0) as usize, (yc as i64 - row0) as usize);
-        let spot = spots.spot(0, iw);
-        for iy in 0..ny {
-            let out = &mut data[(y0 + iy) * ncols + x0..][..nx];
-            for (o, &s) in out.iter_mut().zip(&spot[iy * nx..(iy + 1) * nx]) {
-                *o += t * s;
-            }
-        }
+        let spot = ArrayView2::from_shape((ny, nx), spots.spot(0, iw))
+            .expect("a spot holds ny x nx values");
+        data.slice_mut(s![y0..y0 + ny, x0..x0 + nx])
+            .zip_mut_with(&spot, |o, &s| *o += t * s);
     }
-    Stripe {
-        row0,
-        col0,
-        nrows,
-        ncols,
-        data,
-    }
+    Stripe { row0, col0, data }
 }
 
 /// Adds cosmic-ray tracks inside the region: short straight segments (1.5 to 8 pixels, any
 /// direction) that deposit hundreds to thousands of electrons per pixel; their pixels get
 /// [`MASK_COSMIC`] and IVAR 0. Returns the number of tracks.
 fn add_cosmics(
-    image: &mut [f32],
-    ivar: &mut [f32],
-    mask: &mut [i32],
-    ncols: usize,
+    image: &mut Array2<f32>,
+    ivar: &mut Array2<f32>,
+    mask: &mut Array2<i32>,
     region: &Region,
     opts: &SimulateOptions,
 ) -> usize {
@@ -524,7 +509,7 @@ fn add_cosmics(
             if !region.rows.contains(&row) || !region.cols.contains(&col) {
                 continue;
             }
-            let i = row * ncols + col;
+            let i = [row, col];
             // Charge shared along the track, with some pixel-to-pixel variation.
             image[i] += (charge * rng.random_range(0.5..1.5)) as f32;
             ivar[i] = 0.0;
@@ -725,7 +710,7 @@ mod tests {
         let rn2 = o.read_noise * o.read_noise;
         for row in 0..s.nrows {
             for col in 0..s.ncols {
-                let i = row * s.ncols + col;
+                let i = [row, col];
                 if s.rows.contains(&row) && s.cols.contains(&col) {
                     assert_eq!(s.mask[i], 0);
                     let expected = 1.0 / (s.image[i] as f64 + rn2);
@@ -737,11 +722,11 @@ mod tests {
         }
         // The margin holds only read noise: the spots are inside the box.
         let row = s.rows.start;
-        assert!(
-            s.image[row * s.ncols + s.cols.start..row * s.ncols + s.cols.end]
-                .iter()
-                .all(|&v| v == 0.0)
-        );
+        assert!(s
+            .image
+            .slice(s![row, s.cols.clone()])
+            .iter()
+            .all(|&v| v == 0.0));
     }
 
     #[test]
@@ -756,8 +741,8 @@ mod tests {
         assert!(b.ncosmic > 0);
         let column = a.cols.start + 7;
         let mut ncosmic_pixels = 0;
-        for i in 0..a.image.len() {
-            let (row, col) = (i / a.ncols, i % a.ncols);
+        for (i, _) in a.image.indexed_iter() {
+            let (row, col) = i;
             let inside = a.rows.contains(&row) && a.cols.contains(&col);
             if col == column {
                 assert_eq!(b.mask[i] & MASK_BAD, MASK_BAD);
@@ -839,9 +824,9 @@ mod tests {
             Some("psf-r0-00067784.fits")
         );
         let (_, image) = f.read_image::<f32>().unwrap();
-        assert_eq!(image, s.image);
+        assert_eq!(image, s.image.as_slice().unwrap());
         f.move_to("MASK").unwrap();
-        assert_eq!(f.read_image::<i32>().unwrap().1, s.mask);
+        assert_eq!(f.read_image::<i32>().unwrap().1, s.mask.as_slice().unwrap());
         f.move_to("READNOISE").unwrap();
         let (shape, readnoise) = f.read_image::<f32>().unwrap();
         assert_eq!(shape, vec![psf.npix_y, psf.npix_x]);

@@ -3,7 +3,6 @@
 
 use std::path::{Path, PathBuf};
 
-use ndarray::Array2;
 use tracing::info;
 
 use super::Simulation;
@@ -19,19 +18,13 @@ impl Simulation {
             path: PathBuf::from("simulated"),
             nrows: self.nrows,
             ncols: self.ncols,
-            pix: self.pixel_array(&self.image),
-            ivar: self.pixel_array(&self.ivar),
+            pix: self.image.clone(),
+            ivar: self.ivar.clone(),
             header: Vec::new(),
             has_fibermap: false,
             nmasked,
             nnonfinite: 0,
         }
-    }
-
-    /// A CCD-sized buffer of the simulation as a `[row, col]` array.
-    fn pixel_array(&self, v: &[f32]) -> Array2<f32> {
-        Array2::from_shape_vec((self.nrows, self.ncols), v.to_vec())
-            .expect("a simulation holds nrows x ncols pixels")
     }
 
     /// The truth of fiber `fiber` (absolute), photons per bin.
@@ -93,9 +86,8 @@ impl Simulation {
 
     fn write_image(&self, path: &Path) -> Result<()> {
         let o = &self.options;
-        let shape = [self.nrows, self.ncols];
         let mut fits = Fits::create(path)?;
-        fits.write_image("IMAGE", &shape, &self.image)?;
+        fits.write_array("IMAGE", self.image.view())?;
         fits.write_key_str("BUNIT", "electron", "")?;
         self.write_provenance(&mut fits)?;
         self.write_exposure_keys(&mut fits)?;
@@ -134,8 +126,8 @@ impl Simulation {
             self.cols.end as i64,
             "end of the columns with signal",
         )?;
-        fits.write_image("IVAR", &shape, &self.ivar)?;
-        fits.write_image("MASK", &shape, &self.mask)?;
+        fits.write_array("IVAR", self.ivar.view())?;
+        fits.write_array("MASK", self.mask.view())?;
         self.write_readnoise(&mut fits)?;
         self.write_fibermap(&mut fits)?;
         fits.write_checksums()?;
