@@ -5,6 +5,8 @@
 use std::fmt;
 use std::path::Path;
 
+use ndarray::Array2;
+
 use crate::error::{Error, Result};
 use crate::fits::Fits;
 use crate::frame::{gradient, median, Frame};
@@ -256,9 +258,8 @@ pub struct Truth {
     pub wave: Vec<f64>,
     /// First fiber of row 0.
     pub fibermin: usize,
-    pub nfiber: usize,
-    /// `[fiber][wave]`.
-    pub flux: Vec<f64>,
+    /// `[fiber, wave]`.
+    pub flux: Array2<f64>,
 }
 
 impl Truth {
@@ -276,10 +277,11 @@ impl Truth {
                 format!("shape {shape:?} does not match WAVELENGTH ({})", wave.len()),
             ));
         }
+        let flux = Array2::from_shape_vec((shape[0], shape[1]), flux)
+            .map_err(|e| fits.error("FLUX", e.to_string()))?;
         Ok(Truth {
             wave,
             fibermin: fibermin.or(key.map(|k| k.max(0) as usize)).unwrap_or(0),
-            nfiber: shape[0],
             flux,
         })
     }
@@ -356,10 +358,13 @@ pub fn pulls(frame: &Frame, truth: &Truth) -> Result<Pulls> {
     let mut values = Vec::new();
     for f in 0..frame.nspec {
         let fiber = frame.specmin + f;
-        if fiber < truth.fibermin || fiber >= truth.fibermin + truth.nfiber {
+        let Some(t) = fiber
+            .checked_sub(truth.fibermin)
+            .filter(|&row| row < truth.flux.nrows())
+            .map(|row| truth.flux.row(row))
+        else {
             continue;
-        }
-        let t = &truth.flux[(fiber - truth.fibermin) * truth.wave.len()..][..truth.wave.len()];
+        };
         for i in 0..nw {
             let ivar = frame.ivar[[f, i]];
             if ivar <= 0.0 {
