@@ -23,8 +23,8 @@ fn bench_patch(c: &mut Criterion) {
         path: "synthetic".into(),
         nrows: ny,
         ncols: nx,
-        pix: vec![0.0; ny * nx],
-        ivar: vec![1.0; ny * nx],
+        pix: ndarray::Array2::zeros((ny, nx)),
+        ivar: ndarray::Array2::ones((ny, nx)),
         header: Vec::new(),
         has_fibermap: false,
         nmasked: 0,
@@ -36,7 +36,7 @@ fn bench_patch(c: &mut Criterion) {
             let (xc, yc) = cs.corner(f, w);
             for (i, v) in spots.spot(f, w).iter().enumerate() {
                 let (y, x) = (yc as usize + i / cs.nx, xc as usize + i % cs.nx);
-                image.pix[y * nx + x] += (100.0 * v) as f32;
+                image.pix[[y, x]] += (100.0 * v) as f32;
             }
         }
     }

@@ -5,6 +5,8 @@
 use std::fmt;
 use std::path::Path;
 
+use ndarray::Array2;
+
 use crate::error::{Error, Result};
 use crate::fits::Fits;
 use crate::frame::{gradient, median, Frame};
@@ -115,14 +117,14 @@ pub fn parity(a: &Frame, b: &Frame, rel_tolerance: f64) -> Result<Parity> {
     if let Some(why) = parity_mismatch(a, b) {
         return Err(Error::config(why));
     }
-    let (nw, nd) = (a.nwave(), 2 * a.ndiag + 1);
+    let (nw, nd) = (a.nwave(), a.resolution.dim().1);
     let mut counts = [0usize; 6];
     let (mut n, mut mismatch, mut fmax) = (0usize, 0usize, 0f64);
     let (mut ivar_ok, mut res_ok, mut chi_ok) = (0usize, 0usize, 0usize);
     let (mut ivar_max, mut res_max) = (0f64, 0f64);
     for f in 0..a.nspec {
         for j in 0..nw {
-            let i = f * nw + j;
+            let i = [f, j];
             let (ia, ib) = (a.ivar[i], b.ivar[i]);
             if (ia > 0.0) != (ib > 0.0) {
                 mismatch += 1;
@@ -147,7 +149,7 @@ pub fn parity(a: &Frame, b: &Frame, rel_tolerance: f64) -> Result<Parity> {
             let r = rel(ia, ib);
             ivar_max = ivar_max.max(r);
             ivar_ok += (r <= rel_tolerance) as usize;
-            let col = |fr: &Frame, k: usize| fr.resolution[(f * nd + k) * nw + j];
+            let col = |fr: &Frame, k: usize| fr.resolution[[f, k, j]];
             let scale = (0..nd).map(|k| col(a, k).abs()).fold(0.0, f64::max);
             let diff = (0..nd)
                 .map(|k| (col(a, k) - col(b, k)).abs())
@@ -256,9 +258,8 @@ pub struct Truth {
     pub wave: Vec<f64>,
     /// First fiber of row 0.
     pub fibermin: usize,
-    pub nfiber: usize,
-    /// `[fiber][wave]`.
-    pub flux: Vec<f64>,
+    /// `[fiber, wave]`.
+    pub flux: Array2<f64>,
 }
 
 impl Truth {
@@ -276,10 +277,11 @@ impl Truth {
                 format!("shape {shape:?} does not match WAVELENGTH ({})", wave.len()),
             ));
         }
+        let flux = Array2::from_shape_vec((shape[0], shape[1]), flux)
+            .map_err(|e| fits.error("FLUX", e.to_string()))?;
         Ok(Truth {
             wave,
             fibermin: fibermin.or(key.map(|k| k.max(0) as usize)).unwrap_or(0),
-            nfiber: shape[0],
             flux,
         })
     }
@@ -352,16 +354,19 @@ pub fn pulls(frame: &Frame, truth: &Truth) -> Result<Pulls> {
     let offset = ((frame.wave[0] - truth.wave[0]) / dwt).round() as i64;
     let offset = offset as usize;
     let dw = gradient(&frame.wave);
-    let (nd, ndiag) = (2 * frame.ndiag + 1, frame.ndiag as i64);
+    let (nd, ndiag) = (frame.resolution.dim().1, frame.ndiag as i64);
     let mut values = Vec::new();
     for f in 0..frame.nspec {
         let fiber = frame.specmin + f;
-        if fiber < truth.fibermin || fiber >= truth.fibermin + truth.nfiber {
+        let Some(t) = fiber
+            .checked_sub(truth.fibermin)
+            .filter(|&row| row < truth.flux.nrows())
+            .map(|row| truth.flux.row(row))
+        else {
             continue;
-        }
-        let t = &truth.flux[(fiber - truth.fibermin) * truth.wave.len()..][..truth.wave.len()];
+        };
         for i in 0..nw {
-            let ivar = frame.ivar[f * nw + i];
+            let ivar = frame.ivar[[f, i]];
             if ivar <= 0.0 {
                 continue;
             }
@@ -375,10 +380,10 @@ pub fn pulls(frame: &Frame, truth: &Truth) -> Result<Pulls> {
                     break;
                 }
                 let rcol = col.clamp(0, nw as i64 - 1) as usize;
-                rt += frame.resolution[(f * nd + k as usize) * nw + rcol] * t[ti as usize];
+                rt += frame.resolution[[f, k as usize, rcol]] * t[ti as usize];
             }
             if complete {
-                values.push((frame.flux[f * nw + i] * dw[i] - rt) * ivar.sqrt() / dw[i]);
+                values.push((frame.flux[[f, i]] * dw[i] - rt) * ivar.sqrt() / dw[i]);
             }
         }
     }

@@ -6,11 +6,15 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use ndarray::{
+    s, Array, Array1, Array2, Array3, ArrayView2, ArrayView3, Dimension, ShapeBuilder, Zip,
+};
+
 use crate::error::{Error, Result};
 use crate::extract::{PatchResult, PatchStatus};
 use crate::fits::Fits;
 use crate::output::write_atomically;
-use crate::plan::Plan;
+use crate::plan::{Patch, Plan};
 
 /// desispec `specmask` bits set by extraction.
 pub mod specmask {
@@ -34,16 +38,16 @@ pub struct Frame {
     pub wave: Vec<f64>,
     /// Resolution diagonals on each side.
     pub ndiag: usize,
-    /// `[fiber][wave]`, photons per Angstrom.
-    pub flux: Vec<f64>,
-    pub ivar: Vec<f64>,
-    /// desispec specmask bits, written as uint32 like desispec's.
-    pub mask: Vec<u32>,
-    /// `[fiber][2 ndiag + 1][wave]`.
-    pub resolution: Vec<f64>,
-    pub chi2pix: Vec<f64>,
-    /// Not written to the file; kept for the mask and for tests.
-    pub pixmask_fraction: Vec<f64>,
+    /// `[fiber, wave]`, photons per Angstrom.
+    pub flux: Array2<f64>,
+    pub ivar: Array2<f64>,
+    /// desispec specmask bits `[fiber, wave]`, written as uint32 like desispec's.
+    pub mask: Array2<u32>,
+    /// `[fiber, diagonal, wave]`, `2 ndiag + 1` diagonals.
+    pub resolution: Array3<f64>,
+    pub chi2pix: Array2<f64>,
+    /// `[fiber, wave]`; not written to the file, kept for the mask and for tests.
+    pub pixmask_fraction: Array2<f64>,
 }
 
 /// Counts of patch outcomes, for the log.
@@ -102,12 +106,12 @@ impl Frame {
             nspec,
             wave: plan.wave.clone(),
             ndiag,
-            flux: vec![0.0; nspec * nwave],
-            ivar: vec![0.0; nspec * nwave],
-            mask: vec![0; nspec * nwave],
-            resolution: vec![0.0; nspec * nd * nwave],
-            chi2pix: vec![0.0; nspec * nwave],
-            pixmask_fraction: vec![0.0; nspec * nwave],
+            flux: Array2::zeros((nspec, nwave)),
+            ivar: Array2::zeros((nspec, nwave)),
+            mask: Array2::zeros((nspec, nwave)),
+            resolution: Array3::zeros((nspec, nd, nwave)),
+            chi2pix: Array2::zeros((nspec, nwave)),
+            pixmask_fraction: Array2::zeros((nspec, nwave)),
         };
         let mut seen = vec![false; plan.patches.len()];
         let mut counts = PatchCounts::default();
@@ -133,22 +137,7 @@ impl Frame {
                 PatchStatus::OffImage => counts.off_image += 1,
                 PatchStatus::NonFinite => counts.non_finite += 1,
             }
-            let nk = r.nwave;
-            for (c, fiber) in patch.fibers.clone().enumerate() {
-                let f = fiber - specmin;
-                let dst = f * nwave + patch.waves.start;
-                let src = c * nk;
-                frame.flux[dst..dst + nk].copy_from_slice(&r.flux[src..src + nk]);
-                frame.ivar[dst..dst + nk].copy_from_slice(&r.ivar[src..src + nk]);
-                frame.chi2pix[dst..dst + nk].copy_from_slice(&r.chi2pix[src..src + nk]);
-                frame.pixmask_fraction[dst..dst + nk]
-                    .copy_from_slice(&r.pixmask_fraction[src..src + nk]);
-                for k in 0..nd {
-                    let dst = (f * nd + k) * nwave + patch.waves.start;
-                    let src = (c * nd + k) * nk;
-                    frame.resolution[dst..dst + nk].copy_from_slice(&r.resolution[src..src + nk]);
-                }
-            }
+            frame.place(patch, r)?;
         }
         if let Some(missing) = seen.iter().position(|s| !s) {
             return Err(Error::config(format!(
@@ -161,22 +150,47 @@ impl Frame {
         Ok((frame, counts))
     }
 
+    /// Copies a patch's result (already checked to have the patch's shape) into its block
+    /// of fibers and bins.
+    fn place(&mut self, patch: &Patch, r: &PatchResult) -> Result<()> {
+        let bad = |e: ndarray::ShapeError| {
+            Error::config(format!("patch {} result has the wrong size: {e}", r.patch))
+        };
+        let fibers = patch.fibers.start - self.specmin..patch.fibers.end - self.specmin;
+        let waves = patch.waves.clone();
+        let block = (r.nfiber, r.nwave);
+        for (dst, src) in [
+            (&mut self.flux, &r.flux),
+            (&mut self.ivar, &r.ivar),
+            (&mut self.chi2pix, &r.chi2pix),
+            (&mut self.pixmask_fraction, &r.pixmask_fraction),
+        ] {
+            let src = ArrayView2::from_shape(block, src).map_err(bad)?;
+            dst.slice_mut(s![fibers.clone(), waves.clone()])
+                .assign(&src);
+        }
+        let nd = self.resolution.dim().1;
+        let src = ArrayView3::from_shape((r.nfiber, nd, r.nwave), &r.resolution).map_err(bad)?;
+        self.resolution
+            .slice_mut(s![fibers, .., waves])
+            .assign(&src);
+        Ok(())
+    }
+
     /// flux /= dw, ivar *= dw^2 with dw the gradient of the output grid.
     fn convert_to_per_angstrom(&mut self) {
-        let dw = gradient(&self.wave);
-        let nwave = self.nwave();
-        for f in 0..self.nspec {
-            for (j, &d) in dw.iter().enumerate() {
-                self.flux[f * nwave + j] /= d;
-                self.ivar[f * nwave + j] *= d * d;
-            }
-        }
+        let dw = Array1::from(gradient(&self.wave));
+        // dw broadcasts along the wavelength axis, the last one.
+        self.flux /= &dw;
+        self.ivar *= &dw.mapv(|d| d * d);
     }
 
     /// SOMEBADPIX, ALLBADPIX and BAD2DFIT, as desi_extract_spectra sets them.
     fn set_mask(&mut self) {
-        let bins = self.pixmask_fraction.iter().zip(&self.chi2pix);
-        for (m, (&fraction, &chi2)) in self.mask.iter_mut().zip(bins) {
+        let bins = Zip::from(&mut self.mask)
+            .and(&self.pixmask_fraction)
+            .and(&self.chi2pix);
+        bins.for_each(|m, &fraction, &chi2| {
             *m = 0;
             if fraction > 0.5 {
                 *m |= specmask::SOMEBADPIX;
@@ -187,7 +201,7 @@ impl Frame {
             if chi2 > BAD2DFIT_CHI2PIX {
                 *m |= specmask::BAD2DFIT;
             }
-        }
+        });
     }
 
     /// Writes the frame atomically: a temporary file in the same directory, renamed into place
@@ -202,28 +216,33 @@ impl Frame {
     }
 
     /// The error for the first non-finite FLUX or IVAR value, with their count.
-    fn check_finite(&self, path: &Path, flux: &[f32], ivar: &[f32]) -> Result<()> {
-        let bad = |v: &[f32]| v.iter().filter(|x| !x.is_finite()).count();
+    fn check_finite(&self, path: &Path, flux: &Array2<f32>, ivar: &Array2<f32>) -> Result<()> {
+        let bad = |v: &Array2<f32>| v.iter().filter(|x| !x.is_finite()).count();
         let count = bad(flux) + bad(ivar);
         if count == 0 {
             return Ok(());
         }
-        let first = flux
-            .iter()
+        let ((fiber, bin), _) = flux
+            .indexed_iter()
             .zip(ivar)
-            .position(|(f, v)| !f.is_finite() || !v.is_finite())
-            .unwrap_or(0);
-        let nwave = self.nwave().max(1);
+            .find(|((_, f), v)| !f.is_finite() || !v.is_finite())
+            .map_or(((0, 0), &0.0), |(first, _)| first);
         Err(Error::NonFiniteFrame {
             path: path.into(),
             count,
-            fiber: self.specmin + first / nwave,
-            bin: first % nwave,
+            fiber: self.specmin + fiber,
+            bin,
         })
     }
 
-    fn write_to(&self, path: &Path, meta: &FrameMeta, flux: &[f32], ivar: &[f32]) -> Result<()> {
-        let (ns, nw, nd) = (self.nspec, self.nwave(), 2 * self.ndiag + 1);
+    fn write_to(
+        &self,
+        path: &Path,
+        meta: &FrameMeta,
+        flux: &Array2<f32>,
+        ivar: &Array2<f32>,
+    ) -> Result<()> {
+        let (ns, nw) = (self.nspec, self.nwave());
         let wave = meta.output_wave(self)?;
         let fibermap = meta.fibermap_rows(self.specmin..self.specmin + ns)?;
         let fibermin = fibermap
@@ -232,15 +251,15 @@ impl Frame {
             .unwrap_or(self.specmin as i64);
 
         let mut fits = Fits::create(path)?;
-        fits.write_image("FLUX", &[ns, nw], flux)?;
+        fits.write_array("FLUX", flux.view())?;
         meta.write_header(&mut fits, self, fibermin)?;
         fits.write_key_str("BUNIT", "electron/Angstrom", "")?;
-        fits.write_image("IVAR", &[ns, nw], ivar)?;
+        fits.write_array("IVAR", ivar.view())?;
         fits.write_key_str("BUNIT", "Angstrom^2/electron^2", "")?;
-        fits.write_image("MASK", &[ns, nw], &self.mask)?;
+        fits.write_array("MASK", self.mask.view())?;
         fits.write_image("WAVELENGTH", &[nw], &wave)?;
         fits.write_key_str("BUNIT", "Angstrom", "")?;
-        fits.write_image("RESOLUTION", &[ns, nd, nw], &f32s(&self.resolution))?;
+        fits.write_array("RESOLUTION", f32s(&self.resolution).view())?;
         if let Some((src, _)) = &fibermap {
             let mut input = Fits::open(src)?;
             fits.copy_table(
@@ -249,7 +268,7 @@ impl Frame {
                 Some(self.specmin..self.specmin + ns),
             )?;
         }
-        fits.write_image("CHI2PIX", &[ns, nw], &f32s(&self.chi2pix))?;
+        fits.write_array("CHI2PIX", f32s(&self.chi2pix).view())?;
         for hdu in &meta.extra_hdus {
             hdu.write(&mut fits, self)?;
         }
@@ -268,30 +287,37 @@ impl Frame {
             return Err(fits.error("FLUX", format!("shape {shape:?} is not [nspec, nwave]")));
         }
         let (nspec, nwave) = (shape[0], shape[1]);
-        let read = |fits: &mut Fits, name: &str, want: &[usize]| -> Result<Vec<f64>> {
+        let flux = shaped(&fits, "FLUX", (nspec, nwave), flux)?;
+        let read = |fits: &mut Fits, name: &str| -> Result<Array2<f64>> {
             fits.move_to(name)?;
             let (s, v) = fits.read_image::<f64>()?;
-            if s != want {
-                return Err(fits.error(name, format!("shape {s:?}, expected {want:?}")));
+            if s != [nspec, nwave] {
+                return Err(fits.error(name, format!("shape {s:?}, expected [{nspec}, {nwave}]")));
             }
-            Ok(v)
+            shaped(fits, name, (nspec, nwave), v)
         };
-        let ivar = read(&mut fits, "IVAR", &[nspec, nwave])?;
-        let wave = read(&mut fits, "WAVELENGTH", &[nwave])?;
+        let ivar = read(&mut fits, "IVAR")?;
+        fits.move_to("WAVELENGTH")?;
+        let (ws, wave) = fits.read_image::<f64>()?;
+        if ws != [nwave] {
+            return Err(fits.error("WAVELENGTH", format!("shape {ws:?}, expected [{nwave}]")));
+        }
         fits.move_to("MASK")?;
         let (ms, mask) = fits.read_image::<u32>()?;
         if ms != [nspec, nwave] {
             return Err(fits.error("MASK", format!("shape {ms:?}, expected [{nspec}, {nwave}]")));
         }
+        let mask = shaped(&fits, "MASK", (nspec, nwave), mask)?;
         fits.move_to("RESOLUTION")?;
         let (rs, resolution) = fits.read_image::<f64>()?;
         if rs.len() != 3 || rs[0] != nspec || rs[2] != nwave || rs[1] % 2 == 0 {
             return Err(fits.error("RESOLUTION", format!("shape {rs:?} does not match FLUX")));
         }
+        let resolution = shaped(&fits, "RESOLUTION", (nspec, rs[1], nwave), resolution)?;
         let chi2pix = if fits.has_hdu("CHI2PIX") {
-            read(&mut fits, "CHI2PIX", &[nspec, nwave])?
+            read(&mut fits, "CHI2PIX")?
         } else {
-            vec![0.0; nspec * nwave]
+            Array2::zeros((nspec, nwave))
         };
         Ok(Frame {
             specmin,
@@ -303,9 +329,19 @@ impl Frame {
             mask,
             resolution,
             chi2pix,
-            pixmask_fraction: vec![0.0; nspec * nwave],
+            pixmask_fraction: Array2::zeros((nspec, nwave)),
         })
     }
+}
+
+/// The values of an HDU, read in row-major order, as an array of `shape`.
+fn shaped<T, Sh: ShapeBuilder<Dim = D>, D: Dimension>(
+    fits: &Fits,
+    name: &str,
+    shape: Sh,
+    values: Vec<T>,
+) -> Result<Array<T, D>> {
+    Array::from_shape_vec(shape, values).map_err(|e| fits.error(name, e.to_string()))
 }
 
 /// An HDU appended to the frame after CHI2PIX: desispec puts its SCORES table there.
@@ -501,16 +537,15 @@ fn path_join(a: &str, b: &str) -> String {
     }
 }
 
-fn f32s(v: &[f64]) -> Vec<f32> {
-    v.iter().map(|&x| x as f32).collect()
+fn f32s<D: Dimension>(v: &Array<f64, D>) -> Array<f32, D> {
+    v.mapv(|x| x as f32)
 }
 
 /// Writes a model image (`-m`) as desi_extract_spectra does: the CCD-sized float64 image in
 /// the primary HDU with the frame's header (BUNIT electron: the model is per pixel).
 pub fn write_model(
     path: &Path,
-    shape: (usize, usize),
-    model: &[f64],
+    model: ArrayView2<f64>,
     frame: &Frame,
     meta: &FrameMeta,
 ) -> Result<()> {
@@ -520,7 +555,7 @@ pub fn write_model(
         .unwrap_or(frame.specmin as i64);
     write_atomically(path, |tmp| {
         let mut fits = Fits::create(tmp)?;
-        fits.write_image("MODEL", &[shape.0, shape.1], model)?;
+        fits.write_array("MODEL", model)?;
         meta.write_header(&mut fits, frame, fibermin)?;
         fits.write_key_str("BUNIT", "electron", "")?;
         fits.write_checksums()?;
@@ -563,19 +598,23 @@ pub fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-/// Sums patch model images into a CCD-sized image.
-pub fn model_image(shape: (usize, usize), results: &[PatchResult]) -> Vec<f64> {
-    let mut image = vec![0.0; shape.0 * shape.1];
+/// Sums patch model images into a CCD-sized `[row, col]` image.
+pub fn model_image(shape: (usize, usize), results: &[PatchResult]) -> Result<Array2<f64>> {
+    let mut image = Array2::zeros(shape);
     for m in results.iter().filter_map(|r| r.model.as_ref()) {
-        let w = m.cols.len();
-        for (i, r) in m.rows.clone().enumerate() {
-            let row = &mut image[r * shape.1 + m.cols.start..r * shape.1 + m.cols.end];
-            for (dst, src) in row.iter_mut().zip(&m.data[i * w..(i + 1) * w]) {
-                *dst += src;
-            }
+        let patch = ArrayView2::from_shape((m.rows.len(), m.cols.len()), &m.data)
+            .map_err(|e| Error::Internal(format!("model of a patch: {e}")))?;
+        let (rows, cols) = (m.rows.clone(), m.cols.clone());
+        if rows.end > shape.0 || cols.end > shape.1 {
+            return Err(Error::Internal(format!(
+                "patch model box {rows:?} x {cols:?} outside the {shape:?} image"
+            )));
         }
+        image
+            .slice_mut(s![rows, cols])
+            .zip_mut_with(&patch, |d, &v| *d += v);
     }
-    image
+    Ok(image)
 }
 
 #[cfg(test)]

@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
+use ndarray::Array2;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -30,12 +31,16 @@ impl MaskRule {
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Image {
     pub path: PathBuf,
+    /// The CCD shape, known even when the pixel arrays are not (see [`Image::without_pixels`]).
     pub nrows: usize,
     pub ncols: usize,
-    /// Pixel values, row-major `[row][col]`.
-    pub pix: Vec<f32>,
-    /// Inverse variance, zero for masked pixels.
-    pub ivar: Vec<f32>,
+    /// Pixel values `[row, col]`, in standard (row-major) layout so that a row range is one
+    /// contiguous slice. Never serialized: pixels travel as a box of their own.
+    #[serde(skip)]
+    pub pix: Array2<f32>,
+    /// Inverse variance `[row, col]`, zero for masked pixels; same layout as `pix`.
+    #[serde(skip)]
+    pub ivar: Array2<f32>,
     /// Header cards of the IMAGE HDU (structural cards removed).
     pub header: Vec<String>,
     /// Whether the file has a FIBERMAP table to pass through.
@@ -63,8 +68,8 @@ impl Image {
         Image {
             path: self.path.clone(),
             header: self.header.clone(),
-            pix: Vec::new(),
-            ivar: Vec::new(),
+            pix: Array2::default((0, 0)),
+            ivar: Array2::default((0, 0)),
             ..*self
         }
     }
@@ -131,12 +136,19 @@ impl Image {
                 path.display()
             );
         }
+        let dim = (shape[0], shape[1]);
+        let as_array = |v: Vec<f32>| {
+            Array2::from_shape_vec(dim, v).map_err(|e| Error::Image {
+                path: path.into(),
+                message: format!("pixel count does not match the shape {shape:?}: {e}"),
+            })
+        };
         Ok(Image {
             path: path.into(),
             nrows: shape[0],
             ncols: shape[1],
-            pix,
-            ivar,
+            pix: as_array(pix)?,
+            ivar: as_array(ivar)?,
             header,
             has_fibermap,
             nmasked,
@@ -169,8 +181,8 @@ mod tests {
 
         let any = Image::read(&path, MaskRule::AnyBit).unwrap();
         assert_eq!((any.nrows, any.ncols), (2, 3));
-        assert_eq!(any.ivar, vec![1.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
-        assert_eq!(any.pix[1], 0.0, "NaN pixel replaced");
+        assert_eq!(any.ivar, ndarray::array![[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]);
+        assert_eq!(any.pix[[0, 1]], 0.0, "NaN pixel replaced");
         assert_eq!((any.nnonfinite, any.nmasked), (3, 2));
         assert!(any.header.iter().any(|c| c.starts_with("CAMERA")));
         assert!(!any.header.iter().any(|c| c.starts_with("NAXIS")));
@@ -178,7 +190,7 @@ mod tests {
 
         // desispec's production rule keeps BADREADNOISE (256) pixels
         let prod = Image::read(&path, MaskRule::Bits(767)).unwrap();
-        assert_eq!(prod.ivar, vec![1.0, 0.0, 0.0, 0.0, 1.0, 0.0]);
+        assert_eq!(prod.ivar, ndarray::array![[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]);
     }
 
     #[test]
@@ -271,9 +283,8 @@ mod tests {
         assert_eq!(img.nnonfinite, 2000 * 200 + 50 * 80);
         for r in 0..shape.0 {
             for c in 0..shape.1 {
-                let i = r * shape.1 + c;
-                assert_eq!(img.ivar[i] == 0.0, in_block(r, c), "pixel ({r}, {c})");
-                assert!(img.pix[i].is_finite());
+                assert_eq!(img.ivar[[r, c]] == 0.0, in_block(r, c), "pixel ({r}, {c})");
+                assert!(img.pix[[r, c]].is_finite());
             }
         }
     }

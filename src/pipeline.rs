@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use ndarray::Zip;
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{Backend, FrameInput, Progress};
@@ -455,8 +456,8 @@ pub fn write(
             frame.write(tmp[0], &meta)?;
             if let Some(path) = tmp.get(1) {
                 let shape = (inputs.image.nrows, inputs.image.ncols);
-                let model = frame::model_image(shape, results);
-                frame::write_model(path, shape, &model, frame, &meta)?;
+                let model = frame::model_image(shape, results)?;
+                frame::write_model(path, model.view(), frame, &meta)?;
             }
             Ok(())
         })
@@ -468,23 +469,28 @@ pub fn write(
 /// extraction sets for bins without input pixels: pixmask fraction 1, SOMEBADPIX and
 /// ALLBADPIX. Returns their number, also logged as a warning with the fibers concerned.
 pub fn flag_bins_without_data(frame: &mut Frame, output: &Path) -> usize {
-    let nwave = frame.nwave();
     let mut fibers = Vec::new();
     let mut nbins = 0;
-    for f in 0..frame.nspec {
+    let rows = Zip::indexed(frame.ivar.rows())
+        .and(frame.pixmask_fraction.rows_mut())
+        .and(frame.mask.rows_mut());
+    rows.for_each(|f, ivar, fraction, mask| {
         let mut any = false;
-        for i in f * nwave..(f + 1) * nwave {
-            if frame.ivar[i] == 0.0 && frame.pixmask_fraction[i] < 1.0 {
-                frame.pixmask_fraction[i] = 1.0;
-                frame.mask[i] |= frame::specmask::SOMEBADPIX | frame::specmask::ALLBADPIX;
-                nbins += 1;
-                any = true;
-            }
-        }
+        Zip::from(ivar)
+            .and(fraction)
+            .and(mask)
+            .for_each(|&v, fraction, mask| {
+                if v == 0.0 && *fraction < 1.0 {
+                    *fraction = 1.0;
+                    *mask |= frame::specmask::SOMEBADPIX | frame::specmask::ALLBADPIX;
+                    nbins += 1;
+                    any = true;
+                }
+            });
         if any {
             fibers.push(frame.specmin + f);
         }
-    }
+    });
     if nbins > 0 {
         tracing::warn!(
             "{}: {nbins} bins of fibers {} have no usable pixel (trace off the CCD, PSF of zero width or a failed patch): ivar 0, MASK ALLBADPIX",

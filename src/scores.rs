@@ -18,6 +18,8 @@
 //! taken from the camera name: desispec detects it from the mean wavelength of the frame
 //! ([`Band::detect`]), and so does [`raw_scores`].
 
+use ndarray::{ArrayView1, Zip};
+
 use crate::error::{Error, Result};
 use crate::fits::Fits;
 use crate::frame::{gradient, ExtraHdu, Frame};
@@ -98,8 +100,7 @@ pub fn raw_scores(frame: &Frame) -> Result<Scores> {
 /// when no wavelength of the frame lies in the band's top-hat range, as desispec does.
 pub fn frame_scores(frame: &Frame, band: Band, suffix: &str) -> Result<Scores> {
     let (lo, hi) = band.tophat();
-    let nwave = frame.nwave();
-    let inside: Vec<usize> = (0..nwave)
+    let inside: Vec<usize> = (0..frame.nwave())
         .filter(|&j| frame.wave[j] >= lo && frame.wave[j] < hi)
         .collect();
     if inside.is_empty() {
@@ -111,13 +112,12 @@ pub fn frame_scores(frame: &Frame, band: Band, suffix: &str) -> Result<Scores> {
     let dw = gradient(&frame.wave);
     let range = format!("in wave. range {lo},{hi}A");
     let name = |kind: &str, quantity: &str| format!("{kind}_{suffix}_{quantity}_{}", band.letter());
-    let column = |name: String, comment: String, per_fiber: &dyn Fn(&[f64], &[f64]) -> f64| {
-        let values = (0..frame.nspec)
-            .map(|f| {
-                let row = f * nwave..(f + 1) * nwave;
-                per_fiber(&frame.flux[row.clone()], &frame.ivar[row])
-            })
-            .collect();
+    type PerFiber<'a> = &'a dyn Fn(ArrayView1<f64>, ArrayView1<f64>) -> f64;
+    let column = |name: String, comment: String, per_fiber: PerFiber| {
+        let values = Zip::from(frame.flux.rows())
+            .and(frame.ivar.rows())
+            .map_collect(per_fiber)
+            .to_vec();
         ScoreColumn {
             name,
             comment,
@@ -206,12 +206,12 @@ mod tests {
             nspec,
             wave,
             ndiag: 0,
-            flux,
-            ivar,
-            mask: vec![0; nspec * nwave],
-            resolution: vec![1.0; nspec * nwave],
-            chi2pix: vec![0.0; nspec * nwave],
-            pixmask_fraction: vec![0.0; nspec * nwave],
+            flux: ndarray::Array2::from_shape_vec((nspec, nwave), flux).unwrap(),
+            ivar: ndarray::Array2::from_shape_vec((nspec, nwave), ivar).unwrap(),
+            mask: ndarray::Array2::zeros((nspec, nwave)),
+            resolution: ndarray::Array3::ones((nspec, 1, nwave)),
+            chi2pix: ndarray::Array2::zeros((nspec, nwave)),
+            pixmask_fraction: ndarray::Array2::zeros((nspec, nwave)),
         }
     }
 

@@ -14,8 +14,8 @@
 //! the seed and its fiber number, so overlapping fiber ranges share their spectra.
 
 use std::ops::Range;
-use std::path::{Path, PathBuf};
 
+use ndarray::{s, Array2, ArrayView2, Zip};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use rand_distr::{Distribution, Poisson, StandardNormal};
@@ -28,7 +28,10 @@ use crate::plan::output_grid;
 use crate::psf::GaussHermitePsf;
 
 mod exposure;
+mod files;
+mod spectra;
 pub use exposure::FIBERMAP_COLUMNS;
+use spectra::{fiber_spectrum, SkyLines};
 
 /// MASK value of unusable pixels: outside the simulated region and on the bad column
 /// (desispec's BAD bit).
@@ -214,12 +217,12 @@ pub struct Simulation {
     /// CCD size (rows = NPIX_Y, columns = NPIX_X of the PSF).
     pub nrows: usize,
     pub ncols: usize,
-    /// Pixels, `[row][column]`.
-    pub image: Vec<f32>,
+    /// Pixels, `[row, column]`.
+    pub image: Array2<f32>,
     /// Inverse variance of the noiseless model plus read noise; 0 where masked.
-    pub ivar: Vec<f32>,
+    pub ivar: Array2<f32>,
     /// [`MASK_BAD`], [`MASK_COSMIC`] or 0.
-    pub mask: Vec<i32>,
+    pub mask: Array2<i32>,
     /// CCD rows and columns that carry simulated signal (the bounding box of the spots plus
     /// the margin, clipped to the CCD); everything outside is masked.
     pub rows: Range<usize>,
@@ -291,23 +294,19 @@ pub fn simulate(psf: &GaussHermitePsf, opts: &SimulateOptions) -> Result<Simulat
     debug!(elapsed = ?start.elapsed(), "projected the truth");
 
     // Noise, and the mask of everything outside the region.
-    let npix = nrows * ncols;
-    let mut image = vec![0f32; npix];
-    let mut ivar = vec![0f32; npix];
-    let mut mask = vec![MASK_BAD; npix];
+    let mut image = Array2::<f32>::zeros((nrows, ncols));
+    let mut ivar = Array2::<f32>::zeros((nrows, ncols));
+    let mut mask = Array2::from_elem((nrows, ncols), MASK_BAD);
     let read_var = opts.read_noise * opts.read_noise;
-    image
-        .par_chunks_mut(ncols)
-        .zip(ivar.par_chunks_mut(ncols))
-        .zip(mask.par_chunks_mut(ncols))
-        .enumerate()
-        .filter(|(row, _)| rows.contains(row))
-        .for_each(|(row, ((image, ivar), mask))| {
+    let window = s![rows.clone(), cols.clone()];
+    Zip::indexed(image.slice_mut(window).rows_mut())
+        .and(ivar.slice_mut(window).rows_mut())
+        .and(mask.slice_mut(window).rows_mut())
+        .and(model.rows())
+        .par_for_each(|i, mut image, mut ivar, mut mask, model| {
+            let row = rows.start + i;
             let mut rng = stream_rng(opts.seed, STREAM_NOISE, row as u64);
-            let model =
-                &model[(row - rows.start) * cols.len()..(row - rows.start + 1) * cols.len()];
-            for (i, &m) in model.iter().enumerate() {
-                let col = cols.start + i;
+            for (col, &m) in model.iter().enumerate() {
                 let var = m + read_var;
                 let value = if opts.noise {
                     let photons = if m > 0.0 {
@@ -327,16 +326,15 @@ pub fn simulate(psf: &GaussHermitePsf, opts: &SimulateOptions) -> Result<Simulat
         });
     drop(model);
 
-    let ncosmic = add_cosmics(&mut image, &mut ivar, &mut mask, ncols, &region, opts);
+    let ncosmic = add_cosmics(&mut image, &mut ivar, &mut mask, &region, opts);
     if let Some(column) = opts.bad_column {
-        for row in 0..nrows {
-            let i = row * ncols + column;
-            if rows.contains(&row) && cols.contains(&column) {
-                image[i] += BAD_COLUMN_EXCESS as f32;
-            }
-            mask[i] |= MASK_BAD;
-            ivar[i] = 0.0;
+        if cols.contains(&column) {
+            image
+                .slice_mut(s![rows.clone(), column])
+                .mapv_inplace(|v| v + BAD_COLUMN_EXCESS as f32);
         }
+        mask.column_mut(column).mapv_inplace(|m| m | MASK_BAD);
+        ivar.column_mut(column).fill(0.0);
     }
 
     let camera = match &opts.camera {
@@ -393,9 +391,8 @@ struct Region {
 struct Stripe {
     row0: i64,
     col0: i64,
-    nrows: usize,
-    ncols: usize,
-    data: Vec<f64>,
+    /// `[row - row0, col - col0]`.
+    data: Array2<f64>,
 }
 
 /// The noiseless image of the region: sum over fibers and bins of truth times spot.
@@ -409,9 +406,9 @@ fn project(
     wave: &[f64],
     flux: &[f64],
     region: &Region,
-) -> Vec<f64> {
+) -> Array2<f64> {
     let (rw, cw) = (region.rows.len(), region.cols.len());
-    let mut model = vec![0f64; rw * cw];
+    let mut model = Array2::zeros((rw, cw));
     let nwave = wave.len();
     let chunk = 4 * rayon::current_num_threads().max(1);
     let all: Vec<usize> = fibers.clone().collect();
@@ -423,13 +420,13 @@ fn project(
                 stripe(psf, fiber, wave, &flux[i * nwave..(i + 1) * nwave])
             })
             .collect();
-        model.par_chunks_mut(cw).enumerate().for_each(|(r, out)| {
+        Zip::indexed(model.rows_mut()).par_for_each(|r, mut out| {
             let row = (region.rows.start + r) as i64;
             for s in &stripes {
-                if row < s.row0 || row >= s.row0 + s.nrows as i64 {
+                if row < s.row0 || row >= s.row0 + s.data.nrows() as i64 {
                     continue;
                 }
-                let src = &s.data[(row - s.row0) as usize * s.ncols..][..s.ncols];
+                let src = s.data.row((row - s.row0) as usize);
                 for (j, &v) in src.iter().enumerate() {
                     let col = s.col0 + j as i64 - region.cols.start as i64;
                     if col >= 0 && (col as usize) < cw {
@@ -450,38 +447,28 @@ fn stripe(psf: &GaussHermitePsf, fiber: usize, wave: &[f64], flux: &[f64]) -> St
     let row0 = c.yc.iter().copied().min().unwrap_or(0) as i64;
     let ncols = (c.xc.iter().copied().max().unwrap_or(0) as i64 - col0) as usize + nx;
     let nrows = (c.yc.iter().copied().max().unwrap_or(0) as i64 - row0) as usize + ny;
-    let mut data = vec![0f64; nrows * ncols];
+    let mut data = Array2::zeros((nrows, ncols));
     for (iw, &t) in flux.iter().enumerate() {
         if t == 0.0 {
             continue;
         }
         let (xc, yc) = c.corner(0, iw);
         let (x0, y0) = ((xc as i64 - col0) as usize, (yc as i64 - row0) as usize);
-        let spot = spots.spot(0, iw);
-        for iy in 0..ny {
-            let out = &mut data[(y0 + iy) * ncols + x0..][..nx];
-            for (o, &s) in out.iter_mut().zip(&spot[iy * nx..(iy + 1) * nx]) {
-                *o += t * s;
-            }
-        }
+        let spot = ArrayView2::from_shape((ny, nx), spots.spot(0, iw))
+            .expect("a spot holds ny x nx values");
+        data.slice_mut(s![y0..y0 + ny, x0..x0 + nx])
+            .zip_mut_with(&spot, |o, &s| *o += t * s);
     }
-    Stripe {
-        row0,
-        col0,
-        nrows,
-        ncols,
-        data,
-    }
+    Stripe { row0, col0, data }
 }
 
 /// Adds cosmic-ray tracks inside the region: short straight segments (1.5 to 8 pixels, any
 /// direction) that deposit hundreds to thousands of electrons per pixel; their pixels get
 /// [`MASK_COSMIC`] and IVAR 0. Returns the number of tracks.
 fn add_cosmics(
-    image: &mut [f32],
-    ivar: &mut [f32],
-    mask: &mut [i32],
-    ncols: usize,
+    image: &mut Array2<f32>,
+    ivar: &mut Array2<f32>,
+    mask: &mut Array2<i32>,
     region: &Region,
     opts: &SimulateOptions,
 ) -> usize {
@@ -522,7 +509,7 @@ fn add_cosmics(
             if !region.rows.contains(&row) || !region.cols.contains(&col) {
                 continue;
             }
-            let i = row * ncols + col;
+            let i = [row, col];
             // Charge shared along the track, with some pixel-to-pixel variation.
             image[i] += (charge * rng.random_range(0.5..1.5)) as f32;
             ivar[i] = 0.0;
@@ -550,365 +537,11 @@ fn stream_rng(seed: u64, stream: u64, index: u64) -> StdRng {
     StdRng::from_seed(bytes)
 }
 
-// ----------------------------------------------------------------------------------------
-// Spectra
-
-/// The brightest night-sky emission lines between 3600 and 9850 A: air wavelengths (A) of
-/// the mercury and sodium street-light lines, [OI] and the OH Meinel bands (after the
-/// Osterbrock et al. 1996 atlas), with representative fluxes in photons per fiber in a 900 s
-/// exposure. They set realistic positions, spacings and contrasts; they are not a calibrated
-/// sky model.
-const SKY_LINES: &[(f64, f64)] = &[
-    (4046.56, 250.0),
-    (4358.34, 500.0),
-    (5460.74, 700.0),
-    (5577.34, 9000.0),
-    (5682.63, 120.0),
-    (5688.21, 150.0),
-    (5889.95, 1500.0),
-    (5895.92, 1100.0),
-    (5915.31, 150.0),
-    (5932.86, 130.0),
-    (5953.42, 110.0),
-    (6257.96, 300.0),
-    (6287.43, 350.0),
-    (6300.30, 3000.0),
-    (6306.87, 150.0),
-    (6329.93, 200.0),
-    (6363.78, 1000.0),
-    (6470.91, 200.0),
-    (6498.73, 450.0),
-    (6533.04, 500.0),
-    (6553.62, 450.0),
-    (6577.28, 400.0),
-    (6596.64, 250.0),
-    (6827.46, 250.0),
-    (6863.96, 900.0),
-    (6912.62, 500.0),
-    (6923.19, 600.0),
-    (6939.52, 500.0),
-    (6948.94, 600.0),
-    (7276.41, 500.0),
-    (7303.72, 400.0),
-    (7316.28, 900.0),
-    (7329.15, 500.0),
-    (7340.89, 900.0),
-    (7358.70, 800.0),
-    (7369.25, 500.0),
-    (7401.69, 700.0),
-    (7524.12, 300.0),
-    (7571.75, 500.0),
-    (7750.64, 1200.0),
-    (7794.11, 1100.0),
-    (7821.50, 1300.0),
-    (7853.24, 500.0),
-    (7913.71, 1500.0),
-    (7964.65, 1600.0),
-    (7993.33, 1800.0),
-    (8344.60, 2500.0),
-    (8399.17, 2500.0),
-    (8430.17, 2000.0),
-    (8465.36, 2600.0),
-    (8493.39, 2400.0),
-    (8761.32, 2000.0),
-    (8767.91, 1800.0),
-    (8778.33, 2200.0),
-    (8791.19, 2000.0),
-    (8827.10, 3000.0),
-    (8885.85, 3000.0),
-    (8919.63, 1000.0),
-    (8943.40, 3500.0),
-    (8958.08, 3200.0),
-    (8988.38, 2800.0),
-    (9313.97, 2000.0),
-    (9375.96, 3000.0),
-    (9419.72, 1500.0),
-    (9439.67, 4000.0),
-    (9476.90, 3500.0),
-    (9567.09, 2000.0),
-    (9622.10, 2500.0),
-    (9714.67, 2000.0),
-    (9737.86, 3000.0),
-    (9793.60, 2000.0),
-];
-
-/// Intrinsic width (A, sigma) of the sky lines: unresolved, so almost all of a line's flux
-/// falls in one or two bins of the truth.
-const SKY_LINE_SIGMA: f64 = 0.2;
-
-/// Vacuum wavelength of an air wavelength (A), inverting Ciddor's refractive index of
-/// standard air to 0.01 A: DESI wavelengths are in vacuum.
-fn air_to_vacuum(air: f64) -> f64 {
-    let s2 = (1e4 / air).powi(2);
-    let n = 1.0
-        + 8.336624212083e-5
-        + 2.408926869968e-2 / (130.1065924522 - s2)
-        + 1.599740894897e-4 / (38.92568793293 - s2);
-    air * n
-}
-
-/// The sky line list in vacuum, with line widths.
-struct SkyLines {
-    lines: Vec<(f64, f64)>,
-}
-
-impl SkyLines {
-    fn new() -> Self {
-        SkyLines {
-            lines: SKY_LINES
-                .iter()
-                .map(|&(w, f)| (air_to_vacuum(w), f))
-                .collect(),
-        }
-    }
-}
-
-/// Night-sky continuum in photons per A for a 900 s exposure: a smooth, slowly varying
-/// level of a few tens of photons per A, brighter to the red.
-fn sky_continuum(w: f64) -> f64 {
-    40.0 * (w / 6500.0).powf(0.7)
-        * (1.0 + 0.15 * (2.0 * std::f64::consts::PI * (w - 4000.0) / 3100.0).cos())
-}
-
-/// Adds a Gaussian line of total `flux` photons centred at `center` with width `sigma` (A) to
-/// the bins of `wave` (each bin `dw` wide, centred on its wavelength), integrating the
-/// Gaussian over each bin; only bins within 8 sigma are touched.
-fn add_line(spectrum: &mut [f64], wave: &[f64], dw: f64, center: f64, sigma: f64, flux: f64) {
-    let (Some(&w0), n) = (wave.first(), wave.len()) else {
-        return;
-    };
-    let reach = 8.0 * sigma + dw;
-    let lo = (((center - reach - w0) / dw).floor().max(0.0) as usize).min(n);
-    let hi = (((center + reach - w0) / dw).ceil().max(0.0) as usize + 1).min(n);
-    let scale = 1.0 / (sigma * std::f64::consts::SQRT_2);
-    for i in lo..hi {
-        let a = (wave[i] - 0.5 * dw - center) * scale;
-        let b = (wave[i] + 0.5 * dw - center) * scale;
-        spectrum[i] += flux * 0.5 * (libm::erf(b) - libm::erf(a));
-    }
-}
-
-/// Rest-frame vacuum wavelengths (A) of the strong emission lines of galaxies, with their
-/// flux relative to H-alpha.
-const OBJECT_LINES: &[(f64, f64)] = &[
-    (3727.09, 0.35), // [OII]
-    (3729.88, 0.45), // [OII]
-    (4862.68, 0.35), // H-beta
-    (4960.30, 0.17), // [OIII]
-    (5008.24, 0.50), // [OIII]
-    (6549.86, 0.10), // [NII]
-    (6564.61, 1.00), // H-alpha
-    (6585.27, 0.30), // [NII]
-    (6718.29, 0.15), // [SII]
-    (6732.67, 0.11), // [SII]
-];
-
-/// The spectrum of one fiber (photons per bin) and its kind. The random choices come from the
-/// fiber's own stream, so they depend on the seed and the fiber number only.
-fn fiber_spectrum(
-    fiber: usize,
-    wave: &[f64],
-    sky: &SkyLines,
-    opts: &SimulateOptions,
-) -> (ObjType, Vec<f64>) {
-    let dw = opts.dw;
-    let mut rng = stream_rng(opts.seed, STREAM_FIBER, fiber as u64);
-    // Draw everything in a fixed order whatever the switches, so that switching the sky or
-    // the objects off leaves the other component unchanged.
-    let is_sky = rng.random_bool(opts.sky_fraction);
-    let throughput = 1.0 + 0.03 * rng.sample::<f64, _>(StandardNormal);
-    let amplitude = 10f64.powf(rng.random_range(1.0..2.2)); // photons per A at 6500 A
-    let slope = rng.random_range(-2.0..1.5);
-    let curvature = rng.random_range(-0.3..0.3);
-    let redshift = rng.random_range(0.0..1.1);
-    let halpha = 10f64.powf(rng.random_range(2.5..3.8)); // photons
-    let has_lines = rng.random_bool(0.7);
-    let dispersion = rng.random_range(40.0..200.0); // km/s
-
-    let mut spectrum = vec![0.0; wave.len()];
-    if opts.sky {
-        for (s, &w) in spectrum.iter_mut().zip(wave) {
-            *s = sky_continuum(w) * dw;
-        }
-        for &(center, flux) in &sky.lines {
-            add_line(&mut spectrum, wave, dw, center, SKY_LINE_SIGMA, flux);
-        }
-        spectrum.iter_mut().for_each(|s| *s *= throughput);
-    }
-    // Fibers without an object are sky fibers, even when the sky itself is switched off.
-    let kind = if opts.objects && !is_sky {
-        ObjType::Target
-    } else {
-        ObjType::Sky
-    };
-    if opts.objects && !is_sky {
-        for (s, &w) in spectrum.iter_mut().zip(wave) {
-            let x = (w / 6500.0).ln();
-            *s += amplitude * (slope * x + curvature * x * x).exp() * dw;
-        }
-        if has_lines {
-            for &(rest, ratio) in OBJECT_LINES {
-                let center = rest * (1.0 + redshift);
-                let sigma = center * dispersion / 299_792.458;
-                add_line(&mut spectrum, wave, dw, center, sigma, halpha * ratio);
-            }
-        }
-    }
-    (kind, spectrum)
-}
-
-// ----------------------------------------------------------------------------------------
-// Output
-
-impl Simulation {
-    /// The simulated frame as an extraction input, without a round trip through a file
-    /// (masked pixels already carry IVAR 0).
-    pub fn to_image(&self) -> crate::image::Image {
-        let nmasked = self.mask.iter().filter(|&&m| m != 0).count();
-        crate::image::Image {
-            path: PathBuf::from("simulated"),
-            nrows: self.nrows,
-            ncols: self.ncols,
-            pix: self.image.clone(),
-            ivar: self.ivar.clone(),
-            header: Vec::new(),
-            has_fibermap: false,
-            nmasked,
-            nnonfinite: 0,
-        }
-    }
-
-    /// The truth of fiber `fiber` (absolute), photons per bin.
-    pub fn truth(&self, fiber: usize) -> Option<&[f64]> {
-        if !self.fibers.contains(&fiber) {
-            return None;
-        }
-        let n = self.wave.len();
-        let i = fiber - self.fibers.start;
-        Some(&self.flux[i * n..(i + 1) * n])
-    }
-
-    /// Writes the preproc image and the truth. Each file is written under a temporary name
-    /// in its directory and renamed into place once complete; on any error neither output is
-    /// left behind (a file already renamed is removed again), so a pair on disk is always
-    /// complete and consistent.
-    pub fn write(&self, image_path: &Path, truth_path: &Path) -> Result<()> {
-        crate::output::write_together(&[image_path, truth_path], |tmp| {
-            self.write_image(tmp[0])?;
-            self.write_truth(tmp[1])
-        })?;
-        info!(image = %image_path.display(), truth = %truth_path.display(), "wrote simulation");
-        Ok(())
-    }
-
-    /// Keywords shared by the IMAGE header and the truth headers.
-    fn write_provenance(&self, fits: &mut Fits) -> Result<()> {
-        let o = &self.options;
-        fits.write_key_str("CAMERA", &self.camera, "camera")?;
-        fits.write_key_i64("EXPID", o.expid, "exposure number")?;
-        match i64::try_from(o.seed) {
-            Ok(seed) => fits.write_key_i64("SIMSEED", seed, "simulation seed")?,
-            Err(_) => fits.write_key_str("SIMSEED", &o.seed.to_string(), "simulation seed")?,
-        }
-        fits.write_key_str("SIMPSF", &self.psf_name, "PSF used for the simulation")?;
-        fits.write_key_i64("SIMFIB0", self.fibers.start as i64, "first simulated fiber")?;
-        fits.write_key_i64(
-            "SIMNFIB",
-            self.fibers.len() as i64,
-            "number of simulated fibers",
-        )?;
-        fits.write_key_f64(
-            "SIMWMIN",
-            self.wave.first().copied().unwrap_or(o.wmin),
-            "first truth wavelength [A]",
-        )?;
-        fits.write_key_f64(
-            "SIMWMAX",
-            self.wave.last().copied().unwrap_or(o.wmax),
-            "last truth wavelength [A]",
-        )?;
-        fits.write_key_f64("SIMDW", o.dw, "truth bin width [A]")?;
-        fits.write_key_str(
-            "SIMCODE",
-            concat!("spex ", env!("CARGO_PKG_VERSION")),
-            "simulation program",
-        )
-    }
-
-    fn write_image(&self, path: &Path) -> Result<()> {
-        let o = &self.options;
-        let shape = [self.nrows, self.ncols];
-        let mut fits = Fits::create(path)?;
-        fits.write_image("IMAGE", &shape, &self.image)?;
-        fits.write_key_str("BUNIT", "electron", "")?;
-        self.write_provenance(&mut fits)?;
-        self.write_exposure_keys(&mut fits)?;
-        fits.write_key_str("DETECTOR", "sim", "simulated frame")?;
-        fits.write_key_f64("SIMRDN", o.read_noise, "read noise [electron]")?;
-        fits.write_card(&format!(
-            "{:<8}= {:>20} / {}",
-            "SIMNOISE",
-            if o.noise { "T" } else { "F" },
-            "Poisson and read noise added"
-        ))?;
-        fits.write_key_f64(
-            "SIMCOSMD",
-            o.cosmic_density,
-            "cosmic tracks per million pixels",
-        )?;
-        fits.write_key_i64("SIMNCOSM", self.ncosmic as i64, "number of cosmic tracks")?;
-        fits.write_key_i64(
-            "SIMBADC",
-            o.bad_column.map_or(-1, |c| c as i64),
-            "bad column (-1: none)",
-        )?;
-        fits.write_key_i64("SIMROW0", self.rows.start as i64, "first row with signal")?;
-        fits.write_key_i64(
-            "SIMROW1",
-            self.rows.end as i64,
-            "end of the rows with signal",
-        )?;
-        fits.write_key_i64(
-            "SIMCOL0",
-            self.cols.start as i64,
-            "first column with signal",
-        )?;
-        fits.write_key_i64(
-            "SIMCOL1",
-            self.cols.end as i64,
-            "end of the columns with signal",
-        )?;
-        fits.write_image("IVAR", &shape, &self.ivar)?;
-        fits.write_image("MASK", &shape, &self.mask)?;
-        self.write_readnoise(&mut fits)?;
-        self.write_fibermap(&mut fits)?;
-        fits.write_checksums()?;
-        fits.close()
-    }
-
-    fn write_truth(&self, path: &Path) -> Result<()> {
-        let mut fits = Fits::create(path)?;
-        // Both HDUs carry the fiber range and the provenance.
-        let keys = |fits: &mut Fits| -> Result<()> {
-            fits.write_key_i64(
-                "FIBERMIN",
-                self.fibers.start as i64,
-                "fiber of the first FLUX row",
-            )?;
-            self.write_provenance(fits)
-        };
-        fits.write_image("WAVELENGTH", &[self.wave.len()], &self.wave)?;
-        fits.write_key_str("BUNIT", "Angstrom", "")?;
-        keys(&mut fits)?;
-        fits.write_image("FLUX", &[self.fibers.len(), self.wave.len()], &self.flux)?;
-        fits.write_key_str("BUNIT", "photon", "photons per bin")?;
-        keys(&mut fits)?;
-        fits.close()
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
+
+    use super::spectra::air_to_vacuum;
     use super::*;
     use crate::image::{Image, MaskRule};
 
@@ -1077,7 +710,7 @@ mod tests {
         let rn2 = o.read_noise * o.read_noise;
         for row in 0..s.nrows {
             for col in 0..s.ncols {
-                let i = row * s.ncols + col;
+                let i = [row, col];
                 if s.rows.contains(&row) && s.cols.contains(&col) {
                     assert_eq!(s.mask[i], 0);
                     let expected = 1.0 / (s.image[i] as f64 + rn2);
@@ -1089,11 +722,11 @@ mod tests {
         }
         // The margin holds only read noise: the spots are inside the box.
         let row = s.rows.start;
-        assert!(
-            s.image[row * s.ncols + s.cols.start..row * s.ncols + s.cols.end]
-                .iter()
-                .all(|&v| v == 0.0)
-        );
+        assert!(s
+            .image
+            .slice(s![row, s.cols.clone()])
+            .iter()
+            .all(|&v| v == 0.0));
     }
 
     #[test]
@@ -1108,8 +741,8 @@ mod tests {
         assert!(b.ncosmic > 0);
         let column = a.cols.start + 7;
         let mut ncosmic_pixels = 0;
-        for i in 0..a.image.len() {
-            let (row, col) = (i / a.ncols, i % a.ncols);
+        for (i, _) in a.image.indexed_iter() {
+            let (row, col) = i;
             let inside = a.rows.contains(&row) && a.cols.contains(&col);
             if col == column {
                 assert_eq!(b.mask[i] & MASK_BAD, MASK_BAD);
@@ -1191,9 +824,9 @@ mod tests {
             Some("psf-r0-00067784.fits")
         );
         let (_, image) = f.read_image::<f32>().unwrap();
-        assert_eq!(image, s.image);
+        assert_eq!(image, s.image.as_slice().unwrap());
         f.move_to("MASK").unwrap();
-        assert_eq!(f.read_image::<i32>().unwrap().1, s.mask);
+        assert_eq!(f.read_image::<i32>().unwrap().1, s.mask.as_slice().unwrap());
         f.move_to("READNOISE").unwrap();
         let (shape, readnoise) = f.read_image::<f32>().unwrap();
         assert_eq!(shape, vec![psf.npix_y, psf.npix_x]);

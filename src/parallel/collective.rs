@@ -13,6 +13,8 @@
 
 use std::time::Instant;
 
+use ndarray::Array2;
+
 use super::layout::Group;
 use super::messages::{decode, encode, pack_box, unpack_box, Contribution, FrameHeader};
 use super::phases::{solve_share, write_frame, Fate, Outcome, Share};
@@ -269,29 +271,28 @@ fn distribute_pixels(
     if rc.rank() == 0 {
         let mut inputs = read.ok_or_else(|| Error::Internal("reader without inputs".into()))?;
         let image = &mut inputs.image;
-        if full {
-            rc.broadcast_f32(0, &mut image.pix);
-            rc.broadcast_f32(0, &mut image.ivar);
-        } else {
-            for buf in [&image.pix, &image.ivar] {
-                rc.broadcast_f32(0, &mut pack_box(buf, image.ncols, rows, cols));
+        for buf in [&mut image.pix, &mut image.ivar] {
+            match buf.as_slice_mut() {
+                Some(all) if full => rc.broadcast_f32(0, all),
+                _ => rc.broadcast_f32(0, &mut pack_box(buf.view(), rows, cols)),
             }
         }
         return Ok(inputs);
     }
     let mut image = h.image;
     image.path = request.input.clone();
-    let n = image.nrows * image.ncols;
+    let shape = (image.nrows, image.ncols);
     let mut band = Vec::new();
     for buf in [&mut image.pix, &mut image.ivar] {
         // Zeroed pages come from the kernel untouched: only the box is ever written.
-        *buf = vec![0.0; n];
-        if full {
-            rc.broadcast_f32(0, buf);
-        } else {
-            band.resize(npix, 0.0);
-            rc.broadcast_f32(0, &mut band);
-            unpack_box(&band, buf, image.ncols, rows, cols);
+        *buf = Array2::zeros(shape);
+        match buf.as_slice_mut() {
+            Some(all) if full => rc.broadcast_f32(0, all),
+            _ => {
+                band.resize(npix, 0.0);
+                rc.broadcast_f32(0, &mut band);
+                unpack_box(&band, buf.view_mut(), rows, cols)?;
+            }
         }
     }
     Ok(Inputs {

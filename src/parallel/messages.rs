@@ -11,6 +11,7 @@
 
 use std::ops::Range;
 
+use ndarray::{s, ArrayView2, ArrayViewMut2};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -141,9 +142,6 @@ impl Message for FrameHeader {
                 self.heliocor
             )));
         }
-        if !self.image.pix.is_empty() || !self.image.ivar.is_empty() {
-            return Err(Error::Message("frame header carries pixels".into()));
-        }
         Ok(())
     }
 }
@@ -176,28 +174,29 @@ impl Message for Contribution {
     }
 }
 
-/// Copies the box `rows x cols` of a row-major image of width `ncols` into a dense buffer.
-pub fn pack_box(image: &[f32], ncols: usize, rows: &Range<usize>, cols: &Range<usize>) -> Vec<f32> {
-    let mut out = Vec::with_capacity(rows.len() * cols.len());
-    for r in rows.clone() {
-        out.extend_from_slice(&image[r * ncols + cols.start..r * ncols + cols.end]);
-    }
-    out
+/// Copies the box `rows x cols` of an image into a dense row-major buffer: what travels.
+pub fn pack_box(image: ArrayView2<f32>, rows: &Range<usize>, cols: &Range<usize>) -> Vec<f32> {
+    // A sliced view iterates in logical order: row by row, each row left to right.
+    image
+        .slice(s![rows.clone(), cols.clone()])
+        .iter()
+        .copied()
+        .collect()
 }
 
-/// Copies a dense box buffer back into a row-major image of width `ncols`.
+/// Copies a dense box buffer (from [`pack_box`]) back into its place in an image.
 pub fn unpack_box(
     packed: &[f32],
-    image: &mut [f32],
-    ncols: usize,
+    mut image: ArrayViewMut2<f32>,
     rows: &Range<usize>,
     cols: &Range<usize>,
-) {
-    let w = cols.len();
-    for (i, r) in rows.clone().enumerate() {
-        image[r * ncols + cols.start..r * ncols + cols.end]
-            .copy_from_slice(&packed[i * w..(i + 1) * w]);
-    }
+) -> Result<()> {
+    let packed = ArrayView2::from_shape((rows.len(), cols.len()), packed)
+        .map_err(|e| Error::Message(format!("pixel box of {} values: {e}", packed.len())))?;
+    image
+        .slice_mut(s![rows.clone(), cols.clone()])
+        .assign(&packed);
+    Ok(())
 }
 
 #[cfg(test)]
@@ -293,13 +292,14 @@ mod tests {
 
     #[test]
     fn boxes_pack_and_unpack() {
-        let image: Vec<f32> = (0..20).map(|v| v as f32).collect(); // 4 rows x 5 columns
-        let packed = pack_box(&image, 5, &(1..3), &(2..4));
+        let image = ndarray::Array2::from_shape_fn((4, 5), |(r, c)| (r * 5 + c) as f32);
+        let packed = pack_box(image.view(), &(1..3), &(2..4));
         assert_eq!(packed, vec![7.0, 8.0, 12.0, 13.0]);
-        let mut back = vec![0.0; 20];
-        unpack_box(&packed, &mut back, 5, &(1..3), &(2..4));
+        let mut back = ndarray::Array2::zeros((4, 5));
+        unpack_box(&packed, back.view_mut(), &(1..3), &(2..4)).unwrap();
         assert_eq!(back.iter().filter(|&&v| v != 0.0).count(), 4);
-        assert_eq!((back[7], back[13]), (7.0, 13.0));
+        assert_eq!((back[[1, 2]], back[[2, 3]]), (7.0, 13.0));
+        assert!(unpack_box(&packed[1..], back.view_mut(), &(1..3), &(2..4)).is_err());
     }
 
     #[test]

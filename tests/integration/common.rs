@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+use ndarray::Array2;
 use spex::image::Image;
 use spex::psf::GaussHermitePsf;
 
@@ -17,13 +18,13 @@ pub fn psf_a() -> GaussHermitePsf {
 
 /// A blank CCD image of the PSF's size with unit inverse variance.
 pub fn blank_image(psf: &GaussHermitePsf) -> Image {
-    let n = psf.npix_x * psf.npix_y;
+    let shape = (psf.npix_y, psf.npix_x);
     Image {
         path: PathBuf::from("synthetic"),
         nrows: psf.npix_y,
         ncols: psf.npix_x,
-        pix: vec![0.0; n],
-        ivar: vec![1.0; n],
+        pix: Array2::zeros(shape),
+        ivar: Array2::ones(shape),
         header: Vec::new(),
         has_fibermap: false,
         nmasked: 0,
@@ -49,7 +50,7 @@ pub fn add_spots(
             for iy in 0..c.ny {
                 for ix in 0..c.nx {
                     let (y, x) = (yc as usize + iy, xc as usize + ix);
-                    image.pix[y * image.ncols + x] += (amp * s[iy * c.nx + ix]) as f32;
+                    image.pix[[y, x]] += (amp * s[iy * c.nx + ix]) as f32;
                 }
             }
         }

@@ -178,7 +178,7 @@ fn ill_conditioned_blocks_match_a_double_double_reference() {
     let (x13, _) = c.corner(13, w);
     for y in y12 as usize + 1..y12 as usize + c.ny {
         for x in x12 as usize..x13 as usize + c.nx {
-            image.ivar[y * image.ncols + x] = 0.0;
+            image.ivar[[y, x]] = 0.0;
         }
     }
 

@@ -340,12 +340,12 @@ fn model_covers_the_rows_past_the_last_bin() {
         .extract(input, &plan.patches, &Progress::silent())
         .unwrap();
     let shape = (image.nrows, image.ncols);
-    let model = spex::frame::model_image(shape, &results);
-    let at = |v: &[f32], w: f64| {
+    let model = spex::frame::model_image(shape, &results).unwrap();
+    let at = |v: &ndarray::Array2<f32>, w: f64| {
         let (x, y) = psf.xy(37, w);
-        v[y.round() as usize * shape.1 + x.round() as usize] as f64
+        v[[y.round() as usize, x.round() as usize]] as f64
     };
-    let model32: Vec<f32> = model.iter().map(|&m| m as f32).collect();
+    let model32 = model.mapv(|m| m as f32);
     // 20 bins (16 A) past the last output bin, inside the last patch's core.
     let past = 6200.0 + 20.0 * 0.8;
     let pix = at(&image.pix, past);

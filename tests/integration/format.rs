@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use crate::common::data;
 use fitsio::FitsFile;
+use ndarray::{Array2, Array3};
 use spex::error::Error;
 use spex::fits::Fits;
 use spex::frame::{ExtraHdu, Frame, FrameMeta};
@@ -183,20 +184,24 @@ fn extracted_frame_has_desispecs_layout_and_keywords() {
 /// A small frame of `nspec` fibers on `wave`, with finite values.
 fn small_frame(specmin: usize, wave: Vec<f64>) -> Frame {
     let (nspec, nw, ndiag) = (3, wave.len(), 1);
-    let n = nspec * nw;
+    let shape = (nspec, nw);
+    // values numbered in row-major order: flux 0, 1, 2, ... and a mask cycling through 0-2
+    let flux = Array2::from_shape_fn(shape, |(f, j)| (f * nw + j) as f64);
+    let mask = Array2::from_shape_fn(shape, |(f, j)| match f * nw + j {
+        1 => 1 << 31,
+        i => (i % 3) as u32,
+    });
     Frame {
         specmin,
         nspec,
         wave,
         ndiag,
-        flux: (0..n).map(|i| i as f64).collect(),
-        ivar: vec![1.0; n],
-        mask: (0..n as u32)
-            .map(|i| if i == 1 { 1 << 31 } else { i % 3 })
-            .collect(),
-        resolution: vec![0.5; nspec * (2 * ndiag + 1) * nw],
-        chi2pix: vec![1.0; n],
-        pixmask_fraction: vec![0.0; n],
+        flux,
+        ivar: Array2::ones(shape),
+        mask,
+        resolution: Array3::from_elem((nspec, 2 * ndiag + 1, nw), 0.5),
+        chi2pix: Array2::ones(shape),
+        pixmask_fraction: Array2::zeros(shape),
     }
 }
 
@@ -229,7 +234,11 @@ fn heliocor_and_the_requested_grid() {
     assert_ne!(wave, corrected);
     let h = f.hdu("MASK").unwrap();
     let mask: Vec<u32> = h.read_image(&mut f).unwrap();
-    assert_eq!(mask, frame.mask, "uint32 values above 2^31 survive");
+    assert_eq!(
+        mask,
+        frame.mask.iter().copied().collect::<Vec<_>>(),
+        "uint32 values above 2^31 survive"
+    );
     assert_eq!(Frame::read(&path).unwrap().mask, frame.mask);
     all_checksums_valid(&path);
 
@@ -300,10 +309,9 @@ fn extra_hdus_follow_chi2pix() {
 fn non_finite_frame_is_not_written() {
     let dir = tempfile::tempdir().unwrap();
     let mut frame = small_frame(50, output_grid(6000.0, 6004.0, 0.8));
-    let nw = frame.nwave();
-    frame.ivar[nw + 3] = f64::INFINITY;
-    frame.flux[2 * nw + 1] = f64::NAN;
-    frame.flux[2 * nw + 2] = 1e300;
+    frame.ivar[[1, 3]] = f64::INFINITY;
+    frame.flux[[2, 1]] = f64::NAN;
+    frame.flux[[2, 2]] = 1e300;
     let path = dir.path().join("frame.fits");
     match frame.write(&path, &FrameMeta::default()) {
         Err(Error::NonFiniteFrame {

@@ -294,13 +294,13 @@ fn failed_factorisations_follow_the_cpu() {
             for dx in -1i64..=1 {
                 let r = (y.round() as i64 + dy) as usize;
                 let c = (x.round() as i64 + dx) as usize;
-                image.ivar[r * image.ncols + c] *= -0.4;
+                image.ivar[[r, c]] *= -0.4;
             }
         }
     }
     // A NaN pixel under another patch: a non-finite solution, reported as such.
     let (x, y) = psf.xy(12, 6045.0);
-    image.pix[y.round() as usize * image.ncols + x.round() as usize] = f32::NAN;
+    image.pix[[y.round() as usize, x.round() as usize]] = f32::NAN;
     let options = solve_options(0.0, false);
     let input = FrameInput {
         plan: &plan,

@@ -145,18 +145,26 @@ fn assert_same_frames(a: &Path, b: &Path) {
         b.display()
     );
     for (name, x, y) in [
-        ("FLUX", &fa.flux, &fb.flux),
-        ("IVAR", &fa.ivar, &fb.ivar),
-        ("RESOLUTION", &fa.resolution, &fb.resolution),
-        ("CHI2PIX", &fa.chi2pix, &fb.chi2pix),
+        ("FLUX", fa.flux.view().into_dyn(), fb.flux.view().into_dyn()),
+        ("IVAR", fa.ivar.view().into_dyn(), fb.ivar.view().into_dyn()),
+        (
+            "RESOLUTION",
+            fa.resolution.view().into_dyn(),
+            fb.resolution.view().into_dyn(),
+        ),
+        (
+            "CHI2PIX",
+            fa.chi2pix.view().into_dyn(),
+            fb.chi2pix.view().into_dyn(),
+        ),
     ] {
         let differ = x
             .iter()
-            .zip(y)
+            .zip(&y)
             .filter(|(p, q)| p.to_bits() != q.to_bits())
             .count();
         assert!(
-            x.len() == y.len() && differ == 0,
+            x.shape() == y.shape() && differ == 0,
             "{} vs {}: {name} differs in {differ} of {} values",
             a.display(),
             b.display(),

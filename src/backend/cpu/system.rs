@@ -9,6 +9,7 @@
 //! so that the solve can measure what dropping it costs and take the dense route instead.
 
 use faer::Mat;
+use ndarray::s;
 
 use crate::extract::PatchGeometry;
 use crate::image::Image;
@@ -151,22 +152,10 @@ impl PatchSystem {
                 }
             }
         }
-        let (h, w) = (geom.rows.len(), geom.cols.len());
-        let mut pix = Vec::with_capacity(h * w);
-        let mut ivar = Vec::with_capacity(h * w);
-        for r in geom.rows.clone() {
-            let row = r * image.ncols;
-            pix.extend(
-                image.pix[row + geom.cols.start..row + geom.cols.end]
-                    .iter()
-                    .map(|&v| v as f64),
-            );
-            ivar.extend(
-                image.ivar[row + geom.cols.start..row + geom.cols.end]
-                    .iter()
-                    .map(|&v| v as f64),
-            );
-        }
+        let window = s![geom.rows.clone(), geom.cols.clone()];
+        // A sliced view iterates in logical (row-major) order: the patch's pixels, row by row.
+        let pix = image.pix.slice(window).iter().map(|&v| v as f64).collect();
+        let ivar = image.ivar.slice(window).iter().map(|&v| v as f64).collect();
         PatchSystem {
             geom,
             ny,

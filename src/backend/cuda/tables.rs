@@ -6,6 +6,7 @@
 use std::time::Instant;
 
 use cudarc::driver::CudaContext;
+use ndarray::{s, ArrayViewMut1};
 use rayon::prelude::*;
 
 use super::device::PinnedBuf;
@@ -177,13 +178,16 @@ pub(crate) fn prepare(
         };
         let (pp, pv) = buf.as_mut_slice()[..2 * npix].split_at_mut(npix);
         let w = c1 - c0;
+        let (pix, ivar) = (
+            img.pix.slice(s![r0..r1, c0..c1]),
+            img.ivar.slice(s![r0..r1, c0..c1]),
+        );
         pp.par_chunks_mut(w)
             .zip(pv.par_chunks_mut(w))
             .enumerate()
             .for_each(|(r, (dp, dv))| {
-                let row = (r0 + r) * img.ncols;
-                dp.copy_from_slice(&img.pix[row + c0..row + c1]);
-                dv.copy_from_slice(&img.ivar[row + c0..row + c1]);
+                ArrayViewMut1::from(dp).assign(&pix.row(r));
+                ArrayViewMut1::from(dv).assign(&ivar.row(r));
             });
         Some(buf)
     };
