@@ -895,30 +895,26 @@ fn mpi_run_with_one_aborting_rank_leaves_no_output() {
 // Corrupted, truncated and compressed FITS.
 // ---------------------------------------------------------------------------------------
 
-/// An image input broken by `damage`: exit 1, one line naming it, nothing written.
-fn damaged_image(damage: impl FnOnce(&Path), needles: &[&str]) {
+/// An input (`in.fits`, the image, or `psf.fits`) broken by `damage`: exit 1, one line
+/// naming it, nothing written.
+fn damaged(name: &str, damage: impl FnOnce(&Path), needles: &[&str]) {
     let mut c = Case::new();
     let (input, psf) = (c.copy(IMAGE, "in.fits"), c.copy(PSF, "psf.fits"));
-    damage(&input);
+    damage(&c.path(name));
     c.seal();
     let o = extract(&input, &psf, &c.path("f.fits"), vec![]);
-    let mut all = vec!["in.fits"];
+    let mut all = vec![name];
     all.extend_from_slice(needles);
     expect(&o, 1, &all);
     c.unchanged_except(&[]);
 }
 
-/// The same for the PSF.
+fn damaged_image(damage: impl FnOnce(&Path), needles: &[&str]) {
+    damaged("in.fits", damage, needles);
+}
+
 fn damaged_psf(damage: impl FnOnce(&Path), needles: &[&str]) {
-    let mut c = Case::new();
-    let (input, psf) = (c.copy(IMAGE, "in.fits"), c.copy(PSF, "psf.fits"));
-    damage(&psf);
-    c.seal();
-    let o = extract(&input, &psf, &c.path("f.fits"), vec![]);
-    let mut all = vec!["psf.fits"];
-    all.extend_from_slice(needles);
-    expect(&o, 1, &all);
-    c.unchanged_except(&[]);
+    damaged("psf.fits", damage, needles);
 }
 
 fn truncate(path: &Path, fraction: f64) {
