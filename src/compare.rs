@@ -99,19 +99,6 @@ fn grid_mismatch(frame: &Frame, nspec: usize, wave: &[f64], ndiag: usize) -> Opt
     None
 }
 
-/// Reads the `--test` reference frame and checks, before anything is written, that it has
-/// the shape and grid of the frame being extracted.
-pub fn read_reference(path: &Path, nspec: usize, wave: &[f64], ndiag: usize) -> Result<Frame> {
-    let reference = Frame::read(path)?;
-    match grid_mismatch(&reference, nspec, wave, ndiag) {
-        None => Ok(reference),
-        Some(why) => Err(Error::config(format!(
-            "{}: reference frame does not match the extraction: {why}",
-            path.display()
-        ))),
-    }
-}
-
 /// Compares two frames of the same shape.
 pub fn parity(a: &Frame, b: &Frame, rel_tolerance: f64) -> Result<Parity> {
     if let Some(why) = parity_mismatch(a, b) {

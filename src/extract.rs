@@ -41,19 +41,6 @@ pub enum PatchStatus {
     NonFinite,
 }
 
-impl PatchStatus {
-    pub fn code(self) -> u8 {
-        self as u8
-    }
-
-    pub fn from_code(code: u8) -> Option<Self> {
-        use PatchStatus::*;
-        [Ok, Regularized, EigenFallback, Masked, OffImage, NonFinite]
-            .into_iter()
-            .find(|s| *s as u8 == code)
-    }
-}
-
 /// A model image of one patch: `A_core flux_core` on its pixel box.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelPatch {

@@ -162,11 +162,6 @@ impl Patch {
     pub fn nspecpad(&self) -> usize {
         self.padded_fibers.len()
     }
-
-    /// Offset of the first core fiber within the padded fibers.
-    pub fn core_fiber_offset(&self) -> usize {
-        self.fibers.start - self.padded_fibers.start
-    }
 }
 
 /// The plan of a frame extraction.

@@ -394,22 +394,6 @@ impl GaussHermitePsf {
         )
     }
 
-    /// Spot parameters of `fibers` at every wavelength of `waves`, flattened as
-    /// `[fiber][wave][x, y, sigx, sigy, gh...]` (`4 + ngh` values each): the input of device
-    /// spot evaluation.
-    pub fn params_flat(&self, fibers: Range<usize>, waves: &[f64]) -> Vec<f64> {
-        let stride = 4 + self.ngh();
-        let mut out = Vec::with_capacity(fibers.len() * waves.len() * stride);
-        for fiber in fibers {
-            for &w in waves {
-                let p = self.params(fiber, w);
-                out.extend_from_slice(&[p.x, p.y, p.sigx, p.sigy]);
-                out.extend_from_slice(&p.gh);
-            }
-        }
-        out
-    }
-
     /// Evaluates the spots of `fibers` at every wavelength of `waves`.
     pub fn spots(&self, fibers: Range<usize>, waves: &[f64]) -> Spots {
         let (ny, nx) = self.spot_shape();

@@ -152,13 +152,6 @@ impl CudaBackend {
         &self.timings
     }
 
-    /// Frees the device and pinned buffers kept between calls (they are reallocated by the
-    /// next call).
-    pub fn release_memory(&mut self) {
-        self.workspace.release();
-        self.pinned.clear();
-    }
-
     /// Chooses the decorrelation route (for comparisons; the polar route is the default).
     pub fn set_route(&mut self, route: Route) {
         self.tuning.route = route;

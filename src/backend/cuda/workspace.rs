@@ -163,11 +163,6 @@ impl Workspace {
             back: PinSlot::new(),
         }
     }
-
-    /// Frees every buffer.
-    pub(crate) fn release(&mut self) {
-        *self = Workspace::new();
-    }
 }
 
 /// The region of the CCD uploaded for a chunk: rows, columns.
