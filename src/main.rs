@@ -123,12 +123,15 @@ fn extract(args: &ExtractArgs) -> ExitCode {
     }
     let reference = config.test_reference.as_deref().map(Reference::new);
     if let Some(reference) = &reference {
-        // A reference that cannot be read stops the job before any work.
-        let readable = layout.rank != 0 || reference.get().is_ok();
-        if world.all_max(u64::from(!readable)) > 0 {
-            if let Err(e) = reference.get() {
-                print_line(&format!("{} {e:#}", layout.error_prefix()));
-            }
+        // A reference that cannot be read stops the job before any work; rank 0 reads it.
+        let unreadable = layout.rank == 0
+            && reference
+                .get()
+                .map_err(|e| {
+                    print_line(&format!("{} {e:#}", layout.error_prefix()));
+                })
+                .is_err();
+        if world.all_max(u64::from(unreadable)) > 0 {
             return ExitCode::FAILURE;
         }
     }
