@@ -10,6 +10,12 @@
 // The sweeps store those contributions, U[p][dir][k] (n x n) and u[p][dir][k] (n); the combine
 // kernel sums them. The second-neighbour blocks the sweeps drop are measured per patch, so that
 // the host can send a patch whose coupling is not negligible to the dense route.
+//
+// A patch's blocks are stored padding fibers first, then the core (and empty leading blocks
+// where it has fewer fibers than the widest patch), which is not their order along the CCD:
+// the sweeps and the coupling check walk the blocks in fiber order, taken from the column
+// table (a block's first spot index grows with its fiber; empty blocks, -1, come first and
+// couple to nothing).
 
 #include "common.cuh"
 #include "tiles.cuh"
@@ -21,15 +27,16 @@ __device__ __forceinline__ double icov_at(const double* icov, size_t p, int m, i
 }
 
 // One block per (patch, direction): blockIdx.y = 0 sweeps from the left, 1 from the right, over
-// the nb fiber blocks of order n. `info[p]` is set to 1 when a Sigma is not positive definite;
+// the nb fiber blocks of order n in fiber order (`colspot`, m per patch). `info[p]` is set to 1 when a Sigma is not positive definite;
 // direction 0 also writes `coupling[p]`, the largest |A_ij| / sqrt(A_ii A_jj) over blocks two
 // or more fibers apart.
 //
 // Shared memory (dynamic): S[N ld] (Sigma, then W W^T), W[N ld] ([W; z^T]^T), r[n],
-// red[32], flag; N = n + 1 rounded up to 8, ld = N + 4; 4 N threads.
+// red[32], flag, ord[nb]; N = n + 1 rounded up to 8, ld = N + 4; 4 N threads.
 extern "C" __global__ void schur_sweep_f64(const double* __restrict__ icov,
                                            const double* __restrict__ y,
-                                           const int* __restrict__ patch_ids, int m, int n,
+                                           const int* __restrict__ patch_ids,
+                                           const int* __restrict__ colspot, int m, int n,
                                            int nb, double* __restrict__ U, double* __restrict__ u,
                                            int* __restrict__ info, double* __restrict__ coupling) {
     extern __shared__ double sm[];
@@ -39,11 +46,23 @@ extern "C" __global__ void schur_sweep_f64(const double* __restrict__ icov,
     double* r = W + N * ld;
     double* red = r + n;
     int* flag = (int*)(red + 32);
+    int* ord = flag + 2;
     int tid = threadIdx.x, nth = blockDim.x;
     int lane = tid & 31, warp = tid >> 5, nwarp = nth >> 5;
     int dir = blockIdx.y;
     size_t p = patch_of(patch_ids, blockIdx.x);
     const double* yp = y + p * m;
+    // ord[k]: the block at position k along the CCD (a stable sort by first spot index)
+    if (tid < nb) {
+        const int* cs = colspot + p * m;
+        int key = cs[tid * n], pos = 0;
+        for (int b = 0; b < nb; ++b) {
+            int kb = cs[b * n];
+            pos += kb < key || (kb == key && b < tid);
+        }
+        ord[pos] = tid;
+    }
+    __syncthreads();
 
     if (dir == 0 && nb > 2) {
         // 1 / sqrt of icov's diagonal in W (free until the sweep starts)
@@ -54,30 +73,30 @@ extern "C" __global__ void schur_sweep_f64(const double* __restrict__ icov,
         for (int k = 0; k + 2 < nb; ++k)
             for (int l = k + 2; l < nb; ++l)
                 for (int idx = tid; idx < n * n; idx += nth) {
-                    int i = idx / n, j = idx % n;
-                    double a = icov_at(icov, p, m, n, l, k, i, j);
-                    worst = fmax(worst, fabs(a) * W[l * n + i] * W[k * n + j]);
+                    int i = idx / n, j = idx % n, bl = ord[l], bk = ord[k];
+                    double a = icov_at(icov, p, m, n, bl, bk, i, j);
+                    worst = fmax(worst, fabs(a) * W[bl * n + i] * W[bk * n + j]);
                 }
         worst = block_max(worst, red);
         if (tid == 0) coupling[p] = worst;
     } else if (dir == 0 && tid == 0) {
         coupling[p] = 0.0;
     }
-    int k = dir == 0 ? 0 : nb - 1;
+    int k = dir == 0 ? 0 : nb - 1, bk = ord[k];
     for (int idx = tid; idx < N * ld; idx += nth) {
         int i = idx / ld, j = idx % ld;
-        S[idx] = (i < n && j < n) ? icov_at(icov, p, m, n, k, k, i, j) : 0.0;
+        S[idx] = (i < n && j < n) ? icov_at(icov, p, m, n, bk, bk, i, j) : 0.0;
     }
-    double* U0 = U + ((p * 2 + dir) * nb + k) * n * n;
+    double* U0 = U + ((p * 2 + dir) * nb + bk) * n * n;
     for (int idx = tid; idx < n * n; idx += nth) U0[idx] = 0.0;
     for (int i = tid; i < n; i += nth) {
-        r[i] = yp[(size_t)k * n + i];
-        u[((p * 2 + dir) * nb + k) * n + i] = 0.0;
+        r[i] = yp[(size_t)bk * n + i];
+        u[((p * 2 + dir) * nb + bk) * n + i] = 0.0;
     }
     __syncthreads();
     double acc[SPEX_TILES][2];
     for (int s = 0; s + 1 < nb; ++s) {
-        int kn = dir == 0 ? k + 1 : k - 1;
+        int kn = dir == 0 ? k + 1 : k - 1, bn = ord[kn];
         if (!cholesky_in_place(S, ld, n, flag)) {
             if (tid == 0) info[p] = 1;
             return;
@@ -87,7 +106,7 @@ extern "C" __global__ void schur_sweep_f64(const double* __restrict__ icov,
         for (int idx = tid; idx < N * ld; idx += nth) {
             int j = idx / ld, i = idx % ld;
             double v = 0.0;
-            if (j < n && i < n) v = icov_at(icov, p, m, n, k, kn, j, i);
+            if (j < n && i < n) v = icov_at(icov, p, m, n, bk, bn, j, i);
             if (j < n && i == n) v = r[j];
             W[idx] = v;
         }
@@ -109,22 +128,23 @@ extern "C" __global__ void schur_sweep_f64(const double* __restrict__ icov,
         tile_row_tn(W, W, ld, N, acc);
         store_rows(S, ld, N, acc);
         __syncthreads();
-        size_t o = (p * 2 + dir) * nb + kn;
+        size_t o = (p * 2 + dir) * nb + bn;
         for (int idx = tid; idx < n * n; idx += nth) {
             int i = idx / n, j = idx % n;
             double g = S[i * ld + j];
             U[o * n * n + idx] = g;
-            S[i * ld + j] = icov_at(icov, p, m, n, kn, kn, i, j) - g;
+            S[i * ld + j] = icov_at(icov, p, m, n, bn, bn, i, j) - g;
         }
         for (int i = tid; i < n; i += nth) {
             double g = S[i * ld + n];
             u[o * n + i] = g;
-            r[i] = yp[(size_t)kn * n + i] - g;
+            r[i] = yp[(size_t)bn * n + i] - g;
         }
         __syncthreads();
         for (int i = tid; i < N; i += nth) S[i * ld + n] = 0.0;
         __syncthreads();
         k = kn;
+        bk = bn;
     }
 }
 

@@ -157,7 +157,7 @@ impl CudaBackend {
         self.tuning.route = route;
     }
 
-    /// Chooses the route of steps 2-3 (the dense route by default; see [`Solve`]).
+    /// Chooses the route of steps 2-3 (the Schur route by default; see [`Solve`]).
     pub fn set_solve(&mut self, solve: Solve) {
         self.tuning.solve = solve;
     }

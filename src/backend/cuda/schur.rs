@@ -6,7 +6,10 @@
 //! Failures follow DESIGN step 2 as on the dense route: a patch whose icov is not positive
 //! definite is re-assembled with regularize 1e-4 and swept again, and a second failure goes to
 //! the CPU reference. A patch whose second-neighbour coupling (dropped by the sweeps) exceeds
-//! the tuning's bound also goes to the CPU reference, which solves it densely.
+//! the tuning's bound also goes to the CPU reference, which solves it densely. The sweeps walk
+//! the blocks in fiber order along the CCD (from the column table), not in storage order
+//! (padding fibers first): in storage order a padding fiber and its core neighbour sit two
+//! blocks apart, so the sweeps would drop a first-neighbour coupling.
 
 use super::dense::Factorization;
 use super::device::DevBuf;
@@ -30,11 +33,12 @@ fn sweep(g: Gpu<'_>, ws: &Workspace, count: usize, ids: Option<&DevBuf<i32>>) ->
         "schur_sweep_f64",
         (count as u32, 2, 1),
         (4 * big) as u32,
-        (2 * big * (big + 4) + n + 32) * 8 + 16,
+        (2 * big * (big + 4) + n + 32) * 8 + 8 + 4 * nb,
         Args::new()
             .ptr(ws.icov.get().ptr)
             .ptr(ws.y.get().ptr)
             .ptr(ids_ptr)
+            .ptr(ws.colspot.get().ptr)
             .i32(m as i32)
             .i32(n as i32)
             .i32(nb as i32)

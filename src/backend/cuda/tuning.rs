@@ -14,12 +14,11 @@ pub enum Route {
 
 /// How steps 2-3 (factorisation, xflux, core blocks) run.
 ///
-/// The Schur route assumes icov block-tridiagonal in fiber order. On the r-camera PSFs of the
-/// test data, fibers two apart still couple at up to 9e-4 relative (their stamps overlap by a
-/// few pixels), which is far from negligible: dropping that coupling moves fluxes by 2e-2
-/// sigma. So the dense route is the default, and the Schur route sends every patch whose
-/// coupling exceeds `coupling_max` to the CPU reference; it pays where fibers are farther apart
-/// than a stamp (a two-fiber block sweep would lift that limit).
+/// The Schur route assumes icov block-tridiagonal in fiber order along the CCD, which holds
+/// on the r-camera PSFs of the test data: fibers two apart couple only through their stamps'
+/// tails, at most 4.8e-13 relative on a full simulated frame. It is the default (about a
+/// third of the dense route's time for steps 2-3); a patch whose second-neighbour coupling
+/// exceeds `coupling_max` goes to the CPU reference, which solves it densely.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Solve {
     /// Dense Cholesky, xflux and core covariance blocks through cuSOLVER and cuBLAS (`dense`).
@@ -29,7 +28,7 @@ pub enum Solve {
 }
 
 /// The backend's tuning, read once per backend from the environment (for measurements rather
-/// than production): `SPEX_GPU_SOLVE` (`dense` or `schur`), `SPEX_GPU_COUPLING_MAX` (largest
+/// than production): `SPEX_GPU_SOLVE` (`schur`, the default, or `dense`), `SPEX_GPU_COUPLING_MAX` (largest
 /// relative second-neighbour coupling the Schur route accepts, default 1e-12),
 /// `SPEX_GPU_DECORRELATE` (`polar` or `jacobi`), `SPEX_GPU_JACOBI_THREADS` (threads per Jacobi
 /// block, default 512) and `SPEX_GPU_JACOBI_TOL` (rotation threshold, default 1e-14).
@@ -62,8 +61,8 @@ impl Tuning {
             }
         }
         let solve = match std::env::var("SPEX_GPU_SOLVE").as_deref() {
-            Err(_) | Ok("dense") => Solve::Dense,
-            Ok("schur") => Solve::Schur,
+            Ok("dense") => Solve::Dense,
+            Err(_) | Ok("schur") => Solve::Schur,
             Ok(v) => {
                 return Err(Error::Gpu(format!(
                     "SPEX_GPU_SOLVE={v:?}: expected schur or dense"
