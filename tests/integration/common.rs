@@ -6,9 +6,12 @@ use ndarray::Array2;
 use spex::image::Image;
 use spex::psf::GaussHermitePsf;
 
+/// A file of the bundled data: tests/data of the source tree, or `SPEX_TEST_DATA`, which lets
+/// a copied test binary find its data away from the source tree (scripts/gpu-check).
 pub fn data(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data")
+    std::env::var("SPEX_TEST_DATA")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data"))
         .join(name)
 }
 

@@ -3,7 +3,6 @@
 //! with `--include-ignored` (`scripts/gpu-check` does), where a missing device fails them.
 
 use std::io::Write;
-use std::path::PathBuf;
 
 use rand::SeedableRng;
 use rand_distr::{Distribution, Normal};
@@ -29,12 +28,7 @@ fn backend() -> CudaBackend {
 }
 
 fn psf() -> GaussHermitePsf {
-    // SPEX_TEST_DATA lets a copied test binary find its data away from the source tree.
-    let dir = std::env::var("SPEX_TEST_DATA")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data"));
-    let path = dir.join("psf-r0-00067784.fits");
-    GaussHermitePsf::read(&path).expect("test PSF")
+    GaussHermitePsf::read(&crate::common::data("psf-r0-00067784.fits")).expect("test PSF")
 }
 
 /// A simulated image of the plan's fibers over its padded wavelengths (seeded sky and object
