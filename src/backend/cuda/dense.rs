@@ -90,16 +90,8 @@ pub(crate) fn factorize(
     if !failed.is_empty() && regularize == RETRY_REGULARIZE {
         to_cpu = failed.clone();
     } else if !failed.is_empty() {
-        let ids: Vec<i32> = failed.iter().map(|&i| i as i32).collect();
-        let ids_dev = dev.upload(&ids, "retry patch list")?;
-        launchers::assemble(
-            g,
-            failed.len(),
-            Some(&ids_dev),
-            ws,
-            region,
-            RETRY_REGULARIZE,
-        )?;
+        // The list stays alive until the factorisation below has synchronised.
+        let _ids = reassemble_regularized(g, ws, region, &failed)?;
         let info2 = potrf(dev, g.sh, ws.icov.get(), &failed)?;
         for (j, &i) in failed.iter().enumerate() {
             if info2[j] == 0 {
@@ -115,6 +107,27 @@ pub(crate) fn factorize(
         to_cpu,
         retried: failed.len(),
     })
+}
+
+/// Assembles the patches `failed` of the chunk again with regularize 1e-4, for a second
+/// factorisation (either route); returns their list on the device.
+pub(crate) fn reassemble_regularized(
+    g: Gpu<'_>,
+    ws: &Workspace,
+    region: Region,
+    failed: &[usize],
+) -> Result<DevBuf<i32>> {
+    let ids: Vec<i32> = failed.iter().map(|&i| i as i32).collect();
+    let ids_dev = g.dev.upload(&ids, "retry patch list")?;
+    launchers::assemble(
+        g,
+        failed.len(),
+        Some(&ids_dev),
+        ws,
+        region,
+        RETRY_REGULARIZE,
+    )?;
+    Ok(ids_dev)
 }
 
 /// xflux = icov^-1 y for the `n` factorised patches, into `ws.x`.

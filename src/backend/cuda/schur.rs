@@ -11,10 +11,10 @@
 //! (padding fibers first): in storage order a padding fiber and its core neighbour sit two
 //! blocks apart, so the sweeps would drop a first-neighbour coupling.
 
-use super::dense::Factorization;
+use super::dense::{reassemble_regularized, Factorization};
 use super::device::DevBuf;
 use super::kernels::{launch, Args};
-use super::launchers::{self, Gpu};
+use super::launchers::Gpu;
 use super::workspace::{Region, Workspace};
 use crate::backend::cpu::RETRY_REGULARIZE;
 use crate::error::Result;
@@ -126,16 +126,7 @@ pub(crate) fn factorize(
     if !failed.is_empty() && regularize == RETRY_REGULARIZE {
         to_cpu = failed.clone();
     } else if !failed.is_empty() {
-        let ids: Vec<i32> = failed.iter().map(|&i| i as i32).collect();
-        let ids_dev = dev.upload(&ids, "retry patch list")?;
-        launchers::assemble(
-            g,
-            failed.len(),
-            Some(&ids_dev),
-            ws,
-            region,
-            RETRY_REGULARIZE,
-        )?;
+        let ids_dev = reassemble_regularized(g, ws, region, &failed)?;
         dev.zero_prefix(ws.info.get(), n)?;
         sweep(g, ws, failed.len(), Some(&ids_dev))?;
         dev.copy_from(&mut info, ws.info.get(), 0, "sweep verdicts")?;
