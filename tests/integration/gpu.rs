@@ -94,6 +94,26 @@ fn assert_agree(gpu: &[PatchResult], cpu: &[PatchResult]) {
 }
 
 #[test]
+#[ignore = "needs the NVRTC library: scripts/test runs it with the one of scripts/nvrtc-env"]
+fn kernels_compile_without_a_gpu() {
+    // NVRTC alone, no device: every source compiles into CUBIN holding its kernels for the
+    // architectures of the DESI machines (A100, H100) and for sm_70, where the tensor-core
+    // products take their shuffle fallback.
+    for arch in ["sm_70", "sm_80", "sm_90"] {
+        for (name, src, kernels) in cuda::SOURCES {
+            let code = cuda::compile(name, src, arch).unwrap_or_else(|e| panic!("{e}"));
+            assert!(code.starts_with(b"\x7fELF"), "{name}: not a CUBIN for {arch}");
+            for k in *kernels {
+                assert!(
+                    code.windows(k.len()).any(|w| w == k.as_bytes()),
+                    "{name}: kernel {k} missing from the CUBIN for {arch}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn kernels_compile_with_nvrtc() {
     // Every source, compiled afresh (not from the kernel cache) into CUBIN for device 0's
