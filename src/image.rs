@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use ndarray::Array2;
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -59,6 +60,31 @@ fn join<T>(handle: std::thread::ScopedJoinHandle<'_, Result<T>>, path: &Path) ->
             message: "reader thread panicked".into(),
         })
     })
+}
+
+/// Zeroes the inverse variance of the pixels the mask rules out, and both values of the
+/// pixels that are not finite or have a negative inverse variance; returns the numbers of
+/// each (17 million pixels per DESI frame: in parallel, by rows of 64 KiB).
+fn apply_mask(pix: &mut [f32], ivar: &mut [f32], mask: &[i32], rule: MaskRule) -> (usize, usize) {
+    const CHUNK: usize = 16384;
+    pix.par_chunks_mut(CHUNK)
+        .zip(ivar.par_chunks_mut(CHUNK))
+        .zip(mask.par_chunks(CHUNK))
+        .map(|((pix, ivar), mask)| {
+            let (mut nmasked, mut nnonfinite) = (0, 0);
+            for ((p, v), &m) in pix.iter_mut().zip(ivar.iter_mut()).zip(mask) {
+                if !p.is_finite() || !v.is_finite() || *v < 0.0 {
+                    *p = 0.0;
+                    *v = 0.0;
+                    nnonfinite += 1;
+                } else if rule.is_bad(m) {
+                    *v = 0.0;
+                    nmasked += 1;
+                }
+            }
+            (nmasked, nnonfinite)
+        })
+        .reduce(|| (0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
 }
 
 impl Image {
@@ -119,17 +145,7 @@ impl Image {
         let has_fibermap = fits.has_hdu("FIBERMAP");
 
         let mut pix = pix;
-        let (mut nmasked, mut nnonfinite) = (0, 0);
-        for ((p, v), &m) in pix.iter_mut().zip(ivar.iter_mut()).zip(&mask) {
-            if !p.is_finite() || !v.is_finite() || *v < 0.0 {
-                *p = 0.0;
-                *v = 0.0;
-                nnonfinite += 1;
-            } else if rule.is_bad(m) {
-                *v = 0.0;
-                nmasked += 1;
-            }
-        }
+        let (nmasked, nnonfinite) = apply_mask(&mut pix, &mut ivar, &mask, rule);
         if nnonfinite > 0 {
             tracing::warn!(
                 "{}: {nnonfinite} pixels with non-finite IMAGE/IVAR or negative IVAR treated as masked",
