@@ -18,7 +18,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Extract spectra from a preproc image (the default when the first argument is an option).
-    Extract(ExtractArgs),
+    Extract(Box<ExtractArgs>),
     /// Simulate a preproc image and its truth from a PSF.
     Simulate(SimulateArgs),
     /// Compare two frames (parity) or a frame with the simulation truth (pulls).
@@ -185,6 +185,11 @@ pub struct ExtractArgs {
     /// host-side work of the other frame.
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = parse_count)]
     pub frames_in_flight: usize,
+    /// Reader threads, and as many writer threads, per device of a rank that forms a frame
+    /// group alone under --async-io (default: 3 per GPU, whose frames are solved faster than
+    /// one thread reads or writes them; 1 on the CPU).
+    #[arg(long, value_name = "N", value_parser = parse_count)]
+    pub io_threads: Option<usize>,
     /// Skip frames whose output already exists.
     #[arg(long)]
     pub skip_existing: bool,

@@ -44,6 +44,9 @@ pub struct JobConfig {
     pub async_io: bool,
     pub frame_groups: usize,
     pub frames_in_flight: usize,
+    /// `--io-threads`: reader and writer threads per device of an overlapped rank (`None`:
+    /// the default of the backend).
+    pub io_threads: Option<usize>,
     /// `--test`: the reference frame that every output is compared with.
     pub test_reference: Option<PathBuf>,
 }
@@ -102,6 +105,7 @@ impl JobConfig {
             async_io: args.async_io,
             frame_groups: args.frame_groups,
             frames_in_flight: args.frames_in_flight,
+            io_threads: args.io_threads,
             test_reference: args.test.clone(),
         };
         for request in requests {
@@ -231,7 +235,7 @@ mod tests {
             .unwrap()
             .command
         {
-            Command::Extract(a) => a,
+            Command::Extract(a) => *a,
             _ => panic!("not extract"),
         }
     }

@@ -52,7 +52,8 @@ impl GroupContext<'_> {
     }
 
     /// Reads, solves and writes the frames of the group (`(index in the list, request)`, in
-    /// the order of the list); `first_read` is the reader's read of the first of them.
+    /// the order of the list); `first_read` is the reader's read of the first of them, with
+    /// the seconds it took.
     ///
     /// The reader and the workers share the broadcasts, the workers and the writer the
     /// gathers; in both the reader (resp. writer) is rank 0. Without dedicated I/O ranks both
@@ -60,7 +61,7 @@ impl GroupContext<'_> {
     pub fn run(
         &self,
         frames: &[(usize, &ExtractRequest)],
-        mut first_read: Option<Result<(Inputs, PixelBox)>>,
+        mut first_read: Option<(Result<(Inputs, PixelBox)>, f64)>,
         mut backend: Option<&mut dyn Backend>,
     ) -> Outcome {
         let (group, me) = (self.group, self.local);
@@ -77,9 +78,8 @@ impl GroupContext<'_> {
         for &(k, request) in frames {
             let mut received = match &read_comm {
                 Some(rc) if is_reader => {
-                    let t0 = Instant::now();
-                    let read = first_read.take().unwrap_or_else(|| read_frame(request));
-                    self.distribute(rc, request, Some((read, t0.elapsed().as_secs_f64())))
+                    let read = first_read.take().unwrap_or_else(|| timed_read(request));
+                    self.distribute(rc, request, Some(read))
                 }
                 Some(rc) => self.distribute(rc, request, None),
                 None => Received {
@@ -130,6 +130,9 @@ impl GroupContext<'_> {
         let mut read_s = 0.0;
         if let Some((read, seconds)) = read {
             read_s = seconds;
+            if rc.size() == 1 {
+                return self.keep_alone(request, read, read_s);
+            }
             match read.and_then(|(i, pixel_box)| {
                 let h = encode(&FrameHeader::new(&i, pixel_box, read_s))?;
                 Ok((i, h))
@@ -164,6 +167,30 @@ impl GroupContext<'_> {
             header,
             read_s,
             recv_s: t_recv.elapsed().as_secs_f64(),
+        }
+    }
+
+    /// What a reader alone in its communicator keeps of its read: nothing to broadcast, so
+    /// neither the header nor the pixel box is packed.
+    fn keep_alone(
+        &self,
+        request: &ExtractRequest,
+        read: Result<(Inputs, PixelBox)>,
+        read_s: f64,
+    ) -> Received {
+        let inputs = match read {
+            Ok((inputs, _)) => Some(inputs),
+            Err(e) => {
+                let name = request.input.display();
+                print_line(&format!("{} frame {name}: {e}", self.prefix));
+                None
+            }
+        };
+        Received {
+            inputs,
+            header: Vec::new(),
+            read_s,
+            recv_s: 0.0,
         }
     }
 
@@ -258,6 +285,13 @@ impl GroupContext<'_> {
 /// Broadcasts the pixel box of a frame from the reader (rank 0 of `rc`, which passes its
 /// inputs) and returns every rank's inputs: on the other ranks a full-size image that is zero
 /// outside the box.
+/// Reads a frame; with the seconds it took.
+pub(super) fn timed_read(request: &ExtractRequest) -> (Result<(Inputs, PixelBox)>, f64) {
+    let t0 = Instant::now();
+    let read = read_frame(request);
+    (read, t0.elapsed().as_secs_f64())
+}
+
 fn distribute_pixels(
     rc: &Comm,
     header: &[u8],

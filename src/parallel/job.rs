@@ -15,7 +15,7 @@
 use std::cell::Cell;
 use std::time::Instant;
 
-use super::collective::GroupContext;
+use super::collective::{timed_read, GroupContext};
 use super::devices::{devices_of, log_layout, start_backends, DeviceRequest};
 use super::layout::{self, Layout, Roles};
 use super::messages::{decode, encode};
@@ -24,7 +24,7 @@ use super::{overlap, print_line, Comm, Hooks, JobOutcome};
 use crate::backend::{Backend, Progress};
 use crate::config::JobConfig;
 use crate::error::Error;
-use crate::pipeline::{read_frame, ExtractRequest};
+use crate::pipeline::ExtractRequest;
 
 /// Runs the frames of `config` on the ranks of `world` in the frame groups of `roles`.
 /// Returns the job's outcome, the same on every rank, or `None` when the job stopped before
@@ -116,7 +116,18 @@ pub fn run(
         } else {
             Progress::silent()
         };
-        overlap::run(&mine, open, read_ahead, me, &prefix, hooks.check, shown)?
+        overlap::run(
+            &mine,
+            open,
+            overlap::Lanes {
+                read_ahead,
+                io_threads: config.io_threads,
+            },
+            me,
+            &prefix,
+            hooks.check,
+            shown,
+        )?
     } else {
         let context = GroupContext {
             world,
@@ -185,11 +196,13 @@ fn run_collective(
         .first()
         .filter(|_| context.local == context.group.reader());
     let (first_read, opened) = std::thread::scope(|scope| {
-        let reading = first.map(|&(_, request)| scope.spawn(move || read_frame(request)));
+        let reading = first.map(|&(_, request)| scope.spawn(move || timed_read(request)));
         let opened = open();
         let first_read = reading.map(|r| {
-            r.join()
-                .unwrap_or_else(|_| Err(Error::Internal("the reading thread panicked".into())))
+            r.join().unwrap_or_else(|_| {
+                let panicked = Error::Internal("the reading thread panicked".into());
+                (Err(panicked), 0.0)
+            })
         });
         (first_read, opened)
     });

@@ -5,8 +5,9 @@
 //! frames before them, and writer threads stitch and write each frame as soon as it is
 //! solved. A rank may drive several GPUs (all those of the node when it is the node's only
 //! extracting rank) and hold several backends per GPU (`--frames-in-flight`): frames go to
-//! whichever backend is free, and there is a reader and a writer per GPU, so that one process
-//! can keep a whole node busy. Nothing is sent between processes: no MPS, broadcasts or
+//! whichever backend is free, and there are several readers and writers per GPU
+//! (`--io-threads`), so that one process can keep a whole node busy: a GPU solves a frame
+//! faster than one thread reads or writes it. Nothing is sent between processes: no MPS, broadcasts or
 //! gathers. The first reader starts while the devices open.
 //!
 //! Errors follow the protocol of the collective loop: a frame that cannot be read or solved
@@ -44,21 +45,40 @@ struct Solved<'a> {
 /// senders find it closed and stop instead of waiting forever.
 type Shared<T> = Arc<Mutex<Receiver<T>>>;
 
+/// How many frames wait read and how many threads read and write them.
+pub(super) struct Lanes {
+    /// Frames read ahead of the solvers (beyond those being read).
+    pub read_ahead: usize,
+    /// Readers, and as many writers, per device (`None`: [`default_io_threads`]).
+    pub io_threads: Option<usize>,
+}
+
+/// Readers (and writers) per device by default: a GPU solves a full frame in a fraction of
+/// the time one thread takes to read or write it, so three of each keep it busy; on the CPU
+/// the solve is the slow part and one of each is enough.
+fn default_io_threads(gpu: bool) -> usize {
+    if gpu {
+        3
+    } else {
+        1
+    }
+}
+
 /// Reads, solves and writes `frames` (`(index in the list, request)`) on this rank alone.
 /// `open` starts the backends (collectively with the other ranks; `None` stops the run)
-/// while the first reader reads up to `read_ahead` frames. Returns what was written and
-/// what failed, or `None` when the backends did not open.
+/// while the first reader reads ahead. Returns what was written and what failed, or `None`
+/// when the backends did not open.
 pub(super) fn run(
     frames: &[(usize, &ExtractRequest)],
     open: impl FnOnce() -> Option<Vec<Box<dyn Backend>>>,
-    read_ahead: usize,
+    lanes: Lanes,
     rank: usize,
     prefix: &str,
     check: Option<&FrameCheck<'_>>,
     progress: Progress,
 ) -> Option<Outcome> {
     let next_frame = AtomicUsize::new(0);
-    let (read_tx, read_rx) = sync_channel::<Read>(read_ahead.max(1));
+    let (read_tx, read_rx) = sync_channel::<Read>(lanes.read_ahead.max(1));
     let read_rx = Arc::new(Mutex::new(read_rx));
     let next_frame = &next_frame;
     std::thread::scope(|scope| {
@@ -68,12 +88,13 @@ pub(super) fn run(
             drop(read_rx);
             return None;
         };
-        // A reader and a writer per device keep up with it: reading or writing a frame takes
-        // less time than solving it.
         let mut devices: Vec<Option<usize>> = backends.iter().map(|b| b.device()).collect();
         devices.dedup();
-        let lanes = devices.len().max(1);
-        for _ in 1..lanes {
+        let gpu = devices.iter().any(Option::is_some);
+        let per_device = lanes.io_threads.unwrap_or_else(|| default_io_threads(gpu));
+        let io_threads = (devices.len().max(1) * per_device).min(frames.len()).max(1);
+        tracing::info!("rank {rank}: {io_threads} reader and {io_threads} writer threads");
+        for _ in 1..io_threads {
             let tx = read_tx.clone();
             scope.spawn(move || read_all(frames, next_frame, tx));
         }
@@ -100,7 +121,7 @@ pub(super) fn run(
         drop((read_rx, solved_tx));
 
         let solved_rx: Shared<Solved> = Arc::new(Mutex::new(solved_rx));
-        let writers: Vec<_> = (0..lanes)
+        let writers: Vec<_> = (0..io_threads)
             .map(|_| {
                 let solved_rx = solved_rx.clone();
                 scope.spawn(move || write_all(&solved_rx, rank, prefix, check))

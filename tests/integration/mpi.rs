@@ -400,12 +400,13 @@ fn every_layout_of_a_list_gives_the_files_of_a_serial_run() {
     assert!(run.ok(), "serial run failed:\n{}", run.stderr);
     // One process without a launcher that overlaps its phases on threads.
     let (mut args, outputs) = frame_list(dir.path(), "overlapped", &inputs);
-    args.extend(["--async-io", "--frames-in-flight", "2"].map(String::from));
+    args.extend(["--async-io", "--frames-in-flight", "2", "--io-threads", "3"].map(String::from));
     let run = spex(None, &args, &[], TIMEOUT);
     assert!(run.ok(), "overlapped run failed:\n{}", run.stderr);
     assert!(
-        run.stderr.contains("2 frames in flight"),
-        "not overlapped:\n{}",
+        run.stderr.contains("2 frames in flight")
+            && run.stderr.contains("3 reader and 3 writer threads"),
+        "not overlapped with 3 readers and writers:\n{}",
         run.stderr
     );
     for (a, b) in serial.iter().zip(&outputs) {
