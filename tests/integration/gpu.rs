@@ -102,7 +102,10 @@ fn kernels_compile_without_a_gpu() {
     for arch in ["sm_70", "sm_80", "sm_90"] {
         for (name, src, kernels) in cuda::SOURCES {
             let code = cuda::compile(name, src, arch).unwrap_or_else(|e| panic!("{e}"));
-            assert!(code.starts_with(b"\x7fELF"), "{name}: not a CUBIN for {arch}");
+            assert!(
+                code.starts_with(b"\x7fELF"),
+                "{name}: not a CUBIN for {arch}"
+            );
             for k in *kernels {
                 assert!(
                     code.windows(k.len()).any(|w| w == k.as_bytes()),

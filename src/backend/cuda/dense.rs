@@ -39,7 +39,7 @@ fn potrf(dev: &Device, sh: &Shape, icov: &DevBuf<f64>, ids: &[usize]) -> Result<
     // SAFETY: every pointer addresses an m x m matrix inside `icov`.
     let status = unsafe {
         cusolver_sys::cusolverDnDpotrfBatched(
-            dev.cusolver,
+            dev.cusolver()?,
             cusolver_sys::cublasFillMode_t::CUBLAS_FILL_MODE_LOWER,
             m as i32,
             ptrs.ptr as *mut *mut f64,
@@ -141,7 +141,7 @@ pub(crate) fn solve_flux(g: Gpu<'_>, ws: &Workspace, n: usize, keep: &mut Keep) 
     // SAFETY: pointers address the factors and right-hand sides of every live patch.
     let st = unsafe {
         cusolver_sys::cusolverDnDpotrsBatched(
-            dev.cusolver,
+            dev.cusolver()?,
             cusolver_sys::cublasFillMode_t::CUBLAS_FILL_MODE_LOWER,
             m as i32,
             1,
@@ -179,7 +179,7 @@ pub(crate) fn core_covariance(g: Gpu<'_>, ws: &Workspace, n: usize, keep: &mut K
     unsafe {
         error::cublas(
             cublas_sys::cublasDtrsmBatched(
-                dev.cublas,
+                dev.cublas()?,
                 cublas_sys::cublasSideMode_t::CUBLAS_SIDE_LEFT,
                 cublas_sys::cublasFillMode_t::CUBLAS_FILL_MODE_LOWER,
                 cublas_sys::cublasOperation_t::CUBLAS_OP_N,
@@ -201,7 +201,7 @@ pub(crate) fn core_covariance(g: Gpu<'_>, ws: &Workspace, n: usize, keep: &mut K
     unsafe {
         error::cublas(
             cublas_sys::cublasDgemmStridedBatched(
-                dev.cublas,
+                dev.cublas()?,
                 cublas_sys::cublasOperation_t::CUBLAS_OP_T,
                 cublas_sys::cublasOperation_t::CUBLAS_OP_N,
                 nt as i32,

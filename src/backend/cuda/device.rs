@@ -1,5 +1,6 @@
 //! One CUDA device: its context and stream, the cuBLAS and cuSOLVER handles bound to that
-//! stream, device buffers that count the memory they hold, and pinned host buffers.
+//! stream (created when first needed), device buffers that count the memory they hold, and
+//! pinned host buffers.
 //!
 //! Buffers are plain `cuMemAlloc` allocations owned by [`DevBuf`]: the solve passes raw device
 //! pointers to NVRTC kernels and to the batched cuBLAS/cuSOLVER routines, so a thin owner with
@@ -56,7 +57,8 @@ fn require_library(present: bool, name: &str, file: &str) -> Result<()> {
     }
 }
 
-/// The CUDA libraries spex loads at run time, checked in dependency order.
+/// The CUDA libraries every run loads, checked in dependency order (cuBLAS and cuSOLVER are
+/// checked when the dense route first needs them).
 pub(crate) fn check_libraries() -> Result<()> {
     // SAFETY: these only try to open the shared libraries.
     unsafe {
@@ -65,23 +67,78 @@ pub(crate) fn check_libraries() -> Result<()> {
             cudarc::nvrtc::sys::is_culib_present(),
             "NVRTC",
             "libnvrtc.so",
-        )?;
-        require_library(cublas_sys::is_culib_present(), "cuBLAS", "libcublas.so")?;
-        require_library(
-            cusolver_sys::is_culib_present(),
-            "cuSOLVER",
-            "libcusolver.so",
-        )?;
+        )
     }
-    Ok(())
 }
 
-/// A CUDA device with one stream and library handles on it.
+/// The cuBLAS and cuSOLVER handles of a stream.
+struct Libraries {
+    cublas: cublas_sys::cublasHandle_t,
+    cusolver: cusolver_sys::cusolverDnHandle_t,
+}
+
+impl Libraries {
+    /// Creates both handles, bound to `stream`.
+    fn open(stream: &CudaStream) -> Result<Self> {
+        // SAFETY: these only try to open the shared libraries.
+        unsafe {
+            require_library(cublas_sys::is_culib_present(), "cuBLAS", "libcublas.so")?;
+            require_library(
+                cusolver_sys::is_culib_present(),
+                "cuSOLVER",
+                "libcusolver.so",
+            )?;
+        }
+        let mut libs = Libraries {
+            cublas: std::ptr::null_mut(),
+            cusolver: std::ptr::null_mut(),
+        };
+        // SAFETY: plain handle creation; the stream outlives the handles (the device that
+        // holds both drops the handles first). A handle created before a failure is
+        // destroyed with `libs`.
+        unsafe {
+            error::cublas(
+                cublas_sys::cublasCreate_v2(&mut libs.cublas),
+                "cublasCreate",
+            )?;
+            error::cublas(
+                cublas_sys::cublasSetStream_v2(libs.cublas, stream.cu_stream() as _),
+                "cublasSetStream",
+            )?;
+            error::cusolver(
+                cusolver_sys::cusolverDnCreate(&mut libs.cusolver),
+                "cusolverDnCreate",
+            )?;
+            error::cusolver(
+                cusolver_sys::cusolverDnSetStream(libs.cusolver, stream.cu_stream() as _),
+                "cusolverDnSetStream",
+            )?;
+        }
+        Ok(libs)
+    }
+}
+
+impl Drop for Libraries {
+    fn drop(&mut self) {
+        // SAFETY: the handles were created in `open` (or are null) and are not used after this.
+        unsafe {
+            if !self.cusolver.is_null() {
+                cusolver_sys::cusolverDnDestroy(self.cusolver);
+            }
+            if !self.cublas.is_null() {
+                cublas_sys::cublasDestroy_v2(self.cublas);
+            }
+        }
+    }
+}
+
+/// A CUDA device with one stream, and the cuBLAS / cuSOLVER handles on it once the dense
+/// route needs them: the Schur route never does, and creating the handles (which loads the
+/// libraries' kernels) takes a good part of a process's start.
 pub(crate) struct Device {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
-    pub cublas: cublas_sys::cublasHandle_t,
-    pub cusolver: cusolver_sys::cusolverDnHandle_t,
+    libraries: std::cell::OnceCell<Libraries>,
     pub ordinal: usize,
     pub name: String,
     pub arch: (i32, i32),
@@ -140,40 +197,34 @@ impl Device {
         let stream = ctx
             .new_stream()
             .map_err(error::driver("cannot create a stream"))?;
-        let mut cublas = std::ptr::null_mut();
-        let mut cusolver = std::ptr::null_mut();
-        // SAFETY: plain handle creation; the stream outlives the handles (both live in Self).
-        unsafe {
-            error::cublas(cublas_sys::cublasCreate_v2(&mut cublas), "cublasCreate")?;
-            error::cublas(
-                cublas_sys::cublasSetStream_v2(
-                    cublas,
-                    stream.cu_stream() as cublas_sys::cudaStream_t,
-                ),
-                "cublasSetStream",
-            )?;
-            error::cusolver(
-                cusolver_sys::cusolverDnCreate(&mut cusolver),
-                "cusolverDnCreate",
-            )?;
-            error::cusolver(
-                cusolver_sys::cusolverDnSetStream(
-                    cusolver,
-                    stream.cu_stream() as cusolver_sys::cudaStream_t,
-                ),
-                "cusolverDnSetStream",
-            )?;
-        }
         Ok(Device {
             ctx,
             stream,
-            cublas,
-            cusolver,
+            libraries: std::cell::OnceCell::new(),
             ordinal,
             name,
             arch,
             stats: Arc::new(MemStats::default()),
         })
+    }
+
+    /// The cuBLAS and cuSOLVER handles on this device's stream, created on first use.
+    fn libraries(&self) -> Result<&Libraries> {
+        if let Some(libs) = self.libraries.get() {
+            return Ok(libs);
+        }
+        let libs = Libraries::open(&self.stream)?;
+        Ok(self.libraries.get_or_init(|| libs))
+    }
+
+    /// The cuBLAS handle on this device's stream.
+    pub(crate) fn cublas(&self) -> Result<cublas_sys::cublasHandle_t> {
+        self.libraries().map(|l| l.cublas)
+    }
+
+    /// The cuSOLVER handle on this device's stream.
+    pub(crate) fn cusolver(&self) -> Result<cusolver_sys::cusolverDnHandle_t> {
+        self.libraries().map(|l| l.cusolver)
     }
 
     /// Makes the context current on the calling thread.
@@ -312,13 +363,10 @@ impl Device {
 
 impl Drop for Device {
     fn drop(&mut self) {
-        // SAFETY: handles were created in `open` and are not used after this.
-        unsafe {
-            let _ = self.ctx.bind_to_thread();
-            let _ = self.stream.synchronize();
-            cusolver_sys::cusolverDnDestroy(self.cusolver);
-            cublas_sys::cublasDestroy_v2(self.cublas);
-        }
+        // The library handles go while the context is bound and the stream idle.
+        let _ = self.ctx.bind_to_thread();
+        let _ = self.stream.synchronize();
+        drop(self.libraries.take());
     }
 }
 

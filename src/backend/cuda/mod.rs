@@ -79,7 +79,7 @@ impl CudaBackend {
         let t0 = Instant::now();
         let arch = arch_name(device::compute_capability(device)?);
         // NVRTC needs no context: the kernels compile (or come from the cache) while the
-        // context and the cuBLAS / cuSOLVER libraries open, which take as long.
+        // context opens.
         let (cubins, opened) = std::thread::scope(|scope| {
             let compiling = scope.spawn(|| {
                 let cubins = kernels::cubins_for(arch);
@@ -112,7 +112,7 @@ impl CudaBackend {
         let tuning = Tuning::from_env()?;
         tracing::info!(
             "CUDA device {device}: {} (compute capability {}.{}), kernels for {}; ready in \
-             {t_kernels:.2} s (device and libraries {t_open:.2} s, CUBIN {t_cubin:.2} s)",
+             {t_kernels:.2} s (device {t_open:.2} s, CUBIN {t_cubin:.2} s)",
             dev.name,
             dev.arch.0,
             dev.arch.1,
