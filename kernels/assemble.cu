@@ -2,13 +2,22 @@
 // fluxweight = A^T W 1, the diagonal of icov before regularisation, and the masked fraction
 // of each core spot. A is never formed: each column is a spot at its corner, and two columns
 // interact only where their spots overlap.
+//
+// icov is symmetric, so only one triangle is stored: of a patch's m x m matrix (row-major,
+// p m^2 + j1 m + j2) the entries j2 >= j1, each overlap computed once. Read column-major, as
+// cuSOLVER and cuBLAS do on the dense route, that is the LOWER triangle (row j2 >= column j1)
+// that their CUBLAS_FILL_MODE_LOWER calls read. The entries j2 < j1 are neither written nor
+// read by any kernel (they hold whatever an earlier chunk, or cuSOLVER's potrsBatched, which
+// uses that triangle as workspace, left there); element (R, C) of icov is at
+// min(R, C) m + max(R, C).
 
 #include "common.cuh"
 
-// One block per (column j1, patch): writes column j1 of icov (= row j1, icov is symmetric)
-// over all m rows, staged in shared memory for coalesced stores.
+// One block per (column j1, patch): writes the entries j2 >= j1 of row j1 of icov (= column
+// j1, in the stored triangle), staged in shared memory for coalesced stores. Blocks of the
+// last columns have less to do; their overlap screen starts at the warp group holding j1.
 //
-// Shared memory (dynamic): w1[ny nx] (weighted spot), a1[ny nx], row[m], red[32].
+// Shared memory (dynamic): w1[ny nx] (weighted spot), row[m] (entries j1.. only), red[32].
 extern "C" __global__ void assemble_f64(
     const double* __restrict__ spots, const int* __restrict__ corners,
     const int* __restrict__ colspot, const int* __restrict__ boxes,
@@ -30,7 +39,7 @@ extern "C" __global__ void assemble_f64(
     double* icol = icov + ((size_t)p * m + j1) * m;
     int sid1 = cs[j1];
     if (sid1 < 0) {
-        for (int j2 = threadIdx.x; j2 < m; j2 += blockDim.x) icol[j2] = 0.0;
+        for (int j2 = j1 + threadIdx.x; j2 < m; j2 += blockDim.x) icol[j2] = 0.0;
         if (threadIdx.x == 0) {
             y[(size_t)p * m + j1] = 0.0;
             fw[(size_t)p * m + j1] = 0.0;
@@ -72,12 +81,15 @@ extern "C" __global__ void assemble_f64(
     }
 
     // Each warp screens 32 columns at once (a ballot of the overlapping ones), then computes
-    // the overlaps one column at a time with all lanes.
+    // the overlaps one column at a time with all lanes. Only the columns j2 >= j1 are stored:
+    // the scan starts at the group holding j1 and lanes below j1 stay out of the ballot.
     int lane = threadIdx.x % SPEX_WARP, warp = threadIdx.x / SPEX_WARP;
     int nwarp = blockDim.x / SPEX_WARP;
-    for (int g = warp * SPEX_WARP; g < m; g += nwarp * SPEX_WARP) {
+    int g0 = j1 / SPEX_WARP * SPEX_WARP;
+    for (int g = g0 + warp * SPEX_WARP; g < m; g += nwarp * SPEX_WARP) {
         int j2 = g + lane;
-        int sid2 = j2 < m ? cs[j2] : -1;
+        bool mine = j2 >= j1 && j2 < m;
+        int sid2 = mine ? cs[j2] : -1;
         int dx = 0, dy = 0;
         bool hit = false;
         if (sid2 >= 0) {
@@ -85,7 +97,7 @@ extern "C" __global__ void assemble_f64(
             dy = corners[2 * sid2 + 1] - y1;
             hit = dx < nx && dx > -nx && dy < ny && dy > -ny;
         }
-        if (j2 < m && !hit) row[j2] = 0.0;
+        if (mine && !hit) row[j2] = 0.0;
         unsigned mask = __ballot_sync(0xffffffffu, hit);
         while (mask) {
             int b = __ffs(mask) - 1;
@@ -107,14 +119,15 @@ extern "C" __global__ void assemble_f64(
         }
     }
     __syncthreads();
-    for (int j2 = threadIdx.x; j2 < m; j2 += blockDim.x) icol[j2] = row[j2];
+    for (int j2 = j1 + threadIdx.x; j2 < m; j2 += blockDim.x) icol[j2] = row[j2];
     if (threadIdx.x == 0) diag0[(size_t)p * m + j1] = row[j1];
 }
 
 // Step 2 of the solve, one block per patch: icov += diag(alpha^2 + 1e-15) from the
 // unregularised diagonal, alpha = minweight - fluxweight where fluxweight < minweight
 // (minweight = 1e-4 max fluxweight), else `reg`. A patch without any weight is flagged in
-// `masked` and its icov made the identity so that the batched factorisation stays defined.
+// `masked` and its diagonal set to 1 so that the batched factorisation stays defined. Only the
+// diagonal is touched, which lies in the stored triangle.
 extern "C" __global__ void regularize_f64(double* __restrict__ icov, const double* __restrict__ fw,
                                           const double* __restrict__ diag0,
                                           const int* __restrict__ patch_ids, int m, double reg,

@@ -16,14 +16,51 @@
 // the sweeps and the coupling check walk the blocks in fiber order, taken from the column
 // table (a block's first spot index grows with its fiber; empty blocks, -1, come first and
 // couple to nothing).
+//
+// icov is symmetric and the assembly stores one triangle of it (kernels/assemble.cu): of a
+// patch's m x m matrix, row-major, only the entries (R, C) with C >= R, i.e. cuSOLVER's
+// column-major lower triangle that the dense route factorises. Every load here goes to that
+// triangle: a block (r, c) of fiber blocks in storage order lies in it as it is when r < c and
+// as its transpose when r > c, and a diagonal block only with its upper half (row-major). Such
+// blocks are read row-wise from the stored side, consecutive threads at consecutive addresses,
+// and written transposed or mirrored into shared memory.
 
 #include "common.cuh"
 #include "tiles.cuh"
 
-// Element (i, j) of block (r, c) of patch p's icov (dense, m x m per patch).
+// Element (i, j) of block (r, c) of patch p's icov: (R, C) = (r n + i, c n + j) is stored at
+// min(R, C) m + max(R, C). Coalesced when consecutive threads step j with R <= C.
 __device__ __forceinline__ double icov_at(const double* icov, size_t p, int m, int n, int r, int c,
                                           int i, int j) {
-    return icov[(p * m + (size_t)r * n + i) * m + (size_t)c * n + j];
+    int R = r * n + i, C = c * n + j;
+    return icov[(p * m + min(R, C)) * m + max(R, C)];
+}
+
+// Diagonal block (b, b) of patch p's icov into D (n x n, leading dimension ld), both halves:
+// the stored half j >= i read row-wise, each element also written to its mirror (i, j) ->
+// (j, i). Every D[i][j] (i, j < n) is written by exactly one thread; nothing else of D.
+__device__ void load_diagonal_block(const double* icov, size_t p, int m, int n, int b, double* D,
+                                    int ld) {
+    for (int idx = threadIdx.x; idx < n * n; idx += blockDim.x) {
+        int i = idx / n, j = idx % n;
+        if (j < i) continue;
+        double a = icov_at(icov, p, m, n, b, b, i, j);
+        D[i * ld + j] = a;
+        D[j * ld + i] = a;
+    }
+}
+
+// D <- A_bb - D for the n x n block in D (diagonal block b of patch p's icov), reading A_bb's
+// stored half row-wise as above; the thread of (i, j), j >= i, updates both (i, j) and (j, i).
+__device__ void subtract_from_diagonal_block(const double* icov, size_t p, int m, int n, int b,
+                                             double* D, int ld) {
+    for (int idx = threadIdx.x; idx < n * n; idx += blockDim.x) {
+        int i = idx / n, j = idx % n;
+        if (j < i) continue;
+        double a = icov_at(icov, p, m, n, b, b, i, j);
+        D[i * ld + j] = a - D[i * ld + j];
+        if (j != i) D[j * ld + i] = a - D[j * ld + i];
+    }
 }
 
 // One block per (patch, direction): blockIdx.y = 0 sweeps from the left, 1 from the right, over
@@ -69,14 +106,17 @@ extern "C" __global__ void schur_sweep_f64(const double* __restrict__ icov,
         for (int i = tid; i < nb * n; i += nth)
             W[i] = rsqrt(fmax(icov[(p * m + (size_t)(m - nb * n + i)) * m + m - nb * n + i], 1e-300));
         __syncthreads();
+        // each pair of blocks through its stored side (lo, hi): the same entries, transposed
         double worst = 0.0;
         for (int k = 0; k + 2 < nb; ++k)
-            for (int l = k + 2; l < nb; ++l)
+            for (int l = k + 2; l < nb; ++l) {
+                int lo = min(ord[k], ord[l]), hi = max(ord[k], ord[l]);
                 for (int idx = tid; idx < n * n; idx += nth) {
-                    int i = idx / n, j = idx % n, bl = ord[l], bk = ord[k];
-                    double a = icov_at(icov, p, m, n, bl, bk, i, j);
-                    worst = fmax(worst, fabs(a) * W[bl * n + i] * W[bk * n + j]);
+                    int i = idx / n, j = idx % n;
+                    double a = icov_at(icov, p, m, n, lo, hi, i, j);
+                    worst = fmax(worst, fabs(a) * W[lo * n + i] * W[hi * n + j]);
                 }
+            }
         worst = block_max(worst, red);
         if (tid == 0) coupling[p] = worst;
     } else if (dir == 0 && tid == 0) {
@@ -85,8 +125,9 @@ extern "C" __global__ void schur_sweep_f64(const double* __restrict__ icov,
     int k = dir == 0 ? 0 : nb - 1, bk = ord[k];
     for (int idx = tid; idx < N * ld; idx += nth) {
         int i = idx / ld, j = idx % ld;
-        S[idx] = (i < n && j < n) ? icov_at(icov, p, m, n, bk, bk, i, j) : 0.0;
+        if (i >= n || j >= n) S[idx] = 0.0;
     }
+    load_diagonal_block(icov, p, m, n, bk, S, ld);
     double* U0 = U + ((p * 2 + dir) * nb + bk) * n * n;
     for (int idx = tid; idx < n * n; idx += nth) U0[idx] = 0.0;
     for (int i = tid; i < n; i += nth) {
@@ -102,13 +143,23 @@ extern "C" __global__ void schur_sweep_f64(const double* __restrict__ icov,
             return;
         }
         // V = [A_{kn,k}; r^T]^T in W (n rows, n + 1 columns; icov is symmetric, so row j of V
-        // is row j of A_{k,kn}), then V <- L^-1 V, so that V^T = [W; z^T]
+        // is row j of A_{k,kn}), then V <- L^-1 V, so that V^T = [W; z^T]. A_{k,kn} is read
+        // from its stored side (lo, hi) row-wise: as it is when bk < bn, else transposed.
         for (int idx = tid; idx < N * ld; idx += nth) {
             int j = idx / ld, i = idx % ld;
-            double v = 0.0;
-            if (j < n && i < n) v = icov_at(icov, p, m, n, bk, bn, j, i);
-            if (j < n && i == n) v = r[j];
-            W[idx] = v;
+            if (j < n && i < n) continue;
+            W[idx] = (j < n && i == n) ? r[j] : 0.0;
+        }
+        {
+            int lo = min(bk, bn), hi = max(bk, bn);
+            for (int idx = tid; idx < n * n; idx += nth) {
+                int a = idx / n, c = idx % n;
+                double v = icov_at(icov, p, m, n, lo, hi, a, c);
+                if (bk < bn)
+                    W[a * ld + c] = v;
+                else
+                    W[c * ld + a] = v;
+            }
         }
         __syncthreads();
         for (int j = 0; j < n; ++j) {
@@ -131,9 +182,7 @@ extern "C" __global__ void schur_sweep_f64(const double* __restrict__ icov,
         size_t o = (p * 2 + dir) * nb + bn;
         for (int idx = tid; idx < n * n; idx += nth) {
             int i = idx / n, j = idx % n;
-            double g = S[i * ld + j];
-            U[o * n * n + idx] = g;
-            S[i * ld + j] = icov_at(icov, p, m, n, bn, bn, i, j) - g;
+            U[o * n * n + idx] = S[i * ld + j];
         }
         for (int i = tid; i < n; i += nth) {
             double g = S[i * ld + n];
@@ -141,6 +190,7 @@ extern "C" __global__ void schur_sweep_f64(const double* __restrict__ icov,
             r[i] = yp[(size_t)bn * n + i] - g;
         }
         __syncthreads();
+        subtract_from_diagonal_block(icov, p, m, n, bn, S, ld);
         for (int i = tid; i < N; i += nth) S[i * ld + n] = 0.0;
         __syncthreads();
         k = kn;
@@ -172,9 +222,11 @@ extern "C" __global__ void schur_combine_f64(
     const double* ur = U + ((p * 2 + 1) * nb + b) * n * n;
     int c = b - (nb - ncore);
     double* so = c >= 0 ? sblocks + (p * ncore + c) * n * n : nullptr;
+    load_diagonal_block(icov, p, m, n, b, T, ld);
+    __syncthreads();
     for (int idx = tid; idx < n * n; idx += nth) {
         int i = idx / n, j = idx % n;
-        double s = icov_at(icov, p, m, n, b, b, i, j) - ul[idx] - ur[idx];
+        double s = T[i * ld + j] - ul[idx] - ur[idx];
         T[i * ld + j] = s;
         if (so) so[idx] = s;
     }

@@ -345,6 +345,111 @@ fn failed_factorisations_follow_the_cpu() {
     assert_agree(&g, &cpu);
 }
 
+/// An image on which exactly the regularised retry saves a patch: a faint, noisy frame (the
+/// inverse variance of the synthetic image scaled by 1e-3, so that the retry's 1e-8 on the
+/// diagonal is not negligible against icov and a patch it saves is well away from singular,
+/// where the backends' rounding cannot tell them apart) whose pixel at
+/// the centre of one spot gets the weight `t` times its own. Scanned on the CPU reference: `t`
+/// is the middle of the longest run of steps where some patch is `Regularized` and none needs
+/// the eigendecomposition, so both backends decide alike on it. Returns the image and `t`.
+fn image_needing_the_retry(
+    psf: &GaussHermitePsf,
+    plan: &Plan,
+    options: &SolveOptions,
+) -> (Image, f32) {
+    let mut image = synthetic_image(psf, plan, 5);
+    image.ivar.iter_mut().for_each(|v| *v *= 1e-3);
+    let fiber = plan.fibers().start + 7;
+    let (x, y) = psf.xy(fiber, 6050.0);
+    let (r, c) = (y.round() as usize, x.round() as usize);
+    let own = image.ivar[[r, c]];
+    let near: Vec<_> = plan
+        .patches
+        .iter()
+        .filter(|p| p.padded_fibers.contains(&fiber))
+        .cloned()
+        .collect();
+    let mut cpu = CpuBackend::new(0).unwrap();
+    let grid: Vec<f32> = (0..=60).map(|k| -2.0 - 0.05 * k as f32).collect();
+    let mut saved = Vec::new();
+    for &t in &grid {
+        image.ivar[[r, c]] = own * t;
+        let input = FrameInput {
+            plan,
+            psf,
+            image: &image,
+            options,
+        };
+        let st: Vec<_> = cpu
+            .extract(input, &near, &Progress::silent())
+            .unwrap()
+            .iter()
+            .map(|r| r.status)
+            .collect();
+        saved.push(
+            st.contains(&PatchStatus::Regularized) && !st.contains(&PatchStatus::EigenFallback),
+        );
+    }
+    let (mut best, mut run) = ((0, 0), 0);
+    for (k, &ok) in saved.iter().enumerate() {
+        run = if ok { run + 1 } else { 0 };
+        if run > best.1 {
+            best = (k + 1 - run, run);
+        }
+    }
+    assert!(
+        best.1 >= 3,
+        "no weight in {:?} needs exactly the regularised retry: {saved:?}",
+        (grid[0], grid[grid.len() - 1])
+    );
+    let t = grid[best.0 + best.1 / 2];
+    image.ivar[[r, c]] = own * t;
+    (image, t)
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn regularised_retry_matches_the_cpu_on_both_routes() {
+    // A patch whose icov is slightly indefinite: the first factorisation fails and the retry
+    // with regularize 1e-4 succeeds on the device (no CPU fallback), after the failed patch is
+    // assembled again over what the failed factorisation left.
+    let mut gpu = backend();
+    let psf = psf();
+    let plan = Plan::new(PlanOptions::new(6000.0, 6100.0, 0.8, 0, 25)).unwrap();
+    let options = solve_options(0.0, true);
+    let (image, t) = image_needing_the_retry(&psf, &plan, &options);
+    let input = FrameInput {
+        plan: &plan,
+        psf: &psf,
+        image: &image,
+        options: &options,
+    };
+    let cpu = CpuBackend::new(0)
+        .unwrap()
+        .extract(input, &plan.patches, &Progress::silent())
+        .unwrap();
+    let regularized = cpu
+        .iter()
+        .filter(|r| r.status == PatchStatus::Regularized)
+        .count();
+    assert!(regularized > 0, "weight {t}: no patch needs the retry");
+    for solve in [cuda::Solve::Schur, cuda::Solve::Dense] {
+        gpu.set_solve(solve);
+        let g = gpu
+            .extract(input, &plan.patches, &Progress::silent())
+            .unwrap();
+        let tm = gpu.timings().clone();
+        say(&format!(
+            "{solve:?} route, weight {t}: {regularized} patches regularised on the CPU; GPU retried {}, CPU fallback {}",
+            tm.retried, tm.cpu_fallback
+        ));
+        assert_eq!(tm.retried, regularized);
+        assert_eq!(tm.cpu_fallback, 0);
+        assert_agree(&g, &cpu);
+    }
+    gpu.set_solve(cuda::Solve::Schur);
+}
+
 /// A random symmetric positive definite matrix with eigenvalues spread over `decades`.
 fn random_spd(n: usize, decades: f64, rng: &mut rand::rngs::StdRng) -> Vec<f64> {
     // random orthogonal matrix by modified Gram-Schmidt

@@ -4,6 +4,13 @@
 //! failed factorisations with regularize 1e-4 (a second failure goes to the CPU reference),
 //! xflux by batched triangular solves, and the core blocks of icov^-1 as `X^T X` with
 //! `X = L22^-1` (batched trsm, then one strided batched GEMM).
+//!
+//! The assembly stores one triangle of icov, row-major entries `j2 >= j1` of each patch's
+//! m x m matrix (kernels/assemble.cu), which read column-major is the lower triangle: every
+//! library call here is told `CUBLAS_FILL_MODE_LOWER` and reads only that triangle and the
+//! factor L it leaves there (potrf, potrs, and trsm on the trailing block L22). The other
+//! triangle is never valid; potrsBatched uses it as workspace, and the GEMM that writes the
+//! covariance blocks into `ws.icov` afterwards runs with beta 0, so it reads nothing there.
 
 use cudarc::cublas::sys as cublas_sys;
 use cudarc::cusolver::sys as cusolver_sys;
@@ -110,7 +117,8 @@ pub(crate) fn factorize(
 }
 
 /// Assembles the patches `failed` of the chunk again with regularize 1e-4, for a second
-/// factorisation (either route); returns their list on the device.
+/// factorisation (either route); returns their list on the device. The assembly rewrites the
+/// whole stored triangle of those patches, where a failed potrf left part of a factor.
 pub(crate) fn reassemble_regularized(
     g: Gpu<'_>,
     ws: &Workspace,

@@ -76,7 +76,8 @@ pub(crate) fn spots(g: Gpu<'_>, psf: &GaussHermitePsf, ws: &Workspace, nspot: us
 }
 
 /// Dense assembly (and regularisation) of icov, y and fluxweight for the patches `ids` (all
-/// `n` live patches when None).
+/// `n` live patches when None). icov is symmetric and only its triangle `j2 >= j1` (row-major;
+/// cuSOLVER's lower triangle) is computed and stored, each overlap once.
 pub(crate) fn assemble(
     g: Gpu<'_>,
     n: usize,

@@ -10,6 +10,10 @@
 //! the blocks in fiber order along the CCD (from the column table), not in storage order
 //! (padding fibers first): in storage order a padding fiber and its core neighbour sit two
 //! blocks apart, so the sweeps would drop a first-neighbour coupling.
+//!
+//! The kernels read icov only in the triangle the assembly stores (row-major `j2 >= j1`, the
+//! dense route's cuSOLVER lower triangle): a block in the other triangle is read as its stored
+//! transpose, row-wise for coalesced loads, and transposed in shared memory.
 
 use super::dense::{reassemble_regularized, Factorization};
 use super::device::DevBuf;

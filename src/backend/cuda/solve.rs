@@ -3,7 +3,8 @@
 //!
 //! 1. copies in: host tables and the chunk's image region;
 //! 2. spots of every bundle in the chunk (`launchers::spots`);
-//! 3. assembly of icov, y, fluxweight and regularisation (`launchers::assemble`);
+//! 3. assembly of icov (one triangle, icov being symmetric), y, fluxweight and regularisation
+//!    (`launchers::assemble`);
 //! 4. factorisation with its retry, xflux and the core covariance blocks C_bb through cuSOLVER
 //!    and cuBLAS (`dense`), or, where second neighbours decouple, each core block's Schur
 //!    complement S_b = C_bb^-1 and xflux by block sweeps over the fibers (`schur`);
