@@ -98,6 +98,7 @@ pub(crate) fn prepare(
             }
         })
         .collect();
+    let t_traces = t0.elapsed().as_secs_f64() * 1e3;
     let ccd = (input.image.nrows, input.image.ncols);
     let m = sh.m();
     let mut live = Vec::new();
@@ -160,37 +161,20 @@ pub(crate) fn prepare(
             coef.extend_from_slice(&l.coeff[f * ncoef..(f + 1) * ncoef]);
         }
     }
+    let t_tables = t0.elapsed().as_secs_f64() * 1e3;
     // the image region, pixels then inverse variances
     let image = if live.is_empty() {
         pinned
     } else {
-        let img = input.image;
-        let (r0, r1, c0, c1) = region;
-        let npix = (r1 - r0) * (c1 - c0);
-        let mut buf = match pinned {
-            Some(b) if b.len() >= 2 * npix => b,
-            other => {
-                drop(other);
-                ctx.bind_to_thread()
-                    .map_err(error::driver("cannot bind the CUDA context"))?;
-                PinnedBuf::new(2 * npix)?
-            }
-        };
-        let (pp, pv) = buf.as_mut_slice()[..2 * npix].split_at_mut(npix);
-        let w = c1 - c0;
-        let (pix, ivar) = (
-            img.pix.slice(s![r0..r1, c0..c1]),
-            img.ivar.slice(s![r0..r1, c0..c1]),
-        );
-        pp.par_chunks_mut(w)
-            .zip(pv.par_chunks_mut(w))
-            .enumerate()
-            .for_each(|(r, (dp, dv))| {
-                ArrayViewMut1::from(dp).assign(&pix.row(r));
-                ArrayViewMut1::from(dv).assign(&ivar.row(r));
-            });
-        Some(buf)
+        Some(pack_image(input, region, ctx, pinned)?)
     };
+    let prep_ms = t0.elapsed().as_secs_f64() * 1e3;
+    tracing::debug!(
+        "host tables of {} patches: traces {t_traces:.1} ms, layout {:.1} ms, image {:.1} ms",
+        chunk.len(),
+        t_tables - t_traces,
+        prep_ms - t_tables
+    );
     Ok(ChunkHost {
         live,
         off,
@@ -205,6 +189,42 @@ pub(crate) fn prepare(
         box_total,
         region,
         image,
-        prep_ms: t0.elapsed().as_secs_f64() * 1e3,
+        prep_ms,
     })
+}
+
+/// Copies the image region `(row0, row1, col0, col1)` into a pinned buffer, pixels then
+/// inverse variances row by row: `pinned` when it is large enough, else a new one.
+fn pack_image(
+    input: &FrameInput<'_>,
+    region: (usize, usize, usize, usize),
+    ctx: &CudaContext,
+    pinned: Option<PinnedBuf<f32>>,
+) -> Result<PinnedBuf<f32>> {
+    let img = input.image;
+    let (r0, r1, c0, c1) = region;
+    let npix = (r1 - r0) * (c1 - c0);
+    let mut buf = match pinned {
+        Some(b) if b.len() >= 2 * npix => b,
+        other => {
+            drop(other);
+            ctx.bind_to_thread()
+                .map_err(error::driver("cannot bind the CUDA context"))?;
+            PinnedBuf::new(2 * npix)?
+        }
+    };
+    let (pp, pv) = buf.as_mut_slice()[..2 * npix].split_at_mut(npix);
+    let w = c1 - c0;
+    let (pix, ivar) = (
+        img.pix.slice(s![r0..r1, c0..c1]),
+        img.ivar.slice(s![r0..r1, c0..c1]),
+    );
+    pp.par_chunks_mut(w)
+        .zip(pv.par_chunks_mut(w))
+        .enumerate()
+        .for_each(|(r, (dp, dv))| {
+            ArrayViewMut1::from(dp).assign(&pix.row(r));
+            ArrayViewMut1::from(dv).assign(&ivar.row(r));
+        });
+    Ok(buf)
 }
