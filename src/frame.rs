@@ -251,14 +251,15 @@ impl Frame {
             .unwrap_or(self.specmin as i64);
 
         let mut fits = Fits::create(path)?;
-        fits.write_array("FLUX", flux.view())?;
-        meta.write_header(&mut fits, self, fibermin)?;
-        fits.write_key_str("BUNIT", "electron/Angstrom", "")?;
-        fits.write_array("IVAR", ivar.view())?;
-        fits.write_key_str("BUNIT", "Angstrom^2/electron^2", "")?;
+        fits.reserve_checksums();
+        let bunit = |unit: &'static str| move |f: &mut Fits| f.write_key_str("BUNIT", unit, "");
+        fits.write_array_with("FLUX", flux.view(), |f| {
+            meta.write_header(f, self, fibermin)?;
+            bunit("electron/Angstrom")(f)
+        })?;
+        fits.write_array_with("IVAR", ivar.view(), bunit("Angstrom^2/electron^2"))?;
         fits.write_array("MASK", self.mask.view())?;
-        fits.write_image("WAVELENGTH", &[nw], &wave)?;
-        fits.write_key_str("BUNIT", "Angstrom", "")?;
+        fits.write_image_with("WAVELENGTH", &[nw], &wave, bunit("Angstrom"))?;
         fits.write_array("RESOLUTION", f32s(&self.resolution).view())?;
         if let Some((src, _)) = &fibermap {
             let mut input = Fits::open(src)?;
@@ -538,7 +539,11 @@ fn path_join(a: &str, b: &str) -> String {
 }
 
 fn f32s<D: Dimension>(v: &Array<f64, D>) -> Array<f32, D> {
-    v.mapv(|x| x as f32)
+    let mut out = Array::zeros(v.raw_dim());
+    Zip::from(&mut out)
+        .and(v)
+        .par_for_each(|o, &x| *o = x as f32);
+    out
 }
 
 /// Writes a model image (`-m`) as desi_extract_spectra does: the CCD-sized float64 image in
@@ -555,9 +560,11 @@ pub fn write_model(
         .unwrap_or(frame.specmin as i64);
     write_atomically(path, |tmp| {
         let mut fits = Fits::create(tmp)?;
-        fits.write_array("MODEL", model)?;
-        meta.write_header(&mut fits, frame, fibermin)?;
-        fits.write_key_str("BUNIT", "electron", "")?;
+        fits.reserve_checksums();
+        fits.write_array_with("MODEL", model, |f| {
+            meta.write_header(f, frame, fibermin)?;
+            f.write_key_str("BUNIT", "electron", "")
+        })?;
         fits.write_checksums()?;
         fits.close()
     })

@@ -1,6 +1,6 @@
 //! What desispec's files carry besides the arrays: unsigned 32-bit images (MASK), keyword
-//! values written exactly (shortest round-trip floats, long strings), CHECKSUM/DATASUM, and
-//! read-write access with keyword comments for tables appended to a written file (SCORES).
+//! values written exactly (shortest round-trip floats, long strings), the check of
+//! CHECKSUM/DATASUM, and read-write access with keyword comments for tables appended to a written file (SCORES).
 
 use std::ffi::c_int;
 use std::path::Path;
@@ -111,31 +111,6 @@ impl Fits {
         self.call("cannot move", |ptr, status| unsafe {
             sys::ffmahd(ptr, index as c_int + 1, &mut hdutype, status);
         })
-    }
-
-    /// Computes and writes DATASUM and CHECKSUM in every HDU of the file (cfitsio's
-    /// `fits_write_chksum`), replacing stale values such as those of a copied table. Call it
-    /// last: any later change to an HDU invalidates its CHECKSUM.
-    ///
-    /// DATASUM is computed first and written with a plain comment, CHECKSUM zeroed: cfitsio
-    /// then only completes CHECKSUM, instead of stamping the time into both comments, and the
-    /// same frame gives the same bytes whatever the run that wrote it.
-    pub fn write_checksums(&mut self) -> Result<()> {
-        for index in 0..self.hdu_count()? {
-            self.move_to_index(index)?;
-            self.write_key_str("CHECKSUM", "0000000000000000", "HDU checksum")?;
-            let (mut datasum, mut hdusum) = (0, 0);
-            // SAFETY: a valid handle on an existing HDU; the sums are out-parameters.
-            self.call("cannot compute DATASUM", |ptr, status| unsafe {
-                sys::ffgcks(ptr, &mut datasum, &mut hdusum, status);
-            })?;
-            self.write_key_str("DATASUM", &datasum.to_string(), "data unit checksum")?;
-            // SAFETY: a valid handle of a writable file on an existing HDU.
-            self.call("cannot write CHECKSUM", |ptr, status| unsafe {
-                sys::ffpcks(ptr, status);
-            })?;
-        }
-        Ok(())
     }
 
     /// Verifies CHECKSUM and DATASUM of every HDU (cfitsio's `fits_verify_chksum`): for each

@@ -16,6 +16,7 @@ use ndarray::{ArrayView, Dimension};
 
 use crate::error::{Error, Result};
 
+mod checksum;
 mod desi;
 mod gzip;
 mod table;
@@ -79,6 +80,9 @@ pub struct Fits {
     hdu: String,
     /// Compress the file with gzip when it is closed (a new file whose name ends in `.gz`).
     gzip: bool,
+    /// Give every image HDU written from now on the places of its checksum keywords before
+    /// its data ([`Fits::reserve_checksums`]).
+    reserve_checksums: bool,
 }
 
 // SAFETY: a cfitsio handle has no affinity to the thread that opened it (cfitsio is built
@@ -157,6 +161,7 @@ impl Fits {
             path: path.into(),
             hdu: "primary".into(),
             gzip: false,
+            reserve_checksums: false,
         }
     }
 
@@ -445,11 +450,21 @@ impl Fits {
         extname: &str,
         array: ArrayView<T, D>,
     ) -> Result<()> {
+        self.write_array_with(extname, array, |_| Ok(()))
+    }
+
+    /// [`Fits::write_array`] with the keywords `header` writes in the new HDU before its data.
+    pub fn write_array_with<T: Element, D: Dimension>(
+        &mut self,
+        extname: &str,
+        array: ArrayView<T, D>,
+        header: impl FnOnce(&mut Fits) -> Result<()>,
+    ) -> Result<()> {
         let values = array.as_standard_layout();
         let values = values
             .as_slice()
             .expect("an array in standard layout is one slice");
-        self.write_image(extname, array.shape(), values)
+        self.write_image_with(extname, array.shape(), values, header)
     }
 
     /// Appends an image HDU (the primary one if the file is empty) and writes `data` into it.
@@ -458,6 +473,25 @@ impl Fits {
         extname: &str,
         shape: &[usize],
         data: &[T],
+    ) -> Result<()> {
+        self.write_image_with(extname, shape, data, |_| Ok(()))
+    }
+
+    /// From now on, every image HDU gets CHECKSUM and DATASUM (placeholders that
+    /// [`Fits::write_checksums`] fills in) after its other keywords and before its data.
+    pub fn reserve_checksums(&mut self) {
+        self.reserve_checksums = true;
+    }
+
+    /// [`Fits::write_image`] with the keywords `header` writes (and the checksums' places, see
+    /// [`Fits::reserve_checksums`]) before the data: a keyword added after the data makes
+    /// cfitsio move the data of this HDU and of every later one to grow the header.
+    pub fn write_image_with<T: Element>(
+        &mut self,
+        extname: &str,
+        shape: &[usize],
+        data: &[T],
+        header: impl FnOnce(&mut Fits) -> Result<()>,
     ) -> Result<()> {
         assert_eq!(
             shape.iter().product::<usize>(),
@@ -477,6 +511,10 @@ impl Fits {
             );
         })?;
         self.write_key_str("EXTNAME", extname, "")?;
+        header(self)?;
+        if self.reserve_checksums {
+            self.write_checksum_places()?;
+        }
         if !data.is_empty() {
             // SAFETY: `data` holds `data.len()` elements of the type DATATYPE names; cfitsio
             // only reads them (its pointer is not const-qualified).

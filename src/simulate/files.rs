@@ -85,12 +85,23 @@ impl Simulation {
     }
 
     fn write_image(&self, path: &Path) -> Result<()> {
-        let o = &self.options;
         let mut fits = Fits::create(path)?;
-        fits.write_array("IMAGE", self.image.view())?;
+        fits.reserve_checksums();
+        fits.write_array_with("IMAGE", self.image.view(), |f| self.write_image_keys(f))?;
+        fits.write_array("IVAR", self.ivar.view())?;
+        fits.write_array("MASK", self.mask.view())?;
+        self.write_readnoise(&mut fits)?;
+        self.write_fibermap(&mut fits)?;
+        fits.write_checksums()?;
+        fits.close()
+    }
+
+    /// The keywords of IMAGE: units, provenance, exposure and how it was simulated.
+    fn write_image_keys(&self, fits: &mut Fits) -> Result<()> {
+        let o = &self.options;
         fits.write_key_str("BUNIT", "electron", "")?;
-        self.write_provenance(&mut fits)?;
-        self.write_exposure_keys(&mut fits)?;
+        self.write_provenance(fits)?;
+        self.write_exposure_keys(fits)?;
         fits.write_key_str("DETECTOR", "sim", "simulated frame")?;
         fits.write_key_f64("SIMRDN", o.read_noise, "read noise [electron]")?;
         fits.write_card(&format!(
@@ -125,13 +136,7 @@ impl Simulation {
             "SIMCOL1",
             self.cols.end as i64,
             "end of the columns with signal",
-        )?;
-        fits.write_array("IVAR", self.ivar.view())?;
-        fits.write_array("MASK", self.mask.view())?;
-        self.write_readnoise(&mut fits)?;
-        self.write_fibermap(&mut fits)?;
-        fits.write_checksums()?;
-        fits.close()
+        )
     }
 
     fn write_truth(&self, path: &Path) -> Result<()> {
