@@ -468,23 +468,3 @@ impl<T> Slot<T> {
         self.buf.as_ref().expect("Slot::ensure before Slot::get")
     }
 }
-
-/// A pinned host buffer kept between chunks and calls, grown when needed.
-pub(crate) struct PinSlot<T: Copy + Default> {
-    buf: Option<PinnedBuf<T>>,
-}
-
-impl<T: Copy + Default> PinSlot<T> {
-    pub(crate) const fn new() -> Self {
-        PinSlot { buf: None }
-    }
-
-    /// The first `len` values of the buffer, grown to hold them if needed.
-    pub(crate) fn get(&mut self, len: usize) -> Result<&mut [T]> {
-        if self.buf.as_ref().is_none_or(|b| b.len < len) {
-            self.buf = None;
-            self.buf = Some(PinnedBuf::new(len)?);
-        }
-        Ok(&mut self.buf.as_mut().expect("allocated above").as_mut_slice()[..len])
-    }
-}

@@ -13,7 +13,8 @@
 //! Device and pinned buffers are kept between calls (a process extracts frame after frame).
 //!
 //! The code is split by concern: `workspace` (buffers kept between calls and shapes),
-//! `tables` (host tables of a chunk), `launchers` (one typed launcher per kernel), `dense`
+//! `staging` (host buffers of the transfers, pinned in the background), `tables` (host
+//! tables of a chunk), `launchers` (one typed launcher per kernel), `dense`
 //! (factorisation and core covariance through cuSOLVER and cuBLAS), `schur` (the same by
 //! per-fiber Schur complements), `decorrelate` (polar route and Jacobi fallback), `results`
 //! (host-side results and the CPU fallback), `solve` (the steps of a chunk in order),
@@ -33,6 +34,7 @@ mod launchers;
 mod results;
 mod schur;
 mod solve;
+mod staging;
 mod tables;
 mod timings;
 mod tuning;
@@ -68,8 +70,8 @@ pub struct CudaBackend {
     tuning: Tuning,
     timings: GpuTimings,
     workspace: workspace::Workspace,
-    /// Pinned image buffers kept between calls (two take turns).
-    pinned: Vec<device::PinnedBuf<f32>>,
+    /// Host buffers of the image regions kept between calls (two take turns).
+    images: Vec<staging::Staging<f32>>,
 }
 
 impl CudaBackend {
@@ -119,14 +121,14 @@ impl CudaBackend {
             arch_name(dev.arch)
         );
         Ok(CudaBackend {
+            workspace: workspace::Workspace::new(dev.ctx.clone()),
             dev,
             kernels,
             budget,
             max_chunk,
             tuning,
             timings: GpuTimings::default(),
-            workspace: workspace::Workspace::new(),
-            pinned: Vec::new(),
+            images: Vec::new(),
         })
     }
 
@@ -136,14 +138,14 @@ impl CudaBackend {
     pub fn sibling(&self) -> Result<Self> {
         let dev = self.dev.sibling()?;
         Ok(CudaBackend {
+            workspace: workspace::Workspace::new(dev.ctx.clone()),
             dev,
             kernels: self.kernels.clone(),
             budget: self.budget,
             max_chunk: self.max_chunk,
             tuning: self.tuning,
             timings: GpuTimings::default(),
-            workspace: workspace::Workspace::new(),
-            pinned: Vec::new(),
+            images: Vec::new(),
         })
     }
 
@@ -309,11 +311,14 @@ impl Backend for CudaBackend {
             .collect();
         let ids: Vec<&[usize]> = order.chunks(size).collect();
         // Host tables of chunk i + 1 are prepared on a helper thread while the device solves
-        // chunk i; two pinned image buffers take turns.
+        // chunk i; two image buffers take turns.
         let mut results: Vec<Option<PatchResult>> = vec![None; patches.len()];
-        let ctx = self.dev.ctx.clone();
-        let mut pool = std::mem::take(&mut self.pinned);
-        let mut next = Some(tables::prepare(&input, &chunks[0], &sh, &ctx, pool.pop())?);
+        let mut pool = std::mem::take(&mut self.images);
+        while pool.len() < 2 {
+            pool.push(staging::Staging::new(self.dev.ctx.clone()));
+        }
+        let first = pool.pop().expect("two buffers");
+        let mut next = Some(tables::prepare(&input, &chunks[0], &sh, first)?);
         for (ci, chunk) in chunks.iter().enumerate() {
             let host = next.take().expect("prepared above");
             let _r = nvtx::LocalRange::new(nvtx::Str::from_str_lossy(&format!(
@@ -322,9 +327,9 @@ impl Backend for CudaBackend {
             )));
             let (solved, buf) = std::thread::scope(|s| {
                 let helper = chunks.get(ci + 1).map(|c| {
-                    let (input, sh, ctx) = (&input, &sh, &ctx);
-                    let buf = pool.pop();
-                    s.spawn(move || tables::prepare(input, c, sh, ctx, buf))
+                    let (input, sh) = (&input, &sh);
+                    let buf = pool.pop().expect("two buffers take turns");
+                    s.spawn(move || tables::prepare(input, c, sh, buf))
                 });
                 let gpu = Gpu {
                     dev: &self.dev,
@@ -348,14 +353,14 @@ impl Backend for CudaBackend {
                 }
                 solved
             })?;
-            pool.extend(buf);
+            pool.push(buf);
             for (&i, r) in ids[ci].iter().zip(solved) {
                 results[i] = Some(r);
             }
             timings.chunks += 1;
             progress.add(chunk.len());
         }
-        self.pinned = pool;
+        self.images = pool;
         self.dev.bind()?;
         timings.patches = patches.len();
         timings.peak_bytes = self.dev.stats.peak();

@@ -17,10 +17,10 @@ use std::time::Instant;
 
 use super::decorrelate::{self, BlockKind, Counts, Scratch};
 use super::dense::{self, Factorization, Keep};
-use super::device::PinnedBuf;
 use super::launchers::{self, CoreIn, CoreOut, Gpu};
 use super::results::{self, Back};
 use super::schur;
+use super::staging::Staging;
 use super::tables::ChunkHost;
 use super::timings::{GpuTimings, PhaseClock};
 use super::tuning::{Solve, Tuning};
@@ -31,13 +31,7 @@ use crate::extract::PatchResult;
 use crate::plan::Patch;
 
 /// Allocates the chunk's buffers (kept between chunks) and copies its tables and image region.
-fn copy_in(
-    g: Gpu<'_>,
-    ws: &mut Workspace,
-    input: &FrameInput<'_>,
-    host: &ChunkHost,
-    pinned: &PinnedBuf<f32>,
-) -> Result<()> {
+fn copy_in(g: Gpu<'_>, ws: &mut Workspace, input: &FrameInput<'_>, host: &ChunkHost) -> Result<()> {
     let (dev, sh) = (g.dev, g.sh);
     let n = host.live.len();
     let (m, ncore, nws) = (sh.m(), sh.ncore, sh.nws);
@@ -69,7 +63,7 @@ fn copy_in(
     dev.copy_to(ws.boxes.get(), &host.boxes, "pixel boxes")?;
     dev.copy_to(ws.nkeep.get(), &host.nkeep, "kept bins")?;
     dev.copy_to(ws.boxoff.get(), &host.boxoff, "box offsets")?;
-    let (pp, pv) = pinned.as_slice()[..2 * npix].split_at(npix);
+    let (pp, pv) = host.image.current(2 * npix).split_at(npix);
     dev.copy_to(ws.pix.get(), pp, "image pixels")?;
     dev.copy_to(ws.ivar.get(), pv, "image inverse variance")?;
     dev.zero_prefix(ws.pixmask.get(), n * ncore * nws)?;
@@ -161,7 +155,7 @@ fn copy_out(
     let per = nblocks * sh.nws;
     let nback = Back::len(per, sh.nd(), if model { host.box_total } else { 0 });
     {
-        let s = ws.back.get(nback)?;
+        let s = ws.back.get(nback);
         let (a, rest) = s.split_at_mut(per);
         dev.copy_from(a, ws.flux.get(), 0, "flux")?;
         let (a, rest) = rest.split_at_mut(per);
@@ -205,8 +199,8 @@ fn dense_steps(
     Ok(fact)
 }
 
-/// Solves one prepared chunk; results in the order of `chunk`, and the chunk's pinned image
-/// buffer back for reuse.
+/// Solves one prepared chunk; results in the order of `chunk`, and the chunk's image buffer
+/// back for reuse.
 pub(crate) fn solve_chunk(
     g: Gpu<'_>,
     tuning: &Tuning,
@@ -215,35 +209,21 @@ pub(crate) fn solve_chunk(
     chunk: &[&Patch],
     mut host: ChunkHost,
     timings: &mut GpuTimings,
-) -> Result<(Vec<PatchResult>, Option<PinnedBuf<f32>>)> {
+) -> Result<(Vec<PatchResult>, Staging<f32>)> {
     timings.add("host tables", host.prep_ms);
-    let pinned = host.image.take();
     let mut results: Vec<Option<PatchResult>> = vec![None; chunk.len()];
     for (i, r) in std::mem::take(&mut host.off) {
         results[i] = Some(r);
     }
     let n = host.live.len();
     if n > 0 {
-        let pinned = pinned
-            .as_ref()
-            .ok_or_else(|| Error::Gpu("internal: a chunk with pixels has no image".into()))?;
-        solve_live(
-            g,
-            tuning,
-            ws,
-            input,
-            chunk,
-            &host,
-            pinned,
-            timings,
-            &mut results,
-        )?;
+        solve_live(g, tuning, ws, input, chunk, &host, timings, &mut results)?;
     }
     let results = results
         .into_iter()
         .map(|r| r.ok_or_else(|| Error::Gpu("internal: a patch of the chunk has no result".into())))
         .collect::<Result<Vec<_>>>()?;
-    Ok((results, pinned))
+    Ok((results, host.image))
 }
 
 /// The steps of [`solve_chunk`] for the live patches of a chunk.
@@ -255,7 +235,6 @@ fn solve_live(
     input: &FrameInput<'_>,
     chunk: &[&Patch],
     host: &ChunkHost,
-    pinned: &PinnedBuf<f32>,
     timings: &mut GpuTimings,
     results: &mut [Option<PatchResult>],
 ) -> Result<()> {
@@ -268,7 +247,7 @@ fn solve_live(
     let live: Vec<&Patch> = host.live.iter().map(|(ci, _, _)| chunk[*ci]).collect();
     let mut clock = PhaseClock::new(g.dev);
     clock.mark("start")?;
-    copy_in(g, ws, input, host, pinned)?;
+    copy_in(g, ws, input, host)?;
     clock.mark("copies in")?;
     launchers::spots(g, input.psf, ws, host.xy.len() / 2)?;
     clock.mark("spots")?;
@@ -320,7 +299,7 @@ fn solve_live(
     let (sh, model) = (g.sh, input.options.model);
     let per = n * sh.ncore * sh.nws;
     let nback = Back::len(per, sh.nd(), if model { host.box_total } else { 0 });
-    let back = Back::split(ws.back.get(nback)?, per, sh.nd());
+    let back = Back::split(ws.back.current(nback), per, sh.nd());
     results::unpack(sh, chunk, host, &back, &fact, model, results);
     results::cpu_fallback(input, sh, chunk, host, &fact.to_cpu, results);
     timings.add("host results", t_res.elapsed().as_secs_f64() * 1e3);

@@ -5,12 +5,10 @@
 
 use std::time::Instant;
 
-use cudarc::driver::CudaContext;
 use ndarray::{s, ArrayViewMut1};
 use rayon::prelude::*;
 
-use super::device::PinnedBuf;
-use super::error;
+use super::staging::Staging;
 use super::workspace::Shape;
 use crate::backend::FrameInput;
 use crate::error::Result;
@@ -36,8 +34,9 @@ pub(crate) struct ChunkHost {
     pub(crate) boxoff: Vec<i64>,
     pub(crate) box_total: usize,
     pub(crate) region: (usize, usize, usize, usize),
-    /// The image region: pixels, then inverse variances, row by row (pinned, for the upload).
-    pub(crate) image: Option<PinnedBuf<f32>>,
+    /// The image region: pixels, then inverse variances, row by row (for the upload; unused
+    /// when no patch has pixels).
+    pub(crate) image: Staging<f32>,
     /// Host time spent preparing the chunk, milliseconds.
     pub(crate) prep_ms: f64,
 }
@@ -67,8 +66,7 @@ pub(crate) fn prepare(
     input: &FrameInput<'_>,
     chunk: &[&Patch],
     sh: &Shape,
-    ctx: &CudaContext,
-    pinned: Option<PinnedBuf<f32>>,
+    mut image: Staging<f32>,
 ) -> Result<ChunkHost> {
     let t0 = Instant::now();
     let _r = nvtx::LocalRange::new(c"host tables");
@@ -163,17 +161,21 @@ pub(crate) fn prepare(
     }
     let t_tables = t0.elapsed().as_secs_f64() * 1e3;
     // the image region, pixels then inverse variances
-    let image = if live.is_empty() {
-        pinned
-    } else {
-        Some(pack_image(input, region, ctx, pinned)?)
-    };
+    if !live.is_empty() {
+        pack_image(input, region, &mut image);
+    }
     let prep_ms = t0.elapsed().as_secs_f64() * 1e3;
     tracing::debug!(
-        "host tables of {} patches: traces {t_traces:.1} ms, layout {:.1} ms, image {:.1} ms",
+        "host tables of {} patches: traces {t_traces:.1} ms, layout {:.1} ms, image {:.1} ms \
+         ({})",
         chunk.len(),
         t_tables - t_traces,
-        prep_ms - t_tables
+        prep_ms - t_tables,
+        if image.is_pinned() {
+            "pinned"
+        } else {
+            "pageable"
+        }
     );
     Ok(ChunkHost {
         live,
@@ -193,27 +195,17 @@ pub(crate) fn prepare(
     })
 }
 
-/// Copies the image region `(row0, row1, col0, col1)` into a pinned buffer, pixels then
-/// inverse variances row by row: `pinned` when it is large enough, else a new one.
+/// Copies the image region `(row0, row1, col0, col1)` into `image`, pixels then inverse
+/// variances row by row.
 fn pack_image(
     input: &FrameInput<'_>,
     region: (usize, usize, usize, usize),
-    ctx: &CudaContext,
-    pinned: Option<PinnedBuf<f32>>,
-) -> Result<PinnedBuf<f32>> {
+    image: &mut Staging<f32>,
+) {
     let img = input.image;
     let (r0, r1, c0, c1) = region;
     let npix = (r1 - r0) * (c1 - c0);
-    let mut buf = match pinned {
-        Some(b) if b.len() >= 2 * npix => b,
-        other => {
-            drop(other);
-            ctx.bind_to_thread()
-                .map_err(error::driver("cannot bind the CUDA context"))?;
-            PinnedBuf::new(2 * npix)?
-        }
-    };
-    let (pp, pv) = buf.as_mut_slice()[..2 * npix].split_at_mut(npix);
+    let (pp, pv) = image.get(2 * npix).split_at_mut(npix);
     let w = c1 - c0;
     let (pix, ivar) = (
         img.pix.slice(s![r0..r1, c0..c1]),
@@ -226,5 +218,4 @@ fn pack_image(
             ArrayViewMut1::from(dp).assign(&pix.row(r));
             ArrayViewMut1::from(dv).assign(&ivar.row(r));
         });
-    Ok(buf)
 }

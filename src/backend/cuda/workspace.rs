@@ -2,7 +2,12 @@
 //! the device and pinned buffers kept by a backend between chunks and calls, and the region
 //! of the CCD a chunk uploads.
 
-use super::device::{DevBuf, Device, PinSlot, Slot};
+use std::sync::Arc;
+
+use cudarc::driver::CudaContext;
+
+use super::device::{DevBuf, Device, Slot};
+use super::staging::Staging;
 use super::tuning::Solve;
 use crate::backend::FrameInput;
 use crate::error::Result;
@@ -121,11 +126,11 @@ pub(crate) struct Workspace {
     pub(crate) steps: Slot<i32>,
     pub(crate) model: Slot<f64>,
     pub(crate) chi2: Slot<f64>,
-    pub(crate) back: PinSlot<f64>,
+    pub(crate) back: Staging<f64>,
 }
 
 impl Workspace {
-    pub(crate) fn new() -> Self {
+    pub(crate) fn new(ctx: Arc<CudaContext>) -> Self {
         Workspace {
             xy: Slot::new("trace positions"),
             coef: Slot::new("PSF coefficients"),
@@ -160,7 +165,7 @@ impl Workspace {
             steps: Slot::new("polar steps"),
             model: Slot::new("patch models"),
             chi2: Slot::new("chi2pix"),
-            back: PinSlot::new(),
+            back: Staging::new(ctx),
         }
     }
 }
