@@ -1,8 +1,9 @@
 // Small dense matrices in shared memory, as 8 x 8 tiles: products on FP64 tensor cores
-// (mma.m8n8k4, sm_80 and later; shuffles elsewhere), Cholesky factorisation and triangular
-// inversion. One warp per row tile: a block of N / 8 warps works on N x N matrices (N a
-// multiple of 8, at most 8 SPEX_TILES) with leading dimension ld = N + 4, which makes the
-// fragment loads free of bank conflicts.
+// (mma.m8n8k4, sm_80 and later; shuffles elsewhere), and a blocked Cholesky factorisation,
+// triangular solves and inversion with one block barrier per 8-wide panel or none. One warp
+// per row tile: a block of N / 8 warps works on N x N matrices (N a multiple of 8, at most
+// 8 SPEX_TILES) with leading dimension ld = N + 4, which makes the fragment loads free of
+// bank conflicts.
 
 #pragma once
 
