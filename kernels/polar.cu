@@ -28,34 +28,46 @@
 #include "outputs.cuh"
 #include "tiles.cuh"
 
+// Sum of a[i] b[i] over i < n by one warp, the same value bit for bit in every lane and in
+// every warp that calls it on the same data (fixed partial sums, xor butterfly).
+__device__ __forceinline__ double warp_dot(const double* a, const double* b, int n) {
+    double s = 0.0;
+    for (int i = threadIdx.x & 31; i < n; i += 32) s += a[i] * b[i];
+    return warp_sum(s);
+}
+
 // An estimate of the 2-norm of the lower triangular n x n matrix M, ||M v|| after a few power
 // steps on M^T M from the all-ones direction. It comes from below, so the bound l it gives the
 // iteration may be optimistic; that only slows the blocks where it is, and their convergence
-// test still decides. `v`, `w`: n doubles each.
-__device__ double lower_norm2(const double* M, int ld, int n, double* v, double* w, double* red) {
+// test still decides. `v`, `w`: n doubles each. Each step: w = M v / ||v|| by one warp per row,
+// a barrier, v = M^T w by one warp per column, a barrier (13 barriers in all); the norms are
+// summed by every warp for itself, so every thread returns the same estimate.
+__device__ double lower_norm2(const double* M, int ld, int n, double* v, double* w) {
     int tid = threadIdx.x, nth = blockDim.x;
+    int lane = tid & 31, warp = tid >> 5, nwarp = nth >> 5;
     for (int i = tid; i < n; i += nth) v[i] = rsqrt((double)n);
     __syncthreads();
     double est = 0.0;
     for (int it = 0; it < 6; ++it) {
-        double part = 0.0;
-        for (int i = tid; i < n; i += nth) {
-            double s = 0.0;
-            for (int k = 0; k <= i; ++k) s += M[i * ld + k] * v[k];
-            w[i] = s;
-            part += s * s;
+        double inv = 1.0;
+        if (it > 0) {
+            double len = sqrt(warp_dot(v, v, n));
+            inv = len > 0.0 ? 1.0 / len : 0.0;
         }
-        est = sqrt(block_sum(part, red));  // also orders w before its reads
-        part = 0.0;
-        for (int j = tid; j < n; j += nth) {
+        for (int i = warp; i < n; i += nwarp) {
             double s = 0.0;
-            for (int i = j; i < n; ++i) s += M[i * ld + j] * w[i];
-            v[j] = s;
-            part += s * s;
+            for (int k = lane; k <= i; k += 32) s += M[i * ld + k] * v[k];
+            s = warp_sum(s);
+            if (lane == 0) w[i] = s * inv;
         }
-        double len = sqrt(block_sum(part, red));
-        double inv = len > 0.0 ? 1.0 / len : 0.0;
-        for (int j = tid; j < n; j += nth) v[j] *= inv;
+        __syncthreads();
+        est = sqrt(warp_dot(w, w, n));
+        for (int j = warp; j < n; j += nwarp) {
+            double s = 0.0;
+            for (int i = j + lane; i < n; i += 32) s += M[i * ld + j] * w[i];
+            s = warp_sum(s);
+            if (lane == 0) v[j] = s;
+        }
         __syncthreads();
     }
     return est;
@@ -65,7 +77,7 @@ __device__ double lower_norm2(const double* M, int ld, int n, double* v, double*
 // `iters_out[blk]`: the number of steps, or -1 (not positive definite) or -2 (no convergence).
 // `pbuf`: n x n doubles per block of scratch. `qout`, when not null, receives Q.
 //
-// Shared memory (dynamic): X[N ld], T[N ld], rowsum[n], v[n], red[32], flag.
+// Shared memory (dynamic): X[N ld], T[N ld], rowsum[n], v[n], red[32].
 extern "C" __global__ void polar_f64(
     const double* __restrict__ blocks, int from_cov, const double* __restrict__ xflux,
     const int* __restrict__ nkeep, int n, int m, int ncore, int wavepad, int nwavestep,
@@ -79,7 +91,6 @@ extern "C" __global__ void polar_f64(
     double* rowsum = T + N * ld;
     double* v = rowsum + n;
     double* red = v + n;
-    int* flag = (int*)(red + 32);
     int tid = threadIdx.x, nth = blockDim.x;
     int blk = blockIdx.x;
     const double* src = blocks + (size_t)blk * n * n;
@@ -91,7 +102,7 @@ extern "C" __global__ void polar_f64(
         X[idx] = 0.0;
     }
     __syncthreads();
-    if (!cholesky_in_place(T, ld, n, flag)) {
+    if (!cholesky_in_place(T, ld, n)) {
         if (tid == 0) iters_out[blk] = -1;
         return;
     }
@@ -100,7 +111,7 @@ extern "C" __global__ void polar_f64(
     if (from_cov) {
         // A = L^-1 (in X), A^-1 = L
         norm_a = frobenius(X, ld, n, true, red);
-        norm_ainv = lower_norm2(T, ld, n, rowsum, v, red);
+        norm_ainv = lower_norm2(T, ld, n, rowsum, v);
         for (int idx = tid; idx < n * n; idx += nth) {
             int i = idx / n, j = idx % n;
             P[idx] = j <= i ? X[i * ld + j] : 0.0;
@@ -114,7 +125,7 @@ extern "C" __global__ void polar_f64(
     } else {
         // A = G^T, A^-1 = G^-T (G^-1 in X)
         norm_a = frobenius(T, ld, n, true, red);
-        norm_ainv = lower_norm2(X, ld, n, rowsum, v, red);
+        norm_ainv = lower_norm2(X, ld, n, rowsum, v);
         for (int idx = tid; idx < n * n; idx += nth) {
             int i = idx / n, j = idx % n;
             P[idx] = j >= i ? T[j * ld + i] : 0.0;

@@ -69,8 +69,17 @@ __device__ void subtract_from_diagonal_block(const double* icov, size_t p, int m
 // or more fibers apart.
 //
 // Shared memory (dynamic): S[N ld] (Sigma, then W W^T), W[N ld] ([W; z^T]^T), r[n],
-// red[32], flag, ord[nb]; N = n + 1 rounded up to 8, ld = N + 4; 4 N threads.
-extern "C" __global__ void schur_sweep_f64(const double* __restrict__ icov,
+// red[32], ord[nb]; N = n + 1 rounded up to 8, ld = N + 4; 4 N threads.
+//
+// Registers: at most 96, so that two blocks of 320 threads (n <= 79) share an SM as their
+// shared memory allows (left to the compiler, it takes ~128 and spills nothing; capped, it
+// spills ~11 loop-invariant words). NVRTC before 12.4 has no __maxnreg__.
+#if __CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4)
+#define SPEX_SWEEP_REGS __maxnreg__(96)
+#else
+#define SPEX_SWEEP_REGS
+#endif
+extern "C" __global__ void SPEX_SWEEP_REGS schur_sweep_f64(const double* __restrict__ icov,
                                            const double* __restrict__ y,
                                            const int* __restrict__ patch_ids,
                                            const int* __restrict__ colspot, int m, int n,
@@ -82,10 +91,8 @@ extern "C" __global__ void schur_sweep_f64(const double* __restrict__ icov,
     double* W = S + N * ld;
     double* r = W + N * ld;
     double* red = r + n;
-    int* flag = (int*)(red + 32);
-    int* ord = flag + 2;
+    int* ord = (int*)(red + 32);
     int tid = threadIdx.x, nth = blockDim.x;
-    int lane = tid & 31, warp = tid >> 5, nwarp = nth >> 5;
     int dir = blockIdx.y;
     size_t p = patch_of(patch_ids, blockIdx.x);
     const double* yp = y + p * m;
@@ -138,7 +145,7 @@ extern "C" __global__ void schur_sweep_f64(const double* __restrict__ icov,
     double acc[SPEX_TILES][2];
     for (int s = 0; s + 1 < nb; ++s) {
         int kn = dir == 0 ? k + 1 : k - 1, bn = ord[kn];
-        if (!cholesky_in_place(S, ld, n, flag)) {
+        if (!cholesky_in_place(S, ld, n)) {
             if (tid == 0) info[p] = 1;
             return;
         }
@@ -162,19 +169,7 @@ extern "C" __global__ void schur_sweep_f64(const double* __restrict__ icov,
             }
         }
         __syncthreads();
-        for (int j = 0; j < n; ++j) {
-            double inv = 1.0 / S[j * ld + j];
-            for (int l = j + 1 + warp; l < n; l += nwarp) {
-                double f = S[l * ld + j] * inv;
-                for (int i = lane; i <= n; i += 32) W[l * ld + i] -= f * W[j * ld + i];
-            }
-            __syncthreads();
-        }
-        for (int idx = tid; idx < n * (n + 1); idx += nth) {
-            int l = idx / (n + 1), i = idx % (n + 1);
-            W[l * ld + i] /= S[l * ld + l];
-        }
-        __syncthreads();
+        lower_solve(S, W, ld, n, n + 1);
         // S <- V^T V: columns 0..n-1 the update W W^T of Sigma, column n that of r, W z
         tile_row_tn(W, W, ld, N, acc);
         store_rows(S, ld, N, acc);
@@ -202,20 +197,18 @@ extern "C" __global__ void schur_sweep_f64(const double* __restrict__ icov,
 // core blocks' S_b go to `sblocks[(patch * ncore + c) n^2]` (row-major) for the decorrelation;
 // xflux to `x[p * m + b * n]`. `info[p]` is set to 1 when S_b is not positive definite.
 //
-// Shared memory (dynamic): T[n (n + 1)], v[n], red[32], flag; 128 threads.
+// Shared memory (dynamic): T[N ld] (only its n x n block is written before the factorisation,
+// which reads nothing else), v[n]; N = n rounded up to 8, ld = N + 4; 4 N threads.
 extern "C" __global__ void schur_combine_f64(
     const double* __restrict__ icov, const double* __restrict__ y,
     const int* __restrict__ patch_ids, int m, int n, int nb, int ncore,
     const double* __restrict__ U, const double* __restrict__ u, double* __restrict__ sblocks,
     double* __restrict__ x, int* __restrict__ info) {
     extern __shared__ double sm[];
-    int ld = n + 1;
+    int N = (n + 7) / 8 * 8, ld = N + 4;
     double* T = sm;
-    double* v = T + n * ld;
-    double* red = v + n;
-    int* flag = (int*)(red + 32);
+    double* v = T + N * ld;
     int tid = threadIdx.x, nth = blockDim.x;
-    int lane = tid & 31, warp = tid >> 5;
     int b = blockIdx.x;
     size_t p = patch_of(patch_ids, blockIdx.y);
     const double* ul = U + ((p * 2 + 0) * nb + b) * n * n;
@@ -234,27 +227,12 @@ extern "C" __global__ void schur_combine_f64(
         v[i] = y[p * m + (size_t)b * n + i] - u[((p * 2 + 0) * nb + b) * n + i] -
                u[((p * 2 + 1) * nb + b) * n + i];
     __syncthreads();
-    if (!cholesky_in_place(T, ld, n, flag)) {
+    if (!cholesky_in_place(T, ld, n)) {
         if (tid == 0) info[p] = 1;
         return;
     }
     // v <- L^-T L^-1 v by one warp
-    if (warp == 0) {
-        for (int i = 0; i < n; ++i) {
-            double s = 0.0;
-            for (int j = lane; j < i; j += 32) s += T[i * ld + j] * v[j];
-            s = warp_sum(s);
-            if (lane == 0) v[i] = (v[i] - s) / T[i * ld + i];
-            __syncwarp();
-        }
-        for (int i = n - 1; i >= 0; --i) {
-            double s = 0.0;
-            for (int j = i + 1 + lane; j < n; j += 32) s += T[j * ld + i] * v[j];
-            s = warp_sum(s);
-            if (lane == 0) v[i] = (v[i] - s) / T[i * ld + i];
-            __syncwarp();
-        }
-    }
+    if (tid < 32) cholesky_solve_vector(T, v, ld, n);
     __syncthreads();
     for (int i = tid; i < n; i += nth) x[p * m + (size_t)b * n + i] = v[i];
 }

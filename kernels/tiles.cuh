@@ -1,12 +1,26 @@
 // Small dense matrices in shared memory, as 8 x 8 tiles: products on FP64 tensor cores
-// (mma.m8n8k4, sm_80 and later; shuffles elsewhere), Cholesky factorisation and triangular
-// inversion. One warp per row tile: a block of N / 8 warps works on N x N matrices (N a
-// multiple of 8, at most 8 SPEX_TILES) with leading dimension ld = N + 4, which makes the
-// fragment loads free of bank conflicts.
+// (mma.m8n8k4, sm_80 and later; shuffles elsewhere), and a blocked Cholesky factorisation,
+// triangular solves and inversion with one block barrier per 8-wide panel or none. One warp
+// per row tile: a block of N / 8 warps works on N x N matrices (N a multiple of 8, at most
+// 8 SPEX_TILES) with leading dimension ld = N + 4, which makes the fragment loads free of
+// bank conflicts.
 
 #pragma once
 
 #define SPEX_TILES 14
+
+// The lane, read from %laneid so that the compiler recomputes it where it is needed instead
+// of keeping every lane-derived index of the unrolled routines below live across the
+// callers' loops (which cost the sweep kernel ~30 registers).
+__device__ __forceinline__ int lane_id() {
+#ifdef __CUDA_ARCH__
+    int l;
+    asm volatile("mov.u32 %0, %%laneid;" : "=r"(l));
+    return l;
+#else
+    return threadIdx.x & 31;
+#endif
+}
 
 // c (8 x 8, two per lane) += a (8 x 4) b (4 x 8) for one warp. Lane l holds a[l/4][l%4],
 // b[l%4][l/4] and c[l/4][2 (l%4) + {0, 1}].
@@ -70,10 +84,278 @@ __device__ __forceinline__ void store_rows(double* D, int ld, int N,
         }
 }
 
-// Cholesky factor of the n x n block in T (lower triangle, in place); false when a pivot is not
-// positive (or not finite). One barrier per column: the trailing update uses the unscaled
-// column (an L D L^T sweep), the scaling by sqrt(d_j) comes once at the end.
-__device__ bool cholesky_in_place(double* T, int ld, int n, int* flag) {
+// The blocked factorisation and substitutions below work in 8-wide panels on the tiles
+// (tile (I, J): rows 8I.., columns 8J..; nt = ceil(n / 8) tiles per side hold the n x n
+// block). Inside a panel a warp works on its own tiles and talks through shuffles and
+// __syncwarp; block barriers separate panels only.
+
+// Tile (I, J) of T in the accumulator layout (lane (g, t) holds row g, columns 2t, 2t + 1),
+// read as zero outside the n x n block whatever T holds there.
+__device__ __forceinline__ void load_tile(const double* T, int ld, int n, int I, int J,
+                                          double& c0, double& c1) {
+    int lane = lane_id(), g = lane >> 2, t = lane & 3;
+    int i = 8 * I + g, j = 8 * J + 2 * t;
+    c0 = (i < n && j < n) ? T[i * ld + j] : 0.0;
+    c1 = (i < n && j + 1 < n) ? T[i * ld + j + 1] : 0.0;
+}
+
+// Stores an accumulator-layout tile into tile (I, J) of T; with `lower`, only the elements on
+// or below the tile's diagonal (for the diagonal tiles of a factor).
+__device__ __forceinline__ void store_tile(double* T, int ld, int I, int J, double c0, double c1,
+                                           bool lower) {
+    int lane = lane_id(), g = lane >> 2, t = lane & 3;
+    double* d = T + (8 * I + g) * ld + 8 * J + 2 * t;
+    if (!lower || 2 * t <= g) d[0] = c0;
+    if (!lower || 2 * t + 1 <= g) d[1] = c1;
+}
+
+// c -= L_Iq L_Jq^T for the tiles (I, q) and (J, q) of L: one warp, two MMA steps.
+__device__ __forceinline__ void minus_outer(const double* L, int ld, int I, int J, int q,
+                                            double& c0, double& c1) {
+    int lane = lane_id(), g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int k0 = 0; k0 < 8; k0 += 4) {
+        double a = L[(8 * I + g) * ld + 8 * q + k0 + t];
+        double b = L[(8 * J + g) * ld + 8 * q + k0 + t];
+        mma8x8x4(c0, c1, -a, b);
+    }
+}
+
+// One panel of the factorisation in one warp, in the accumulator layout: the diagonal tile D
+// (d0, d1) and a tile A below it (a0, a1) are swept column by column as in the unblocked
+// L D L^T (unscaled columns; column j is component j & 1 of the lanes t = j / 2, and each
+// step shuffles from them the pivot D_jj, D_gj and A_gj of the lane's row and D_kj of its two
+// columns k), then column j is scaled at once: D becomes L_pp (zero above the diagonal) and
+// A the panel's tile of L. Columns from `cols` on (padding, past n) are skipped and come out
+// zero. Returns false when a pivot of a live column is not positive or not finite.
+__device__ __forceinline__ bool panel_sweep(double& d0, double& d1, double& a0, double& a1,
+                                            int cols) {
+    int lane = lane_id(), g = lane >> 2, t = lane & 3;
+    bool ok = true;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        int src = j >> 1;
+        double dj = (j & 1) ? d1 : d0, aj = (j & 1) ? a1 : a0;
+        double piv = __shfl_sync(0xffffffffu, dj, 4 * j + src);
+        double dgj = __shfl_sync(0xffffffffu, dj, 4 * g + src);
+        double agj = __shfl_sync(0xffffffffu, aj, 4 * g + src);
+        double dk0 = __shfl_sync(0xffffffffu, dj, 8 * t + src);
+        double dk1 = __shfl_sync(0xffffffffu, dj, 8 * t + 4 + src);
+        bool on = j < cols;
+        ok = ok && (!on || (piv > 0.0 && isfinite(piv)));
+        double inv = on ? 1.0 / piv : 0.0;
+        double rs = on ? rsqrt(fmax(piv, 1e-300)) : 0.0;
+        double fd = dgj * inv, fa = agj * inv;
+        int k0 = 2 * t, k1 = 2 * t + 1;
+        if (k0 > j && k0 <= g) d0 -= fd * dk0;
+        if (k1 > j && k1 <= g) d1 -= fd * dk1;
+        if (k0 > j) a0 -= fa * dk0;
+        if (k1 > j) a1 -= fa * dk1;
+        if (t == src) {
+            double diag = on ? sqrt(fmax(piv, 1e-300)) : 0.0;
+            double l = g > j ? dj * rs : (g == j ? diag : 0.0);
+            if (j & 1) {
+                d1 = l;
+                a1 *= rs;
+            } else {
+                d0 = l;
+                a0 *= rs;
+            }
+        }
+    }
+    return ok;
+}
+
+// Cholesky factor of the n x n block in T (lower triangle, in place); false, on every thread,
+// when a pivot is not positive or not finite. Reads only the lower n x n block (T may hold
+// anything elsewhere), and leaves zero in the rows and columns >= n of the lower tiles; the
+// tiles above the diagonal are not touched. Any number of warps; warp w owns row tiles w,
+// w + nwarp, ...
+//
+// Right-looking with the trailing update one panel late, so that one barrier per panel
+// suffices (nt barriers in all). Phase p (tile indices, warp W owning row tile I >= p):
+// - W reads tile (p, p) and L_{p,p-1} and factors D = A_pp - L_{p,p-1} L_{p,p-1}^T in
+//   registers (every such warp the same, bit for bit);
+// - for I > p, W also forms A_Ip - L_{I,p-1} L_{p,p-1}^T, sweeps it with D (panel_sweep) and
+//   stores L_Ip over tile (I, p), then applies panel p - 1 to its tiles (I, J), p < J <= I,
+//   in place; for I = p, W keeps L_pp in registers and stores it at the start of phase p + 1
+//   (other warps read tile (p, p) during phase p), or at once in the last phase;
+// - one barrier (__syncthreads_or, which also tells every thread about a failed pivot).
+// Writes in phase p: tile (p-1, p-1), tiles (I, J) with p <= J <= I, I > p, each by its
+// owner; reads of other warps' tiles: (p, p) and column p - 1, which nobody writes then.
+__device__ bool cholesky_in_place(double* T, int ld, int n) {
+    int warp = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
+    int nt = (n + 7) / 8;
+    double h0 = 0.0, h1 = 0.0;  // L_pp of the warp owning row tile p, for phase p + 1
+    for (int p = 0; p < nt; ++p) {
+        if (p > 0 && (p - 1) % nwarp == warp) store_tile(T, ld, p - 1, p - 1, h0, h1, true);
+        bool ok = true;
+        for (int I = warp; I < nt; I += nwarp) {
+            if (I < p) continue;
+            double d0, d1, a0 = 0.0, a1 = 0.0;
+            load_tile(T, ld, n, p, p, d0, d1);
+            if (p > 0) minus_outer(T, ld, p, p, p - 1, d0, d1);
+            if (I > p) {
+                load_tile(T, ld, n, I, p, a0, a1);
+                if (p > 0) minus_outer(T, ld, I, p, p - 1, a0, a1);
+            }
+            ok = panel_sweep(d0, d1, a0, a1, n - 8 * p) && ok;
+            if (I > p) {
+                store_tile(T, ld, I, p, a0, a1, false);
+                for (int J = p + 1; p > 0 && J <= I; ++J) {
+                    load_tile(T, ld, n, I, J, a0, a1);
+                    minus_outer(T, ld, I, J, p - 1, a0, a1);
+                    store_tile(T, ld, I, J, a0, a1, false);
+                }
+            } else {
+                h0 = d0;
+                h1 = d1;
+                if (p == nt - 1) store_tile(T, ld, p, p, h0, h1, true);
+            }
+        }
+        if (__syncthreads_or(!ok)) return false;
+    }
+    return true;
+}
+
+// X <- L^-1 X on column tile J of X, from row panel p0 on (the rows above it are zero or
+// already solved), for the lower L of cholesky_in_place; one warp, no block barrier. Per
+// panel p, in the accumulator layout (lane (g, t) holds row g, columns 2t, 2t + 1 of tile
+// (p, J)): for r = 0..7 the lanes of row r scale it by 1 / L_rr, and the lanes of the rows
+// below take it by shuffles and subtract L_gr times it; then the lanes store tile (p, J),
+// each its own elements, and the warp subtracts L_Ip X_pJ from every tile (I, J) below by MMA.
+// Rows >= n come out zero (their pivot is taken as infinite), whatever finite values they held.
+__device__ void solve_column_tile(const double* L, double* X, int ld, int n, int J, int p0) {
+    int lane = lane_id(), g = lane >> 2, t = lane & 3;
+    int nt = (n + 7) / 8;
+    for (int p = p0; p < nt; ++p) {
+        double* Xp = X + (8 * p + g) * ld + 8 * J + 2 * t;
+        const double* Lg = L + (8 * p + g) * ld + 8 * p;
+        double c0 = Xp[0], c1 = Xp[1];
+        double inv = 8 * p + g < n ? 1.0 / Lg[g] : 0.0;
+#pragma unroll
+        for (int r = 0; r < 8; ++r) {
+            if (g == r) {
+                c0 *= inv;
+                c1 *= inv;
+            }
+            double x0 = __shfl_sync(0xffffffffu, c0, 4 * r + t);
+            double x1 = __shfl_sync(0xffffffffu, c1, 4 * r + t);
+            if (g > r) {
+                double l = Lg[r];
+                c0 -= l * x0;
+                c1 -= l * x1;
+            }
+        }
+        Xp[0] = c0;
+        Xp[1] = c1;
+        __syncwarp();
+        for (int I = p + 1; I < nt; ++I) {
+            double* Xi = X + (8 * I + g) * ld + 8 * J + 2 * t;
+            double e0 = Xi[0], e1 = Xi[1];
+#pragma unroll
+            for (int k0 = 0; k0 < 8; k0 += 4) {
+                double a = L[(8 * I + g) * ld + 8 * p + k0 + t];
+                double b = X[(8 * p + k0 + t) * ld + 8 * J + g];
+                mma8x8x4(e0, e1, -a, b);
+            }
+            Xi[0] = e0;
+            Xi[1] = e1;
+        }
+        __syncwarp();
+    }
+}
+
+// X <- L^-1 X for the n x n lower L of cholesky_in_place (in L) and the right-hand sides in
+// the first `ncol` columns of X (rows up to 8 ceil(n / 8); the rows >= n come out zero):
+// each warp solves whole column tiles on its own, so one barrier, at the end. The caller
+// orders the writes of L and X before the call.
+__device__ void lower_solve(const double* L, double* X, int ld, int n, int ncol) {
+    int warp = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
+    for (int J = warp; 8 * J < ncol; J += nwarp) solve_column_tile(L, X, ld, n, J, 0);
+    __syncthreads();
+}
+
+// X = L^-1 for the lower L of cholesky_in_place in T (X zero outside the lower n x n block,
+// over its first 8 ceil(n / 8) rows and columns): warp w writes the identity into its
+// column tiles J and solves them from panel J on (L^-1 is lower triangular); one barrier.
+__device__ void lower_inverse(const double* T, double* X, int ld, int n) {
+    int lane = lane_id(), warp = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
+    int nt = (n + 7) / 8;
+    for (int J = warp; J < nt; J += nwarp) {
+        for (int idx = lane; idx < 64 * nt; idx += 32) {
+            int i = idx >> 3, j = 8 * J + (idx & 7);
+            X[i * ld + j] = (i == j && i < n) ? 1.0 : 0.0;
+        }
+        __syncwarp();
+        solve_column_tile(T, X, ld, n, J, J);
+    }
+    __syncthreads();
+}
+
+// v <- L^-T L^-1 v (n entries) for the lower L of cholesky_in_place, by the calling warp
+// alone (warp-synchronous; no block barrier): panel by panel, every lane solves the 8 x 8
+// diagonal system itself, lanes < 8 store it, and the lanes update the other rows of v
+// (those below the panel going down, above it going up) each on its own rows. Reads L and v
+// only inside n.
+__device__ void cholesky_solve_vector(const double* L, double* v, int ld, int n) {
+    int lane = threadIdx.x & 31;
+    int nt = (n + 7) / 8;
+    for (int dir = 0; dir < 2; ++dir) {
+        for (int q = 0; q < nt; ++q) {
+            int p = dir == 0 ? q : nt - 1 - q, r0 = 8 * p;
+            const double* Lp = L + r0 * ld + r0;
+            double x[8], inv[8];
+#pragma unroll
+            for (int r = 0; r < 8; ++r) {
+                bool on = r0 + r < n;
+                x[r] = on ? v[r0 + r] : 0.0;
+                inv[r] = on ? 1.0 / Lp[r * ld + r] : 0.0;
+            }
+            if (dir == 0) {
+#pragma unroll
+                for (int r = 0; r < 8; ++r) {
+                    double s = x[r];
+#pragma unroll
+                    for (int k = 0; k < r; ++k) s -= Lp[r * ld + k] * x[k];
+                    x[r] = s * inv[r];
+                }
+            } else {
+#pragma unroll
+                for (int r = 7; r >= 0; --r) {
+                    double s = x[r];
+#pragma unroll
+                    for (int k = r + 1; k < 8; ++k) s -= Lp[k * ld + r] * x[k];
+                    x[r] = s * inv[r];
+                }
+            }
+            __syncwarp();
+#pragma unroll
+            for (int r = 0; r < 8; ++r)
+                if (r == lane && r0 + r < n) v[r0 + r] = x[r];
+            if (dir == 0) {
+                for (int i = r0 + 8 + lane; i < n; i += 32) {
+                    double s = v[i];
+#pragma unroll
+                    for (int k = 0; k < 8; ++k)
+                        if (r0 + k < n) s -= L[i * ld + r0 + k] * x[k];
+                    v[i] = s;
+                }
+            } else {
+                for (int i = lane; i < r0; i += 32) {
+                    double s = v[i];
+#pragma unroll
+                    for (int k = 0; k < 8; ++k)
+                        if (r0 + k < n) s -= L[(r0 + k) * ld + i] * x[k];
+                    v[i] = s;
+                }
+            }
+            __syncwarp();
+        }
+    }
+}
+
+__device__ bool old_cholesky(double* T, int ld, int n, int* flag) {
     int tid = threadIdx.x, nth = blockDim.x;
     int lane = tid & 31, warp = tid >> 5, nwarp = nth >> 5;
     if (tid == 0) *flag = 0;
@@ -100,7 +382,7 @@ __device__ bool cholesky_in_place(double* T, int ld, int n, int* flag) {
 
 // X = L^-1 for the lower triangular L in T (rows swept from the top, each row scaled by its
 // pivot at the end; X zero outside n x n).
-__device__ void lower_inverse(const double* T, double* X, int ld, int n) {
+__device__ void old_lower_inverse(const double* T, double* X, int ld, int n) {
     int tid = threadIdx.x, nth = blockDim.x;
     int lane = tid & 31, warp = tid >> 5, nwarp = nth >> 5;
     for (int idx = tid; idx < n * n; idx += nth) {

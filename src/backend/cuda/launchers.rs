@@ -158,7 +158,7 @@ pub(crate) const POLAR_MAX_ORDER: usize = 112;
 /// Shared memory of the polar kernel for blocks of order `n`.
 fn polar_smem(n: usize) -> usize {
     let nn = n.div_ceil(8) * 8;
-    (2 * nn * (nn + 4) + 2 * n + 32) * 8 + 16
+    (2 * nn * (nn + 4) + 2 * n + 32) * 8
 }
 
 /// The polar decorrelation of the blocks of `input` (C when `from_cov`, else S = C^-1).

@@ -30,6 +30,7 @@ fn sweep(g: Gpu<'_>, ws: &Workspace, count: usize, ids: Option<&DevBuf<i32>>) ->
     let sh = g.sh;
     let (n, m, nb) = (sh.nt, sh.m(), sh.nblock);
     let big = (n + 1).div_ceil(8) * 8;
+    let tiles = n.div_ceil(8) * 8;
     let ids_ptr = ids.map_or(0, |b| b.ptr);
     launch(
         g.dev,
@@ -37,7 +38,7 @@ fn sweep(g: Gpu<'_>, ws: &Workspace, count: usize, ids: Option<&DevBuf<i32>>) ->
         "schur_sweep_f64",
         (count as u32, 2, 1),
         (4 * big) as u32,
-        (2 * big * (big + 4) + n + 32) * 8 + 8 + 4 * nb,
+        (2 * big * (big + 4) + n + 32) * 8 + 4 * nb,
         Args::new()
             .ptr(ws.icov.get().ptr)
             .ptr(ws.y.get().ptr)
@@ -56,8 +57,8 @@ fn sweep(g: Gpu<'_>, ws: &Workspace, count: usize, ids: Option<&DevBuf<i32>>) ->
         &g.k.schur_combine,
         "schur_combine_f64",
         (nb as u32, count as u32, 1),
-        128,
-        (n * (n + 1) + n + 32) * 8 + 16,
+        (4 * tiles) as u32,
+        (tiles * (tiles + 4) + n) * 8,
         Args::new()
             .ptr(ws.icov.get().ptr)
             .ptr(ws.y.get().ptr)
