@@ -73,13 +73,8 @@ __device__ void subtract_from_diagonal_block(const double* icov, size_t p, int m
 //
 // Registers: at most 96, so that two blocks of 320 threads (n <= 79) share an SM as their
 // shared memory allows (left to the compiler, it takes ~128 and spills nothing; capped, it
-// spills ~11 loop-invariant words). NVRTC before 12.4 has no __maxnreg__.
-#if __CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4)
-#define SPEX_SWEEP_REGS __maxnreg__(96)
-#else
-#define SPEX_SWEEP_REGS
-#endif
-extern "C" __global__ void SPEX_SWEEP_REGS schur_sweep_f64(const double* __restrict__ icov,
+// spills ~11 loop-invariant words).
+extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __restrict__ icov,
                                            const double* __restrict__ y,
                                            const int* __restrict__ patch_ids,
                                            const int* __restrict__ colspot, int m, int n,
@@ -199,7 +194,8 @@ extern "C" __global__ void SPEX_SWEEP_REGS schur_sweep_f64(const double* __restr
 //
 // Shared memory (dynamic): T[N ld] (only its n x n block is written before the factorisation,
 // which reads nothing else), v[n]; N = n rounded up to 8, ld = N + 4; 4 N threads.
-extern "C" __global__ void schur_combine_f64(
+// Registers: at most 64 (a few words spill), so that three blocks share an SM instead of two.
+extern "C" __global__ void SPEX_MAX_REGS(64) schur_combine_f64(
     const double* __restrict__ icov, const double* __restrict__ y,
     const int* __restrict__ patch_ids, int m, int n, int nb, int ncore,
     const double* __restrict__ U, const double* __restrict__ u, double* __restrict__ sblocks,

@@ -9,6 +9,15 @@
 
 #define SPEX_TILES 14
 
+// A cap on a kernel's registers per thread: two blocks of 320 threads (10 warps, N <= 80)
+// share an SM only at 96 or fewer, as their shared memory allows. NVRTC before 12.4 has no
+// __maxnreg__, and the kernels then take what the compiler gives them.
+#if __CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4)
+#define SPEX_MAX_REGS(n) __maxnreg__(n)
+#else
+#define SPEX_MAX_REGS(n)
+#endif
+
 // The lane, read from %laneid so that the compiler recomputes it where it is needed instead
 // of keeping every lane-derived index of the unrolled routines below live across the
 // callers' loops (which cost the sweep kernel ~30 registers).

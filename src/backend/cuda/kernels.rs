@@ -76,27 +76,46 @@ const OPTIONS: &[&str] = &["--std=c++17"];
 /// Compiles one source for `arch` (e.g. "sm_90") into CUBIN, machine code the driver loads
 /// without a JIT pass; the NVRTC log is in the error.
 pub fn compile(name: &str, src: &str, arch: &str) -> Result<Vec<u8>> {
+    compile_with(name, src, arch, &[]).map(|(cubin, _)| cubin)
+}
+
+/// What the assembler reports of each kernel of one source compiled for `arch`: registers,
+/// spills, shared memory (for kernel work: they decide how many blocks share an SM).
+pub fn resources(name: &str, src: &str, arch: &str) -> Result<String> {
+    compile_with(name, src, arch, &["--ptxas-options=-v"]).map(|(_, log)| log)
+}
+
+/// NVRTC's log of a program.
+///
+/// # Safety
+/// `prog` must be a live NVRTC program.
+unsafe fn program_log(prog: nvrtc_sys::nvrtcProgram) -> String {
+    nvrtc::get_program_log(prog)
+        .map(|l| {
+            let bytes: Vec<u8> = l.iter().map(|&c| c as u8).collect();
+            String::from_utf8_lossy(&bytes)
+                .trim_end_matches('\0')
+                .to_string()
+        })
+        .unwrap_or_default()
+}
+
+/// [`compile`] with `extra` options; the CUBIN and NVRTC's log.
+fn compile_with(name: &str, src: &str, arch: &str, extra: &[&str]) -> Result<(Vec<u8>, String)> {
     let fail = |what: String| Error::Gpu(format!("NVRTC failed on {name} for {arch}: {what}"));
     let text = CString::new(expand(src)).map_err(|e| fail(e.to_string()))?;
     let cname = CString::new(name).map_err(|e| fail(e.to_string()))?;
     let prog = nvrtc::create_program(&text, Some(&cname)).map_err(|e| fail(format!("{e:?}")))?;
     let mut options = vec![format!("--gpu-architecture={arch}")];
-    options.extend(OPTIONS.iter().map(|o| o.to_string()));
+    options.extend(OPTIONS.iter().chain(extra).map(|o| o.to_string()));
     // SAFETY: `prog` was created above and is destroyed once, at the end.
     let out = unsafe {
         let compiled = nvrtc::compile_program(prog, &options);
         let result = match compiled {
-            Err(e) => {
-                let log = nvrtc::get_program_log(prog)
-                    .map(|l| {
-                        let bytes: Vec<u8> = l.iter().map(|&c| c as u8).collect();
-                        String::from_utf8_lossy(&bytes)
-                            .trim_end_matches('\0')
-                            .to_string()
-                    })
-                    .unwrap_or_default();
-                Err(fail(format!("{e:?} (options {options:?}):\n{log}")))
-            }
+            Err(e) => Err(fail(format!(
+                "{e:?} (options {options:?}):\n{}",
+                program_log(prog)
+            ))),
             Ok(()) => {
                 let mut size = 0usize;
                 nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size)
@@ -106,13 +125,28 @@ pub fn compile(name: &str, src: &str, arch: &str) -> Result<Vec<u8>> {
                 nvrtc_sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast())
                     .result()
                     .map_err(|e| fail(format!("nvrtcGetCUBIN: {e:?}")))?;
-                Ok(cubin)
+                Ok((cubin, program_log(prog)))
             }
         };
         let _ = nvrtc::destroy_program(prog);
         result
     };
     out
+}
+
+/// Logs (debug) a loaded kernel's registers and local memory per thread, which decide with
+/// its shared memory how many of its blocks share an SM.
+fn log_resources(name: &str, f: &CudaFunction) {
+    use drv_sys::CUfunction_attribute as A;
+    let get = |a| {
+        // SAFETY: a loaded function and a plain attribute query.
+        unsafe { drv::function::get_function_attribute(f.cu_function(), a) }.unwrap_or(-1)
+    };
+    tracing::debug!(
+        "kernel {name}: {} registers, {} bytes local memory per thread",
+        get(A::CU_FUNC_ATTRIBUTE_NUM_REGS),
+        get(A::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)
+    );
 }
 
 /// The `compute_XY`/`sm_XY` name NVRTC expects for a compute capability.
@@ -235,6 +269,7 @@ impl Kernels {
                 let f = module
                     .load_function(k)
                     .map_err(error::driver(format!("kernel {k} missing from {name}")))?;
+                log_resources(k, &f);
                 functions.insert(*k, f);
             }
             modules.push(module);
@@ -473,6 +508,16 @@ pub(crate) fn launch(
             )
             .map_err(error::driver(format!(
                 "{name}: cannot raise shared memory to {smem} bytes"
+            )))?;
+            // All of L1 as shared memory where the kernel asks for much of it, so that the
+            // two blocks its registers allow share an SM.
+            drv::function::set_function_attribute(
+                f.cu_function(),
+                drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                100,
+            )
+            .map_err(error::driver(format!(
+                "{name}: cannot prefer shared memory to L1"
             )))?;
         }
         drv::launch_kernel(

@@ -44,7 +44,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 pub use decorrelate::BlockKind;
-pub use kernels::{arch_name, compile, SOURCES};
+pub use kernels::{arch_name, compile, resources, SOURCES};
 pub use timings::GpuTimings;
 pub use tuning::{Route, Solve};
 
