@@ -99,34 +99,43 @@ pub(crate) fn prepare(
     let t_traces = t0.elapsed().as_secs_f64() * 1e3;
     let ccd = (input.image.nrows, input.image.ncols);
     let m = sh.m();
-    let mut live = Vec::new();
-    let mut off = Vec::new();
-    for (i, p) in chunk.iter().enumerate() {
-        let slot = bundles
-            .binary_search(&p.bundle_start)
-            .expect("bundle listed");
-        let geom = PatchGeometry::new(plan, p, &per_bundle[slot], ccd);
-        if geom.is_empty() {
-            off.push((i, PatchResult::empty(p, sh.ndiag, PatchStatus::OffImage)));
-        } else {
-            live.push((i, geom, slot));
-        }
-    }
+    let laid_out: Vec<(usize, PatchGeometry, usize)> = chunk
+        .par_iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let slot = bundles
+                .binary_search(&p.bundle_start)
+                .expect("bundle listed");
+            (i, PatchGeometry::new(plan, p, &per_bundle[slot], ccd), slot)
+        })
+        .collect();
+    let (live, empty): (Vec<_>, Vec<_>) = laid_out.into_iter().partition(|(_, g, _)| !g.is_empty());
+    let off: Vec<(usize, PatchResult)> = empty
+        .into_iter()
+        .map(|(i, _, _)| {
+            let r = PatchResult::empty(chunk[i], sh.ndiag, PatchStatus::OffImage);
+            (i, r)
+        })
+        .collect();
     let mut colspot = vec![-1i32; live.len() * m];
+    colspot
+        .par_chunks_mut(m)
+        .zip(&live)
+        .for_each(|(cs, (_, g, slot))| {
+            let lead = sh.nblock - g.block_fibers.len();
+            for (b, &f) in g.block_fibers.iter().enumerate() {
+                let base = (slot * sh.bundlesize + f) * sh.nfull + g.wave0;
+                for w in 0..sh.nt {
+                    cs[(lead + b) * sh.nt + w] = (base + w) as i32;
+                }
+            }
+        });
     let mut boxes = Vec::with_capacity(live.len() * 4);
     let mut nkeep = Vec::with_capacity(live.len());
     let mut boxoff = Vec::with_capacity(live.len());
     let mut box_total = 0usize;
     let mut region = (usize::MAX, 0, usize::MAX, 0);
-    for (k, (i, g, slot)) in live.iter().enumerate() {
-        let nb = g.block_fibers.len();
-        let lead = sh.nblock - nb;
-        for (b, &f) in g.block_fibers.iter().enumerate() {
-            let base = (slot * sh.bundlesize + f) * sh.nfull + g.wave0;
-            for w in 0..sh.nt {
-                colspot[k * m + (lead + b) * sh.nt + w] = (base + w) as i32;
-            }
-        }
+    for (i, g, _) in &live {
         boxes.extend_from_slice(&[
             g.rows.start as i32,
             g.rows.end as i32,
