@@ -219,6 +219,36 @@ fn every_route_matches_the_cpu_reference() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn blocks_beyond_the_tile_kernels_take_the_dense_and_jacobi_routes() {
+    // 90 output bins and 12 of padding on each side: blocks of 114 bins, past the tile
+    // kernels' largest order (112), so the default Schur and polar routes give way to the
+    // dense route and the Jacobi decorrelation, which agree with the CPU.
+    let mut gpu = backend();
+    let psf = psf();
+    let mut options = PlanOptions::new(6000.0, 6143.2, 0.8, 0, 10);
+    options.layout.nwavestep = 90;
+    let plan = Plan::new(options).unwrap();
+    assert_eq!(plan.nwavetot, 114);
+    let image = synthetic_image(&psf, &plan, 17);
+    let options = solve_options(0.0, false);
+    let input = FrameInput {
+        plan: &plan,
+        psf: &psf,
+        image: &image,
+        options: &options,
+    };
+    let (g, cpu) = solve_both(&mut gpu, input);
+    assert_agree(&g, &cpu);
+    let t = gpu.timings();
+    say(&format!(
+        "blocks of {}: dense route {}, polar blocks {}, Jacobi sweeps at most {}",
+        plan.nwavetot, t.dense_route, t.polar_blocks, t.max_sweeps
+    ));
+    assert!(t.dense_route && t.polar_blocks == 0 && t.max_sweeps > 0);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn schur_route_sends_coupled_patches_to_the_reference() {
     // Walked in fiber order along the CCD, a patch's icov is block-tridiagonal up to the stamps'
     // tails (below 1e-12 relative, as the CPU backend measures): no patch goes to the

@@ -4,7 +4,7 @@
 //! host round trip between them. The counts of both go to the backend's log line.
 
 use super::device::DevBuf;
-use super::launchers::{self, CoreIn, CoreOut, Gpu, POLAR_MAX_ORDER};
+use super::launchers::{self, CoreIn, CoreOut, Gpu, TILE_MAX_ORDER};
 use super::tuning::{Route, Tuning};
 use crate::error::Result;
 
@@ -35,7 +35,7 @@ pub(crate) fn decorrelate(
     out: CoreOut,
     qout: u64,
 ) -> Result<()> {
-    let polar = tuning.route == Route::Polar && g.sh.nt.div_ceil(8) * 8 <= POLAR_MAX_ORDER;
+    let polar = tuning.route == Route::Polar && g.sh.nt.div_ceil(8) * 8 <= TILE_MAX_ORDER;
     if polar {
         launchers::polar(
             g,

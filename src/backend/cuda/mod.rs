@@ -376,7 +376,7 @@ impl Backend for CudaBackend {
                 .map(|(n, ms)| format!("{n} {ms:.1}"))
                 .collect::<Vec<_>>()
                 .join(", "),
-            self.tuning.solve,
+            solve::route(self.tuning.solve, &sh),
             timings.coupled,
             timings.max_coupling,
             timings.polar_blocks,

@@ -17,14 +17,14 @@ use std::time::Instant;
 
 use super::decorrelate::{self, BlockKind, Counts, Scratch};
 use super::dense::{self, Factorization, Keep};
-use super::launchers::{self, CoreIn, CoreOut, Gpu};
+use super::launchers::{self, CoreIn, CoreOut, Gpu, TILE_MAX_ORDER};
 use super::results::{self, Back};
 use super::schur;
 use super::staging::Staging;
 use super::tables::ChunkHost;
 use super::timings::{GpuTimings, PhaseClock};
 use super::tuning::{Solve, Tuning};
-use super::workspace::{Region, Workspace};
+use super::workspace::{Region, Shape, Workspace};
 use crate::backend::FrameInput;
 use crate::error::{Error, Result};
 use crate::extract::PatchResult;
@@ -177,6 +177,15 @@ fn copy_out(
     Ok((steps, sweeps))
 }
 
+/// The route of steps 2-3 for blocks of the shape `sh`: the Schur sweeps need their blocks
+/// (plus a column) within the tile kernels' largest order, else the dense route.
+pub(crate) fn route(solve: Solve, sh: &Shape) -> Solve {
+    match solve {
+        Solve::Schur if (sh.nt + 1).div_ceil(8) * 8 > TILE_MAX_ORDER => Solve::Dense,
+        other => other,
+    }
+}
+
 /// Step 4 on the dense route: factorisation with its retry, xflux, then the covariance blocks
 /// C_bb into `ws.icov`.
 fn dense_steps(
@@ -254,7 +263,7 @@ fn solve_live(
     launchers::assemble(g, n, None, ws, region, input.options.regularize)?;
     clock.mark("assemble")?;
     let mut keep = Keep::new();
-    let (fact, kind) = match tuning.solve {
+    let (fact, kind) = match route(tuning.solve, g.sh) {
         Solve::Schur => {
             schur::ensure(g, ws, n)?;
             let (fact, coupled) = schur::factorize(
@@ -270,10 +279,13 @@ fn solve_live(
             timings.max_coupling = timings.max_coupling.max(coupled.largest);
             (fact, BlockKind::Precision)
         }
-        Solve::Dense => (
-            dense_steps(g, ws, &live, region, input, &mut clock, &mut keep)?,
-            BlockKind::Covariance,
-        ),
+        Solve::Dense => {
+            timings.dense_route = true;
+            (
+                dense_steps(g, ws, &live, region, input, &mut clock, &mut keep)?,
+                BlockKind::Covariance,
+            )
+        }
     };
     decorrelate_chunk(g, tuning, ws, n, kind)?;
     clock.mark("decorrelate")?;
