@@ -7,7 +7,10 @@
 
 #pragma once
 
-#define SPEX_TILES 14
+// Most row tiles: N <= 80, which DESI's patches (74 bins, 75 with the sweeps' extra column)
+// fit. A larger bound unrolls more and costs registers (spills under the caps below) and
+// compile time; larger blocks take the dense and Jacobi routes (TILE_MAX_ORDER on the host).
+#define SPEX_TILES 10
 
 // A cap on a kernel's registers per thread: two blocks of 320 threads (10 warps, N <= 80)
 // share an SM only at 96 or fewer, as their shared memory allows. NVRTC before 12.4 has no

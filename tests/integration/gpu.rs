@@ -221,11 +221,11 @@ fn every_route_matches_the_cpu_reference() {
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn blocks_beyond_the_tile_kernels_take_the_dense_and_jacobi_routes() {
     // 90 output bins and 12 of padding on each side: blocks of 114 bins, past the tile
-    // kernels' largest order (112), so the default Schur and polar routes give way to the
+    // kernels' largest order (80), so the default Schur and polar routes give way to the
     // dense route and the Jacobi decorrelation, which agree with the CPU.
     let mut gpu = backend();
     let psf = psf();
-    let mut options = PlanOptions::new(6000.0, 6143.2, 0.8, 0, 10);
+    let mut options = PlanOptions::new(6000.0, 6143.2, 0.8, 0, 25);
     options.layout.nwavestep = 90;
     let plan = Plan::new(options).unwrap();
     assert_eq!(plan.nwavetot, 114);

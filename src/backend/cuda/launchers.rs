@@ -155,7 +155,7 @@ pub(crate) fn eye(g: Gpu<'_>, x: &DevBuf<f64>, n: usize, count: usize) -> Result
 /// Largest order, rounded up to 8 x 8 tiles, of the tile kernels (8 `SPEX_TILES` in
 /// kernels/tiles.cuh): the polar decorrelation and the Schur sweeps, whose order is the block's
 /// plus one, run up to it; larger blocks take the Jacobi and dense routes.
-pub(crate) const TILE_MAX_ORDER: usize = 112;
+pub(crate) const TILE_MAX_ORDER: usize = 80;
 
 /// Shared memory of the polar kernel for blocks of order `n`.
 fn polar_smem(n: usize) -> usize {
