@@ -310,6 +310,12 @@ impl Backend for CudaBackend {
             .map(|ids| ids.iter().map(|&i| &patches[i]).collect())
             .collect();
         let ids: Vec<&[usize]> = order.chunks(size).collect();
+        // The copies back of the first chunk come after its solve: time enough to pin their
+        // buffer (the model boxes, when asked, may need a larger one later).
+        let per = size * sh.ncore * sh.nws;
+        self.workspace
+            .back
+            .reserve(results::Back::len(per, sh.nd(), 0));
         // Host tables of chunk i + 1 are prepared on a helper thread while the device solves
         // chunk i; two image buffers take turns.
         let mut results: Vec<Option<PatchResult>> = vec![None; patches.len()];

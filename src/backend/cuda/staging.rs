@@ -53,6 +53,17 @@ impl<T: Copy + Default + Send + 'static> Staging<T> {
         &mut self.pageable[..len]
     }
 
+    /// Starts pinning a buffer of `len` values now, if none that large is pinned or on its
+    /// way, so that it is ready by the time [`Staging::get`] asks for it.
+    pub(crate) fn reserve(&mut self, len: usize) {
+        self.adopt_finished();
+        let pinned = self.pinned.as_ref().is_some_and(|p| p.len() >= len);
+        let coming = self.pending.as_ref().is_some_and(|(n, _)| *n >= len);
+        if !pinned && !coming && self.pending.is_none() {
+            self.pin_later(len);
+        }
+    }
+
     /// The first `len` values of the buffer that the last [`Staging::get`] gave.
     pub(crate) fn current(&self, len: usize) -> &[T] {
         match (&self.pinned, self.on_pinned) {
