@@ -102,9 +102,11 @@ impl Image {
 
     /// Reads IMAGE, IVAR and MASK (plain or tile-compressed) and applies the mask rule.
     ///
-    /// The three HDUs are read by three threads with their own file handles (cfitsio is
-    /// built reentrant): reading a frame is mostly byte swapping or decompression, and it is
-    /// what limits a node's throughput once extraction runs on GPUs.
+    /// The three HDUs are read at once, each by row ranges on the rank's threads, through
+    /// file handles of their own (cfitsio is built reentrant and shares nothing between
+    /// read-only handles): reading a frame is mostly decompression (DESI's preprocs are
+    /// tile-compressed) or byte swapping, and it limits a node's throughput once extraction
+    /// runs on GPUs.
     pub fn read(path: &Path, rule: MaskRule) -> Result<Self> {
         let mut fits = Fits::open(path)?;
         fits.move_to("IMAGE")?;
@@ -120,15 +122,11 @@ impl Image {
                 message: format!("IMAGE has shape {shape:?}, expected a 2-D image"),
             });
         }
-        let read_hdu = |name: &str| -> Result<Fits> {
-            let mut f = Fits::open(path)?;
-            f.move_to(name)?;
-            Ok(f)
-        };
+        let pieces = rayon::current_num_threads();
         let (pix, ivar, mask) = std::thread::scope(|s| {
-            let pix = s.spawn(|| read_hdu("IMAGE")?.read_image::<f32>());
-            let ivar = s.spawn(|| read_hdu("IVAR")?.read_image::<f32>());
-            let mask = s.spawn(|| read_hdu("MASK")?.read_image::<i32>());
+            let pix = s.spawn(|| Fits::read_image_parallel::<f32>(path, "IMAGE", pieces));
+            let ivar = s.spawn(|| Fits::read_image_parallel::<f32>(path, "IVAR", pieces));
+            let mask = s.spawn(|| Fits::read_image_parallel::<i32>(path, "MASK", pieces));
             (join(pix, path), join(ivar, path), join(mask, path))
         });
         let (_, pix) = pix?;
