@@ -62,6 +62,14 @@ fn join<T>(handle: std::thread::ScopedJoinHandle<'_, Result<T>>, path: &Path) ->
     })
 }
 
+/// Whether the file at `path` is gzip-compressed as a whole (desi_proc's `preproc-*.fits.gz`).
+fn is_gzip(path: &Path) -> bool {
+    let mut magic = [0u8; 2];
+    std::fs::File::open(path)
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+        .is_ok_and(|()| magic == [0x1f, 0x8b])
+}
+
 /// Zeroes the inverse variance of the pixels the mask rules out, and both values of the
 /// pixels that are not finite or have a negative inverse variance; returns the numbers of
 /// each (17 million pixels per DESI frame: in parallel, by rows of 64 KiB).
@@ -122,7 +130,13 @@ impl Image {
                 message: format!("IMAGE has shape {shape:?}, expected a 2-D image"),
             });
         }
-        let pieces = rayon::current_num_threads();
+        // cfitsio inflates a gzip-compressed file whole for every handle that opens it: one
+        // handle per HDU then, not one per row range.
+        let pieces = if is_gzip(path) {
+            1
+        } else {
+            rayon::current_num_threads()
+        };
         let (pix, ivar, mask) = std::thread::scope(|s| {
             let pix = s.spawn(|| Fits::read_image_parallel::<f32>(path, "IMAGE", pieces));
             let ivar = s.spawn(|| Fits::read_image_parallel::<f32>(path, "IVAR", pieces));
@@ -174,6 +188,26 @@ impl Image {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_gzip_compressed_preproc_reads_as_the_plain_one() {
+        // One handle per HDU for a file cfitsio must inflate, row ranges for the others: the
+        // same pixels either way.
+        let dir = tempfile::tempdir().unwrap();
+        let (plain, gz) = (dir.path().join("p.fits"), dir.path().join("p.fits.gz"));
+        let pix = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let ivar = [1.0, 0.5, 0.25, 2.0, 1.0, 4.0];
+        let mask = [0, 0, 0, 0, 256, 8];
+        write(&plain, &pix, &ivar, &mask);
+        write(&gz, &pix, &ivar, &mask);
+        assert!(is_gzip(&gz) && !is_gzip(&plain));
+        let (a, b) = (
+            Image::read(&plain, MaskRule::Bits(767)).unwrap(),
+            Image::read(&gz, MaskRule::Bits(767)).unwrap(),
+        );
+        assert!(a.pix == b.pix && a.ivar == b.ivar);
+        assert_eq!(b.pix.as_slice().unwrap(), &pix);
+    }
 
     fn write(path: &Path, pix: &[f32], ivar: &[f32], mask: &[i32]) {
         let mut f = Fits::create(path).unwrap();
