@@ -8,7 +8,7 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::fits::Fits;
+use crate::fits::{inflate_gzip, is_gzip, Fits, KeepAlive};
 
 /// Which MASK bits make a pixel unusable.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -50,6 +50,10 @@ pub struct Image {
     pub nmasked: usize,
     /// Pixels rejected because IMAGE or IVAR was NaN, infinite or (IVAR) negative.
     pub nnonfinite: usize,
+    /// The inflated bytes of a gzip-compressed file, held with the image so that the frame's
+    /// later reads of the file (header, fibermap) do not inflate it again.
+    #[serde(skip)]
+    pub inflated: KeepAlive,
 }
 
 /// The result of a reader thread; a panic becomes an error naming the file.
@@ -60,14 +64,6 @@ fn join<T>(handle: std::thread::ScopedJoinHandle<'_, Result<T>>, path: &Path) ->
             message: "reader thread panicked".into(),
         })
     })
-}
-
-/// Whether the file at `path` is gzip-compressed as a whole (desi_proc's `preproc-*.fits.gz`).
-fn is_gzip(path: &Path) -> bool {
-    let mut magic = [0u8; 2];
-    std::fs::File::open(path)
-        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
-        .is_ok_and(|()| magic == [0x1f, 0x8b])
 }
 
 /// Zeroes the inverse variance of the pixels the mask rules out, and both values of the
@@ -104,6 +100,7 @@ impl Image {
             header: self.header.clone(),
             pix: Array2::default((0, 0)),
             ivar: Array2::default((0, 0)),
+            inflated: KeepAlive::default(),
             ..*self
         }
     }
@@ -116,7 +113,17 @@ impl Image {
     /// tile-compressed) or byte swapping, and it limits a node's throughput once extraction
     /// runs on GPUs.
     pub fn read(path: &Path, rule: MaskRule) -> Result<Self> {
-        let mut fits = Fits::open(path)?;
+        // A gzip-compressed file is inflated once, here, and every handle reads the bytes.
+        let inflated = if is_gzip(path) {
+            inflate_gzip(path)?
+        } else {
+            None
+        };
+        let open = || match &inflated {
+            Some(bytes) => Fits::open_memory(path, bytes.clone()),
+            None => Fits::open(path),
+        };
+        let mut fits = open()?;
         fits.move_to("IMAGE")?;
         let header = fits
             .cards()?
@@ -131,16 +138,17 @@ impl Image {
             });
         }
         // cfitsio inflates a gzip-compressed file whole for every handle that opens it: one
-        // handle per HDU then, not one per row range.
-        let pieces = if is_gzip(path) {
+        // handle per HDU for one that could not be inflated here.
+        let pieces = if inflated.is_none() && is_gzip(path) {
             1
         } else {
             rayon::current_num_threads()
         };
+        let open = &open;
         let (pix, ivar, mask) = std::thread::scope(|s| {
-            let pix = s.spawn(|| Fits::read_image_parallel::<f32>(path, "IMAGE", pieces));
-            let ivar = s.spawn(|| Fits::read_image_parallel::<f32>(path, "IVAR", pieces));
-            let mask = s.spawn(|| Fits::read_image_parallel::<i32>(path, "MASK", pieces));
+            let pix = s.spawn(move || Fits::read_image_parallel::<f32>(open, "IMAGE", pieces));
+            let ivar = s.spawn(move || Fits::read_image_parallel::<f32>(open, "IVAR", pieces));
+            let mask = s.spawn(move || Fits::read_image_parallel::<i32>(open, "MASK", pieces));
             (join(pix, path), join(ivar, path), join(mask, path))
         });
         let (_, pix) = pix?;
@@ -181,6 +189,7 @@ impl Image {
             has_fibermap,
             nmasked,
             nnonfinite,
+            inflated: KeepAlive(inflated),
         })
     }
 }

@@ -20,8 +20,10 @@ use crate::error::{Error, Result};
 mod checksum;
 mod desi;
 mod gzip;
+mod memory;
 mod table;
 pub use desi::fits_float;
+pub use memory::{inflate_gzip, is_gzip, KeepAlive};
 
 const READONLY: c_int = 0;
 const ANY_HDU: c_int = -1;
@@ -84,6 +86,9 @@ pub struct Fits {
     /// Give every image HDU written from now on the places of its checksum keywords before
     /// its data ([`Fits::reserve_checksums`]).
     reserve_checksums: bool,
+    /// The bytes of a file opened in memory, and the pointer and size cfitsio reads them
+    /// through, kept as long as the handle (boxed: cfitsio keeps their addresses).
+    memory: Option<Box<memory::Bytes>>,
 }
 
 // SAFETY: a cfitsio handle has no affinity to the thread that opened it (cfitsio is built
@@ -163,10 +168,12 @@ impl Fits {
             hdu: "primary".into(),
             gzip: false,
             reserve_checksums: false,
+            memory: None,
         }
     }
 
-    /// Opens an existing file read-only; its name is taken literally.
+    /// Opens an existing file read-only; its name is taken literally. A gzip-compressed file
+    /// is inflated in memory once and shared while it is held (see `memory`).
     pub fn open(path: &Path) -> Result<Self> {
         let opened = |what: &str, message: String| Error::Fits {
             path: path.into(),
@@ -179,6 +186,11 @@ impl Fits {
                 return Err(opened("cannot open", "not a regular file".into()))
             }
             Ok(_) => {}
+        }
+        if is_gzip(path) {
+            if let Some(bytes) = inflate_gzip(path)? {
+                return Fits::open_memory(path, bytes);
+            }
         }
         let name = cstring(&path.to_string_lossy());
         let mut ptr = std::ptr::null_mut();
@@ -433,16 +445,16 @@ impl Fits {
         Ok((shape, data))
     }
 
-    /// [`Fits::read_image`] of HDU `extname` of the file at `path`, by row ranges read at once
-    /// through handles of their own: decompressing a tile-compressed DESI image is what takes
-    /// the time, and cfitsio opens a file again for each read-only handle, so that the
-    /// handles share nothing.
+    /// [`Fits::read_image`] of HDU `extname` of the file that `open` opens, by row ranges
+    /// read at once through handles of their own: decompressing a tile-compressed DESI image
+    /// is what takes the time, and cfitsio opens a file again for each read-only handle, so
+    /// that the handles share nothing.
     pub fn read_image_parallel<T: Element + Send>(
-        path: &Path,
+        open: &(dyn Fn() -> Result<Fits> + Sync),
         extname: &str,
         pieces: usize,
     ) -> Result<(Vec<usize>, Vec<T>)> {
-        let mut fits = Fits::open(path)?;
+        let mut fits = open()?;
         fits.move_to(extname)?;
         let (shape, n) = fits.image_size()?;
         let mut data = fits.buffer::<T>(n, "cannot read image")?;
@@ -456,7 +468,7 @@ impl Fits {
         data.par_chunks_mut(piece)
             .enumerate()
             .try_for_each(|(k, part)| {
-                let mut fits = Fits::open(path)?;
+                let mut fits = open()?;
                 fits.move_to(extname)?;
                 fits.read_pixels(k * piece, part)
             })?;
@@ -693,20 +705,32 @@ mod tests {
 
     #[test]
     fn images_read_by_row_ranges_equal_whole_reads() {
-        // A tile-compressed DESI preproc, read in uneven pieces and whole.
+        // A tile-compressed DESI preproc, read in uneven pieces (from the file, and from its
+        // gzip compression inflated in memory) and whole.
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/preproc-bundle0.fits");
-        for (hdu, pieces) in [("IMAGE", 7), ("IVAR", 1), ("MASK", 64)] {
+        let dir = tempfile::tempdir().unwrap();
+        let gz = dir.path().join("p.fits.gz");
+        std::fs::copy(&path, &gz).unwrap();
+        gzip::compress_in_place(&gz).unwrap();
+        let inflated = inflate_gzip(&gz).unwrap().expect("a gzip file");
+        assert_eq!(*inflated, std::fs::read(&path).unwrap());
+        assert!(inflate_gzip(&path).unwrap().is_none());
+        let from_file = || Fits::open(&path);
+        let from_memory = || Fits::open_memory(&gz, inflated.clone());
+        let opens: [&(dyn Fn() -> Result<Fits> + Sync); 2] = [&from_file, &from_memory];
+        for ((hdu, pieces), open) in [("IMAGE", 7), ("IVAR", 1), ("MASK", 64)]
+            .into_iter()
+            .flat_map(|h| opens.iter().map(move |o| (h, *o)))
+        {
             let mut fits = Fits::open(&path).unwrap();
             fits.move_to(hdu).unwrap();
             if hdu == "MASK" {
                 let whole = fits.read_image::<i32>().unwrap();
-                assert_eq!(
-                    Fits::read_image_parallel::<i32>(&path, hdu, pieces).unwrap(),
-                    whole
-                );
+                let parts = Fits::read_image_parallel::<i32>(open, hdu, pieces).unwrap();
+                assert_eq!(parts, whole);
             } else {
                 let (shape, whole) = fits.read_image::<f32>().unwrap();
-                let (s, parts) = Fits::read_image_parallel::<f32>(&path, hdu, pieces).unwrap();
+                let (s, parts) = Fits::read_image_parallel::<f32>(open, hdu, pieces).unwrap();
                 assert_eq!(s, shape);
                 assert!(whole
                     .iter()

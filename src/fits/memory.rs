@@ -1,0 +1,195 @@
+//! FITS files read from memory: a gzip-compressed file (desi_proc's `preproc-*.fits.gz`) is
+//! inflated once, by libdeflate, and then opened by as many read-only handles as there are
+//! threads reading it. cfitsio, given the file itself, would inflate all of it again for every
+//! handle, on one thread each: a frame's preproc is opened for its pixels, its header, its
+//! fibermap and the copy of the fibermap into the frame.
+//!
+//! Inflated files are shared through a registry of weak references: while anything holds the
+//! bytes of a file (a [`KeepAlive`] of the image read from it, an open handle), opening the
+//! same unchanged file again reuses them.
+
+use std::ffi::c_void;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::SystemTime;
+
+use fitsio::sys;
+
+use super::{cstring, failure_message, run, Fits, READONLY};
+use crate::error::{Error, Result};
+
+/// A file's bytes and the pointer and size through which cfitsio reads them.
+pub(super) struct Bytes {
+    _bytes: Arc<Vec<u8>>,
+    ptr: *mut c_void,
+    size: usize,
+}
+
+// SAFETY: the pointer addresses the bytes this value keeps alive, which nobody writes.
+unsafe impl Send for Bytes {}
+
+/// The bytes of an inflated file, kept alive by whoever holds this (e.g. the image read from
+/// it, until its frame is written), so that later opens of the file reuse them.
+#[derive(Clone, Default)]
+pub struct KeepAlive(pub Option<Arc<Vec<u8>>>);
+
+impl std::fmt::Debug for KeepAlive {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.0 {
+            Some(bytes) => write!(f, "KeepAlive({} bytes)", bytes.len()),
+            None => write!(f, "KeepAlive(none)"),
+        }
+    }
+}
+
+/// A file as it was when inflated: path, length and modification time.
+type Identity = (PathBuf, u64, Option<SystemTime>);
+
+/// Files inflated and still held somewhere.
+static INFLATED: Mutex<Vec<(Identity, Weak<Vec<u8>>)>> = Mutex::new(Vec::new());
+
+fn identity(path: &Path) -> Option<Identity> {
+    let meta = std::fs::metadata(path).ok()?;
+    Some((path.into(), meta.len(), meta.modified().ok()))
+}
+
+/// The live inflated bytes of the file `id`, forgetting those nobody holds any more.
+fn lookup(id: &Identity) -> Option<Arc<Vec<u8>>> {
+    let mut table = INFLATED.lock().unwrap_or_else(PoisonError::into_inner);
+    table.retain(|(_, weak)| weak.strong_count() > 0);
+    table
+        .iter()
+        .find(|(known, _)| known == id)
+        .and_then(|(_, weak)| weak.upgrade())
+}
+
+/// The contents of the gzip-compressed file at `path`, inflated (or as inflated before, while
+/// they are held); `None` when the file is not gzip-compressed, or not as one member whose
+/// size its trailer gives (cfitsio then reads it the slow way, with the same result).
+pub fn inflate_gzip(path: &Path) -> Result<Option<Arc<Vec<u8>>>> {
+    let id = identity(path);
+    if let Some(bytes) = id.as_ref().and_then(lookup) {
+        return Ok(Some(bytes));
+    }
+    let inflated = inflate_file(path)?.map(Arc::new);
+    if let (Some(id), Some(bytes)) = (id, &inflated) {
+        let mut table = INFLATED.lock().unwrap_or_else(PoisonError::into_inner);
+        table.push((id, Arc::downgrade(bytes)));
+    }
+    Ok(inflated)
+}
+
+/// Whether the file at `path` starts as a gzip stream does.
+pub fn is_gzip(path: &Path) -> bool {
+    let mut magic = [0u8; 2];
+    std::fs::File::open(path)
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+        .is_ok_and(|()| magic == [0x1f, 0x8b])
+}
+
+/// [`inflate_gzip`] without the registry.
+fn inflate_file(path: &Path) -> Result<Option<Vec<u8>>> {
+    let compressed = std::fs::read(path).map_err(|source| Error::Io {
+        path: path.into(),
+        source,
+    })?;
+    if !compressed.starts_with(&[0x1f, 0x8b]) || compressed.len() < 18 {
+        return Ok(None);
+    }
+    let trailer = &compressed[compressed.len() - 4..];
+    let size = u32::from_le_bytes([trailer[0], trailer[1], trailer[2], trailer[3]]) as usize;
+    // deflate compresses at most 1032:1; a trailer beyond that is not this file's size
+    if size == 0 || size / 1032 > compressed.len() {
+        return Ok(None);
+    }
+    let Some(mut bytes) = zeroed(size) else {
+        return Ok(None);
+    };
+    let inflated = libdeflater::Decompressor::new().gzip_decompress(&compressed, &mut bytes);
+    Ok(match inflated {
+        Ok(n) if n == size => Some(bytes),
+        _ => None,
+    })
+}
+
+/// `len` zero bytes, `None` if they cannot be allocated. Zeroed memory comes from the system
+/// untouched, so that a size read from a damaged trailer costs nothing until written.
+fn zeroed(len: usize) -> Option<Vec<u8>> {
+    let layout = std::alloc::Layout::array::<u8>(len).ok()?;
+    // SAFETY: `layout` has a nonzero size (`len` > 0, checked by the caller).
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+    if ptr.is_null() {
+        return None;
+    }
+    // SAFETY: `ptr` was allocated by the global allocator with this layout (capacity `len`)
+    // and its `len` bytes are initialised (zero).
+    Some(unsafe { Vec::from_raw_parts(ptr, len, len) })
+}
+
+impl Fits {
+    /// Opens the FITS file whose bytes are `bytes` read-only, `path` naming it in messages.
+    pub fn open_memory(path: &Path, bytes: Arc<Vec<u8>>) -> Result<Self> {
+        let mut memory = Box::new(Bytes {
+            ptr: bytes.as_ptr() as *mut c_void,
+            size: bytes.len(),
+            _bytes: bytes,
+        });
+        let name = cstring(&path.to_string_lossy());
+        let mut ptr = std::ptr::null_mut();
+        // SAFETY: `name` is NUL-terminated and outlives the call; cfitsio keeps the addresses
+        // of `memory.ptr` and `memory.size`, which the box keeps in place for as long as the
+        // handle (the returned value owns both), and reads the bytes only (read-only mode,
+        // no reallocation function).
+        run(|status| unsafe {
+            sys::ffomem(
+                &mut ptr,
+                name.as_ptr(),
+                READONLY,
+                &mut memory.ptr,
+                &mut memory.size,
+                0,
+                None,
+                status,
+            );
+        })
+        .map_err(|(status, cause)| Error::Fits {
+            path: path.into(),
+            what: "cannot open".into(),
+            message: failure_message(status, cause),
+        })?;
+        let mut fits = Fits::new(ptr, path);
+        fits.memory = Some(memory);
+        Ok(fits)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_inflated_file_is_shared_while_held_and_inflated_again_when_it_changed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.fits.gz");
+        let mut f = Fits::create(&path).unwrap();
+        f.write_image("IMAGE", &[2, 2], &[1f32, 2.0, 3.0, 4.0])
+            .unwrap();
+        f.close().unwrap();
+        assert!(is_gzip(&path));
+        let a = inflate_gzip(&path).unwrap().expect("inflated");
+        let b = inflate_gzip(&path).unwrap().expect("inflated");
+        assert!(Arc::ptr_eq(&a, &b), "a held file is inflated once");
+        let mut opened = Fits::open(&path).unwrap();
+        opened.move_to("IMAGE").unwrap();
+        assert_eq!(opened.read_image::<f32>().unwrap().1, [1.0, 2.0, 3.0, 4.0]);
+        drop((a, b, opened));
+        // rewritten with other pixels (and so another size or time): read afresh
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let mut f = Fits::create(&path).unwrap();
+        f.write_image("IMAGE", &[1, 3], &[5f32, 6.0, 7.0]).unwrap();
+        f.close().unwrap();
+        let mut opened = Fits::open(&path).unwrap();
+        opened.move_to("IMAGE").unwrap();
+        assert_eq!(opened.read_image::<f32>().unwrap().1, [5.0, 6.0, 7.0]);
+    }
+}
