@@ -56,17 +56,23 @@ fn solve_options(regularize: f64, model: bool) -> SolveOptions {
     }
 }
 
+/// The CPU reference's results for every patch of `input`'s plan.
+fn cpu_results(input: FrameInput<'_>) -> Vec<PatchResult> {
+    CpuBackend::new(0)
+        .unwrap()
+        .extract(input, &input.plan.patches, &Progress::silent())
+        .unwrap()
+}
+
 /// The GPU's and the CPU reference's results for every patch of `input`'s plan.
 fn solve_both(
     gpu: &mut CudaBackend,
     input: FrameInput<'_>,
 ) -> (Vec<PatchResult>, Vec<PatchResult>) {
-    let patches = &input.plan.patches;
-    let cpu = CpuBackend::new(0)
-        .unwrap()
-        .extract(input, patches, &Progress::silent())
+    let cpu = cpu_results(input);
+    let g = gpu
+        .extract(input, &input.plan.patches, &Progress::silent())
         .unwrap();
-    let g = gpu.extract(input, patches, &Progress::silent()).unwrap();
     (g, cpu)
 }
 
@@ -190,10 +196,7 @@ fn every_route_matches_the_cpu_reference() {
         image: &image,
         options: &options,
     };
-    let cpu = CpuBackend::new(0)
-        .unwrap()
-        .extract(input, &plan.patches, &Progress::silent())
-        .unwrap();
+    let cpu = cpu_results(input);
     for (solve, route) in [
         (cuda::Solve::Dense, cuda::Route::Polar),
         (cuda::Solve::Dense, cuda::Route::Jacobi),
@@ -454,10 +457,7 @@ fn regularised_retry_matches_the_cpu_on_both_routes() {
         image: &image,
         options: &options,
     };
-    let cpu = CpuBackend::new(0)
-        .unwrap()
-        .extract(input, &plan.patches, &Progress::silent())
-        .unwrap();
+    let cpu = cpu_results(input);
     let regularized = cpu
         .iter()
         .filter(|r| r.status == PatchStatus::Regularized)
