@@ -252,6 +252,38 @@ fn blocks_beyond_the_tile_kernels_take_the_dense_and_jacobi_routes() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn blocks_beyond_the_shared_memory_are_solved_on_the_cpu() {
+    // 94 output bins and 12 of padding on each side: blocks of 118 bins, whose Jacobi
+    // decorrelation needs more shared memory than an H100 (or an A100) gives a block; the
+    // backend solves them with the CPU reference instead of failing at the launch.
+    let mut gpu = backend();
+    let psf = psf();
+    let mut options = PlanOptions::new(6000.0, 6150.4, 0.8, 0, 25);
+    options.layout.nwavestep = 94;
+    let plan = Plan::new(options).unwrap();
+    assert_eq!(plan.nwavetot, 118);
+    let image = synthetic_image(&psf, &plan, 19);
+    let options = solve_options(0.0, false);
+    let input = FrameInput {
+        plan: &plan,
+        psf: &psf,
+        image: &image,
+        options: &options,
+    };
+    let (g, cpu) = solve_both(&mut gpu, input);
+    assert_agree(&g, &cpu);
+    let t = gpu.timings();
+    say(&format!(
+        "blocks of {}: {} of {} patches on the CPU",
+        plan.nwavetot,
+        t.cpu_fallback,
+        plan.patches.len()
+    ));
+    assert_eq!(t.cpu_fallback, plan.patches.len());
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn schur_route_sends_coupled_patches_to_the_reference() {
     // Walked in fiber order along the CCD, a patch's icov is block-tridiagonal up to the stamps'
     // tails (below 1e-12 relative, as the CPU backend measures): no patch goes to the

@@ -238,6 +238,21 @@ impl Device {
         self.stream.cu_stream()
     }
 
+    /// The most shared memory a block may ask for, in bytes.
+    pub(crate) fn max_shared_per_block(&self) -> Result<usize> {
+        let what = || error::driver(format!("device {}: shared memory", self.ordinal));
+        let dev = drv::device::get(self.ordinal as i32).map_err(what())?;
+        // SAFETY: `dev` comes from cuDeviceGet; a plain attribute query.
+        let bytes = unsafe {
+            drv::device::get_attribute(
+                dev,
+                drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+        }
+        .map_err(what())?;
+        Ok(bytes.max(0) as usize)
+    }
+
     /// Free and total device memory in bytes.
     pub(crate) fn mem_info(&self) -> Result<(usize, usize)> {
         drv::mem_get_info().map_err(error::driver("cuMemGetInfo"))

@@ -157,6 +157,14 @@ pub(crate) fn eye(g: Gpu<'_>, x: &DevBuf<f64>, n: usize, count: usize) -> Result
 /// plus one, run up to it; larger blocks take the Jacobi and dense routes.
 pub(crate) const TILE_MAX_ORDER: usize = 80;
 
+/// Shared memory of the Jacobi kernel for blocks of order `n`: every block size the GPU
+/// decorrelates must fit it, as the route of last resort.
+pub(crate) fn jacobi_smem(n: usize) -> usize {
+    let npair = n.div_ceil(2);
+    let ints = 2 * npair + 2 + npair * (npair + 1);
+    (2 * n * n + 2 * npair + 2 * n + 32) * 8 + ints * 4
+}
+
 /// Shared memory of the polar kernel for blocks of order `n`.
 fn polar_smem(n: usize) -> usize {
     let nn = n.div_ceil(8) * 8;
@@ -227,8 +235,7 @@ pub(crate) fn jacobi(
     let sh = g.sh;
     let n = sh.nt;
     let npair = n.div_ceil(2);
-    let ints = 2 * npair + 2 + npair * (npair + 1);
-    let smem = (2 * n * n + 2 * npair + 2 * n + 32) * 8 + ints * 4;
+    let smem = jacobi_smem(n);
     let rows = (threads / npair as u32).max(1);
     launch(
         g.dev,

@@ -265,6 +265,31 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// Solves the patches with the CPU reference: blocks of `sh.nt` bins are beyond what
+    /// the device's shared memory allows its decorrelation kernels.
+    fn extract_on_cpu(
+        &mut self,
+        input: FrameInput<'_>,
+        patches: &[Patch],
+        progress: &Progress,
+        sh: &Shape,
+    ) -> Result<Vec<PatchResult>> {
+        tracing::warn!(
+            "patches of {} bins are too large for the decorrelation kernels of {}: solved on \
+             the CPU (fewer --nwavestep or --wavepad bins keep them on the GPU)",
+            sh.nt,
+            self.dev.name
+        );
+        self.timings = GpuTimings {
+            patches: patches.len(),
+            cpu_fallback: patches.len(),
+            ..GpuTimings::default()
+        };
+        crate::backend::cpu::CpuBackend::new(0)?.extract(input, patches, progress)
+    }
+}
+
 impl Backend for CudaBackend {
     fn describe(&self) -> String {
         format!(
@@ -296,6 +321,9 @@ impl Backend for CudaBackend {
             return Ok(Vec::new());
         }
         let sh = Shape::new(&input, patches);
+        if launchers::jacobi_smem(sh.nt) > self.dev.max_shared_per_block()? {
+            return self.extract_on_cpu(input, patches, progress, &sh);
+        }
         // Patches of a bundle together, so that a chunk evaluates the spots of few bundles.
         let mut order: BTreeMap<(usize, usize), usize> = BTreeMap::new();
         for (i, p) in patches.iter().enumerate() {
