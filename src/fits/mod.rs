@@ -4,16 +4,20 @@
 //! and a failure of the operating system (a full disk, a permission) keeps its cause.
 //!
 //! File names are taken literally: `out[1].fits` is a file of that name, never cfitsio's
-//! "HDU 1 of out.fits"; a new file whose name ends in `.gz` is compressed when closed. Every
-//! cfitsio function is called from one place only, [`Fits::call`] or a free function beside
-//! it, each with the reason it is sound.
+//! "HDU 1 of out.fits"; a new file whose name ends in `.gz` is compressed when closed, and a
+//! gzip-compressed file is read from memory, inflated once. Every cfitsio function is called
+//! from one place only, [`Fits::call`] or a free function beside it, each with the reason it
+//! is sound.
+//!
+//! Submodules: `pixels` (image reads, by row ranges in parallel), `memory` (gzip files
+//! inflated once and shared), `checksum` (CHECKSUM/DATASUM), `gzip` (compression of written
+//! files), `desi` (what desispec's files carry besides arrays), `table` (binary tables).
 
 use std::ffi::{c_char, c_int, c_long, c_void, CString};
 use std::path::{Path, PathBuf};
 
 use fitsio::sys;
 use ndarray::{ArrayView, Dimension};
-use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 
@@ -21,6 +25,7 @@ mod checksum;
 mod desi;
 mod gzip;
 mod memory;
+mod pixels;
 mod table;
 pub use desi::fits_float;
 pub use memory::{inflate_gzip, is_gzip, KeepAlive};
@@ -422,80 +427,6 @@ impl Fits {
             .map_err(|_| self.error(what, format!("{n} elements do not fit in memory")))?;
         data.resize(n, T::default());
         Ok(data)
-    }
-
-    /// The shape of the current image and its number of pixels.
-    fn image_size(&mut self) -> Result<(Vec<usize>, usize)> {
-        let shape = self.image_shape()?;
-        let n = shape
-            .iter()
-            .try_fold(1usize, |a, &b| a.checked_mul(b))
-            .ok_or_else(|| {
-                self.error("cannot read image", format!("shape {shape:?} is too large"))
-            })?;
-        Ok((shape, n))
-    }
-
-    /// Reads the whole current image, converted to `T`, in C order. Undefined pixels
-    /// (BLANK, or the NaNs of a tile-compressed floating image) read as [`Element::UNDEFINED`].
-    pub fn read_image<T: Element>(&mut self) -> Result<(Vec<usize>, Vec<T>)> {
-        let (shape, n) = self.image_size()?;
-        let mut data = self.buffer::<T>(n, "cannot read image")?;
-        self.read_pixels(0, &mut data)?;
-        Ok((shape, data))
-    }
-
-    /// [`Fits::read_image`] of HDU `extname` of the file that `open` opens, by row ranges
-    /// read at once through handles of their own: decompressing a tile-compressed DESI image
-    /// is what takes the time, and cfitsio opens a file again for each read-only handle, so
-    /// that the handles share nothing.
-    pub fn read_image_parallel<T: Element + Send>(
-        open: &(dyn Fn() -> Result<Fits> + Sync),
-        extname: &str,
-        pieces: usize,
-    ) -> Result<(Vec<usize>, Vec<T>)> {
-        let mut fits = open()?;
-        fits.move_to(extname)?;
-        let (shape, n) = fits.image_size()?;
-        let mut data = fits.buffer::<T>(n, "cannot read image")?;
-        drop(fits);
-        let rows = shape.first().copied().unwrap_or(0).max(1);
-        let row_len = n / rows;
-        let piece = rows.div_ceil(pieces.max(1)).max(1) * row_len;
-        if piece == 0 {
-            return Ok((shape, data));
-        }
-        data.par_chunks_mut(piece)
-            .enumerate()
-            .try_for_each(|(k, part)| {
-                let mut fits = open()?;
-                fits.move_to(extname)?;
-                fits.read_pixels(k * piece, part)
-            })?;
-        Ok((shape, data))
-    }
-
-    /// Reads `out.len()` pixels of the current image from pixel `first` (0-based, C order).
-    fn read_pixels<T: Element>(&mut self, first: usize, out: &mut [T]) -> Result<()> {
-        if out.is_empty() {
-            return Ok(());
-        }
-        let mut undefined = T::UNDEFINED;
-        let mut anynul = 0;
-        // SAFETY: `out` holds `out.len()` elements of the type DATATYPE names, `undefined` is
-        // of that type too, and both outlive the call.
-        self.call("cannot read image", |ptr, status| unsafe {
-            sys::ffgpv(
-                ptr,
-                T::DATATYPE,
-                first as i64 + 1,
-                out.len() as i64,
-                &mut undefined as *mut T as *mut c_void,
-                out.as_mut_ptr() as *mut c_void,
-                &mut anynul,
-                status,
-            );
-        })
     }
 
     /// Appends an image HDU holding `array`, its axes in FITS order (the last axis varies
