@@ -220,19 +220,17 @@ fn every_route_matches_the_cpu_reference() {
     gpu.set_route(cuda::Route::Polar);
 }
 
-#[test]
-#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
-fn blocks_beyond_the_tile_kernels_take_the_dense_and_jacobi_routes() {
-    // 90 output bins and 12 of padding on each side: blocks of 114 bins, past the tile
-    // kernels' largest order (80), so the default Schur and polar routes give way to the
-    // dense route and the Jacobi decorrelation, which agree with the CPU.
-    let mut gpu = backend();
+/// Solves two patches of `nwavestep` output bins (and 12 of padding on each side) per
+/// sub-bundle of one bundle on the GPU, checks them against the CPU and returns the backend's
+/// timings.
+fn wide_patches_agree(gpu: &mut CudaBackend, nwavestep: usize, seed: u64) -> cuda::GpuTimings {
     let psf = psf();
-    let mut options = PlanOptions::new(6000.0, 6143.2, 0.8, 0, 25);
-    options.layout.nwavestep = 90;
+    let wmax = 6000.0 + 0.8 * (2 * nwavestep - 1) as f64;
+    let mut options = PlanOptions::new(6000.0, wmax, 0.8, 0, 25);
+    options.layout.nwavestep = nwavestep;
     let plan = Plan::new(options).unwrap();
-    assert_eq!(plan.nwavetot, 114);
-    let image = synthetic_image(&psf, &plan, 17);
+    assert_eq!(plan.nwavetot, nwavestep + 24);
+    let image = synthetic_image(&psf, &plan, seed);
     let options = solve_options(0.0, false);
     let input = FrameInput {
         plan: &plan,
@@ -240,46 +238,39 @@ fn blocks_beyond_the_tile_kernels_take_the_dense_and_jacobi_routes() {
         image: &image,
         options: &options,
     };
-    let (g, cpu) = solve_both(&mut gpu, input);
+    let (g, cpu) = solve_both(gpu, input);
     assert_agree(&g, &cpu);
-    let t = gpu.timings();
+    let t = gpu.timings().clone();
     say(&format!(
-        "blocks of {}: dense route {}, polar blocks {}, Jacobi sweeps at most {}",
-        plan.nwavetot, t.dense_route, t.polar_blocks, t.max_sweeps
+        "blocks of {}: dense route {}, polar blocks {}, Jacobi sweeps at most {}, {} of {} patches on the CPU",
+        plan.nwavetot,
+        t.dense_route,
+        t.polar_blocks,
+        t.max_sweeps,
+        t.cpu_fallback,
+        plan.patches.len()
     ));
-    assert!(t.dense_route && t.polar_blocks == 0 && t.max_sweeps > 0);
+    assert_eq!(t.patches, plan.patches.len());
+    t
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn blocks_beyond_the_tile_kernels_take_the_dense_and_jacobi_routes() {
+    // Blocks of 114 bins, past the tile kernels' largest order (80): the default Schur and
+    // polar routes give way to the dense route and the Jacobi decorrelation.
+    let t = wide_patches_agree(&mut backend(), 90, 17);
+    assert!(t.dense_route && t.polar_blocks == 0 && t.max_sweeps > 0 && t.cpu_fallback == 0);
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn blocks_beyond_the_shared_memory_are_solved_on_the_cpu() {
-    // 94 output bins and 12 of padding on each side: blocks of 118 bins, whose Jacobi
-    // decorrelation needs more shared memory than an H100 (or an A100) gives a block; the
-    // backend solves them with the CPU reference instead of failing at the launch.
-    let mut gpu = backend();
-    let psf = psf();
-    let mut options = PlanOptions::new(6000.0, 6150.4, 0.8, 0, 25);
-    options.layout.nwavestep = 94;
-    let plan = Plan::new(options).unwrap();
-    assert_eq!(plan.nwavetot, 118);
-    let image = synthetic_image(&psf, &plan, 19);
-    let options = solve_options(0.0, false);
-    let input = FrameInput {
-        plan: &plan,
-        psf: &psf,
-        image: &image,
-        options: &options,
-    };
-    let (g, cpu) = solve_both(&mut gpu, input);
-    assert_agree(&g, &cpu);
-    let t = gpu.timings();
-    say(&format!(
-        "blocks of {}: {} of {} patches on the CPU",
-        plan.nwavetot,
-        t.cpu_fallback,
-        plan.patches.len()
-    ));
-    assert_eq!(t.cpu_fallback, plan.patches.len());
+    // Blocks of 118 bins, whose Jacobi decorrelation needs more shared memory than an H100
+    // (or an A100) gives a block: the backend solves them with the CPU reference instead of
+    // failing at the launch.
+    let t = wide_patches_agree(&mut backend(), 94, 19);
+    assert_eq!(t.cpu_fallback, t.patches);
 }
 
 #[test]
