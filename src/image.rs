@@ -113,16 +113,11 @@ impl Image {
     /// tile-compressed) or byte swapping, and it limits a node's throughput once extraction
     /// runs on GPUs.
     pub fn read(path: &Path, rule: MaskRule) -> Result<Self> {
-        // A gzip-compressed file is inflated once, here, and every handle reads the bytes.
-        let inflated = if is_gzip(path) {
-            inflate_gzip(path)?
-        } else {
-            None
-        };
-        let open = || match &inflated {
-            Some(bytes) => Fits::open_memory(path, bytes.clone()),
-            None => Fits::open(path),
-        };
+        // A gzip-compressed file is inflated once, here; while the image holds the bytes,
+        // every handle `Fits::open` gives on the file reads them.
+        let gzip = is_gzip(path);
+        let inflated = if gzip { inflate_gzip(path)? } else { None };
+        let open = || Fits::open(path);
         let mut fits = open()?;
         fits.move_to("IMAGE")?;
         let header = fits
@@ -139,7 +134,7 @@ impl Image {
         }
         // cfitsio inflates a gzip-compressed file whole for every handle that opens it: one
         // handle per HDU for one that could not be inflated here.
-        let pieces = if inflated.is_none() && is_gzip(path) {
+        let pieces = if gzip && inflated.is_none() {
             1
         } else {
             rayon::current_num_threads()

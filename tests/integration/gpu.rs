@@ -106,18 +106,24 @@ fn kernels_compile_without_a_gpu() {
     // architectures of the DESI machines (A100, H100) and for sm_75, where the tensor-core
     // products take their shuffle fallback (the oldest architecture CUDA 13 still targets).
     for arch in ["sm_75", "sm_80", "sm_90"] {
-        for (name, src, kernels) in cuda::SOURCES {
-            let code = cuda::compile(name, src, arch).unwrap_or_else(|e| panic!("{e}"));
+        assert_kernels_compile(arch);
+    }
+}
+
+/// Every source compiles afresh (not from the kernel cache) into CUBIN for `arch`, holding
+/// every kernel it defines.
+fn assert_kernels_compile(arch: &str) {
+    for (name, src, kernels) in cuda::SOURCES {
+        let code = cuda::compile(name, src, arch).unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            code.starts_with(b"\x7fELF"),
+            "{name}: not a CUBIN for {arch}"
+        );
+        for k in *kernels {
             assert!(
-                code.starts_with(b"\x7fELF"),
-                "{name}: not a CUBIN for {arch}"
+                code.windows(k.len()).any(|w| w == k.as_bytes()),
+                "{name}: kernel {k} missing from the CUBIN for {arch}"
             );
-            for k in *kernels {
-                assert!(
-                    code.windows(k.len()).any(|w| w == k.as_bytes()),
-                    "{name}: kernel {k} missing from the CUBIN for {arch}"
-                );
-            }
         }
     }
 }
@@ -125,8 +131,7 @@ fn kernels_compile_without_a_gpu() {
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn kernels_compile_with_nvrtc() {
-    // Every source, compiled afresh (not from the kernel cache) into CUBIN for device 0's
-    // architecture.
+    // For device 0's architecture.
     let d = backend().describe();
     say(&format!("compiling for {d}"));
     let (_, a) = d
@@ -134,17 +139,10 @@ fn kernels_compile_with_nvrtc() {
         .expect("the description names the architecture");
     let a = a.trim_end_matches(')');
     let (maj, min) = a.split_at(a.len() - 1);
-    let arch = cuda::arch_name((maj.parse().unwrap(), min.parse().unwrap()));
-    for (name, src, kernels) in cuda::SOURCES {
-        let code = cuda::compile(name, src, arch).unwrap_or_else(|e| panic!("{e}"));
-        assert!(code.starts_with(b"\x7fELF"), "{name}: not a CUBIN");
-        for k in *kernels {
-            assert!(
-                code.windows(k.len()).any(|w| w == k.as_bytes()),
-                "{name}: kernel {k} missing from the CUBIN"
-            );
-        }
-    }
+    assert_kernels_compile(cuda::arch_name((
+        maj.parse().unwrap(),
+        min.parse().unwrap(),
+    )));
 }
 
 #[test]

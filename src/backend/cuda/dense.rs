@@ -83,25 +83,61 @@ pub(crate) fn factorize(
     let mut masked = vec![0i32; n];
     dev.copy_from(&mut masked, ws.masked.get(), 0, "masked flags")?;
     dev.sync("masked flags")?;
-    let failed: Vec<usize> = (0..n).filter(|&i| info[i] != 0 && masked[i] == 0).collect();
-    let mut status = vec![PatchStatus::Ok; n];
-    let mut to_cpu = Vec::new();
+    let first = Attempt {
+        patches,
+        info: &info,
+        masked,
+        regularize,
+    };
+    retry_failures(g, ws, region, first, |failed, _ids| {
+        let info2 = potrf(dev, g.sh, ws.icov.get(), failed)?;
+        Ok(info2.iter().map(|&v| v == 0).collect())
+    })
+}
+
+/// The first factorisation of a chunk's live patches, by either route.
+pub(crate) struct Attempt<'a> {
+    pub patches: &'a [&'a Patch],
+    /// Nonzero where the factorisation failed.
+    pub info: &'a [i32],
+    /// Nonzero where a patch has no weight at all (its failure does not count).
+    pub masked: Vec<i32>,
+    pub regularize: f64,
+}
+
+/// DESIGN step 2's retry, the same on both routes: the patches whose first factorisation
+/// failed are assembled again with regularize 1e-4 and `retry` factorises them once more
+/// (given their indices and their list on the device; it returns, for each, whether it
+/// succeeded). A second failure, or a first one already under that regularisation, goes to
+/// the CPU reference.
+pub(crate) fn retry_failures(
+    g: Gpu<'_>,
+    ws: &Workspace,
+    region: Region,
+    first: Attempt<'_>,
+    retry: impl FnOnce(&[usize], &DevBuf<i32>) -> Result<Vec<bool>>,
+) -> Result<Factorization> {
+    let n = first.patches.len();
+    let failed: Vec<usize> = (0..n)
+        .filter(|&i| first.info[i] != 0 && first.masked[i] == 0)
+        .collect();
     for &i in &failed {
         tracing::debug!(
-            "patch fibers {:?} bins {:?}: Cholesky failed (minor {}), retrying with regularize {RETRY_REGULARIZE}",
-            patches[i].fibers,
-            patches[i].waves,
-            info[i]
+            "patch fibers {:?} bins {:?}: icov not positive definite (info {}), retrying with regularize {RETRY_REGULARIZE}",
+            first.patches[i].fibers,
+            first.patches[i].waves,
+            first.info[i]
         );
     }
-    if !failed.is_empty() && regularize == RETRY_REGULARIZE {
+    let mut status = vec![PatchStatus::Ok; n];
+    let mut to_cpu = Vec::new();
+    if !failed.is_empty() && first.regularize == RETRY_REGULARIZE {
         to_cpu = failed.clone();
     } else if !failed.is_empty() {
-        // The list stays alive until the factorisation below has synchronised.
-        let _ids = reassemble_regularized(g, ws, region, &failed)?;
-        let info2 = potrf(dev, g.sh, ws.icov.get(), &failed)?;
-        for (j, &i) in failed.iter().enumerate() {
-            if info2[j] == 0 {
+        // The list stays alive until the retry has synchronised.
+        let ids = reassemble_regularized(g, ws, region, &failed)?;
+        for (&i, ok) in failed.iter().zip(retry(&failed, &ids)?) {
+            if ok {
                 status[i] = PatchStatus::Regularized;
             } else {
                 to_cpu.push(i);
@@ -110,7 +146,7 @@ pub(crate) fn factorize(
     }
     Ok(Factorization {
         status,
-        masked,
+        masked: first.masked,
         to_cpu,
         retried: failed.len(),
     })

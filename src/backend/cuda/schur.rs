@@ -15,14 +15,12 @@
 //! dense route's cuSOLVER lower triangle): a block in the other triangle is read as its stored
 //! transpose, row-wise for coalesced loads, and transposed in shared memory.
 
-use super::dense::{reassemble_regularized, Factorization};
+use super::dense::{retry_failures, Attempt, Factorization};
 use super::device::DevBuf;
 use super::kernels::{launch, Args};
 use super::launchers::Gpu;
 use super::workspace::{Region, Workspace};
-use crate::backend::cpu::RETRY_REGULARIZE;
 use crate::error::Result;
-use crate::extract::PatchStatus;
 use crate::plan::Patch;
 
 /// Launches the sweeps and the combine for `count` patches (`ids`, or the first `count`).
@@ -118,32 +116,21 @@ pub(crate) fn factorize(
         "second-neighbour coupling",
     )?;
     dev.sync("Schur sweeps")?;
-    let failed: Vec<usize> = (0..n).filter(|&i| info[i] != 0 && masked[i] == 0).collect();
-    let mut status = vec![PatchStatus::Ok; n];
-    let mut to_cpu = Vec::new();
-    for &i in &failed {
-        tracing::debug!(
-            "patch fibers {:?} bins {:?}: icov not positive definite, retrying with regularize {RETRY_REGULARIZE}",
-            patches[i].fibers,
-            patches[i].waves,
-        );
-    }
-    if !failed.is_empty() && regularize == RETRY_REGULARIZE {
-        to_cpu = failed.clone();
-    } else if !failed.is_empty() {
-        let ids_dev = reassemble_regularized(g, ws, region, &failed)?;
+    let first = Attempt {
+        patches,
+        info: &info,
+        masked,
+        regularize,
+    };
+    let mut fact = retry_failures(g, ws, region, first, |failed, ids| {
+        let mut again = vec![0i32; n];
         dev.zero_prefix(ws.info.get(), n)?;
-        sweep(g, ws, failed.len(), Some(&ids_dev))?;
-        dev.copy_from(&mut info, ws.info.get(), 0, "sweep verdicts")?;
+        sweep(g, ws, failed.len(), Some(ids))?;
+        dev.copy_from(&mut again, ws.info.get(), 0, "sweep verdicts")?;
         dev.sync("Schur sweeps of the retried patches")?;
-        for &i in &failed {
-            if info[i] == 0 {
-                status[i] = PatchStatus::Regularized;
-            } else {
-                to_cpu.push(i);
-            }
-        }
-    }
+        Ok(failed.iter().map(|&i| again[i] == 0).collect())
+    })?;
+    let (masked, to_cpu) = (&fact.masked, &fact.to_cpu);
     let coupled: Vec<usize> = (0..n)
         .filter(|&i| masked[i] == 0 && !to_cpu.contains(&i) && !(coupling[i] <= coupling_max))
         .collect();
@@ -155,18 +142,13 @@ pub(crate) fn factorize(
             coupling[i]
         );
     }
-    to_cpu.extend(&coupled);
     let largest = (0..n)
         .filter(|&i| masked[i] == 0)
         .map(|i| coupling[i])
         .fold(0f64, f64::max);
+    fact.to_cpu.extend(&coupled);
     Ok((
-        Factorization {
-            status,
-            masked,
-            to_cpu,
-            retried: failed.len(),
-        },
+        fact,
         Coupling {
             patches: coupled.len(),
             largest,
