@@ -13,6 +13,38 @@
 
 #include "common.cuh"
 
+// Lanes that share one overlap: a half-warp.
+#define SPEX_HALF 16
+
+// The share of lane `lane` (< SPEX_HALF) of the sum of w[k] b[k - off] over the rows
+// [ylo, yhi) and columns [xlo, xhi) of an nx-wide spot, k = row nx + column: the elements
+// t = lane + SPEX_HALF i of the overlap in row-major order, stepped with SPEX_HALF = sy ow + sx
+// so that no element pays an integer division.
+__device__ __forceinline__ double overlap_sum(const double* w, const double* b, int off, int nx,
+                                              int ylo, int yhi, int xlo, int xhi, int lane) {
+    int ow = xhi - xlo;
+    // floor(a / ow) for a <= SPEX_HALF by a float product: exact, as a / ow is at least 1 / (2 ow)
+    // away from the next integer once 0.5 is added to a.
+    float rinv = 1.0f / (float)ow;
+    int qy = (int)(((float)lane + 0.5f) * rinv), sy = (int)(((float)SPEX_HALF + 0.5f) * rinv);
+    int sx = SPEX_HALF - sy * ow;
+    int iy = ylo + qy, ix = xlo + lane - qy * ow;
+    int k = iy * nx + ix, step = sy * nx + sx, wrap = nx - ow;
+    double sum = 0.0;
+    while (iy < yhi) {
+        sum += w[k] * b[k - off];
+        ix += sx;
+        iy += sy;
+        k += step;
+        if (ix >= xhi) {
+            ix -= ow;
+            iy += 1;
+            k += wrap;
+        }
+    }
+    return sum;
+}
+
 // One block per (column j1, patch): writes the entries j2 >= j1 of row j1 of icov (= column
 // j1, in the stored triangle), staged in shared memory for coalesced stores. Blocks of the
 // last columns have less to do; their overlap screen starts at the warp group holding j1.
@@ -81,7 +113,7 @@ extern "C" __global__ void assemble_f64(
     }
 
     // Each warp screens 32 columns at once (a ballot of the overlapping ones), then computes
-    // the overlaps one column at a time with all lanes. Only the columns j2 >= j1 are stored:
+    // the overlaps two columns at a time. Only the columns j2 >= j1 are stored:
     // the scan starts at the group holding j1 and lanes below j1 stay out of the ballot.
     int lane = threadIdx.x % SPEX_WARP, warp = threadIdx.x / SPEX_WARP;
     int nwarp = blockDim.x / SPEX_WARP;
@@ -99,23 +131,26 @@ extern "C" __global__ void assemble_f64(
         }
         if (mine && !hit) row[j2] = 0.0;
         unsigned mask = __ballot_sync(0xffffffffu, hit);
+        // Two overlaps at a time, one per half-warp: half the reduction steps per overlap.
+        int half = lane / SPEX_HALF, hl = lane % SPEX_HALF;
         while (mask) {
-            int b = __ffs(mask) - 1;
+            int b0 = __ffs(mask) - 1;
             mask &= mask - 1;
-            int s2 = __shfl_sync(0xffffffffu, sid2, b);
-            int ddx = __shfl_sync(0xffffffffu, dx, b);
-            int ddy = __shfl_sync(0xffffffffu, dy, b);
-            const double* a2 = spots + (size_t)s2 * size;
-            int ylo = max(ddy, 0), yhi = min(ny + ddy, ny);
-            int xlo = max(ddx, 0), xhi = min(nx + ddx, nx);
-            int ow = xhi - xlo, nn = (yhi - ylo) * ow;
+            int b1 = mask ? __ffs(mask) - 1 : -1;
+            mask &= mask - 1;
+            int b = half ? b1 : b0;
+            int s2 = __shfl_sync(0xffffffffu, sid2, max(b, 0));
+            int ddx = __shfl_sync(0xffffffffu, dx, max(b, 0));
+            int ddy = __shfl_sync(0xffffffffu, dy, max(b, 0));
             double sum = 0.0;
-            for (int t = lane; t < nn; t += SPEX_WARP) {
-                int iy = ylo + t / ow, ix = xlo + t % ow;
-                sum += w1[iy * nx + ix] * a2[(iy - ddy) * nx + ix - ddx];
+            if (b >= 0) {
+                const double* a2 = spots + (size_t)s2 * size;
+                int ylo = max(ddy, 0), yhi = min(ny + ddy, ny);
+                int xlo = max(ddx, 0), xhi = min(nx + ddx, nx);
+                sum = overlap_sum(w1, a2, ddy * nx + ddx, nx, ylo, yhi, xlo, xhi, hl);
             }
-            sum = warp_sum(sum);
-            if (lane == 0) row[g + b] = sum;
+            for (int o = SPEX_HALF / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            if (hl == 0 && b >= 0) row[g + b] = sum;
         }
     }
     __syncthreads();
