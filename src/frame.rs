@@ -7,14 +7,15 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use ndarray::{
-    s, Array, Array1, Array2, Array3, ArrayView2, ArrayView3, Dimension, ShapeBuilder, Zip,
+    s, Array, Array1, Array2, Array3, ArrayView1, ArrayView2, ArrayViewMut1, ArrayViewMut2,
+    Dimension, ShapeBuilder, Zip,
 };
 
 use crate::error::{Error, Result};
 use crate::extract::{PatchResult, PatchStatus};
 use crate::fits::Fits;
 use crate::output::write_atomically;
-use crate::plan::{Patch, Plan};
+use crate::plan::Plan;
 
 /// desispec `specmask` bits set by extraction.
 pub mod specmask {
@@ -113,68 +114,26 @@ impl Frame {
             chi2pix: Array2::zeros((nspec, nwave)),
             pixmask_fraction: Array2::zeros((nspec, nwave)),
         };
-        let mut seen = vec![false; plan.patches.len()];
-        let mut counts = PatchCounts::default();
-        for r in results {
-            let patch = plan
-                .patches
-                .get(r.patch)
-                .ok_or_else(|| Error::config(format!("result for unknown patch {}", r.patch)))?;
-            if std::mem::replace(&mut seen[r.patch], true) {
-                return Err(Error::config(format!("patch {} solved twice", r.patch)));
-            }
-            if r.nfiber != patch.fibers.len() || r.nwave != patch.waves.len() || r.ndiag != ndiag {
-                return Err(Error::config(format!(
-                    "patch {} result has the wrong shape",
-                    r.patch
-                )));
-            }
-            match r.status {
-                PatchStatus::Ok => counts.ok += 1,
-                PatchStatus::Regularized => counts.regularized += 1,
-                PatchStatus::EigenFallback => counts.eigen_fallback += 1,
-                PatchStatus::Masked => counts.masked += 1,
-                PatchStatus::OffImage => counts.off_image += 1,
-                PatchStatus::NonFinite => counts.non_finite += 1,
-            }
-            frame.place(patch, r)?;
-        }
-        if let Some(missing) = seen.iter().position(|s| !s) {
-            return Err(Error::config(format!(
-                "patch {missing} (fibers {:?}, bins {:?}) has no result",
-                plan.patches[missing].fibers, plan.patches[missing].waves
-            )));
-        }
+        let (counts, by_fiber) = check_results(plan, ndiag, results)?;
+        // Each fiber's row of every array is filled by one task, from the patches covering it.
+        Zip::indexed(frame.flux.rows_mut())
+            .and(frame.ivar.rows_mut())
+            .and(frame.chi2pix.rows_mut())
+            .and(frame.pixmask_fraction.rows_mut())
+            .and(frame.resolution.outer_iter_mut())
+            .par_for_each(|f, flux, ivar, chi2, fraction, res| {
+                let rows = FiberRows {
+                    flux,
+                    ivar,
+                    chi2,
+                    fraction,
+                    res,
+                };
+                rows.fill(specmin + f, plan, &by_fiber[f], results);
+            });
         frame.convert_to_per_angstrom();
         frame.set_mask();
         Ok((frame, counts))
-    }
-
-    /// Copies a patch's result (already checked to have the patch's shape) into its block
-    /// of fibers and bins.
-    fn place(&mut self, patch: &Patch, r: &PatchResult) -> Result<()> {
-        let bad = |e: ndarray::ShapeError| {
-            Error::config(format!("patch {} result has the wrong size: {e}", r.patch))
-        };
-        let fibers = patch.fibers.start - self.specmin..patch.fibers.end - self.specmin;
-        let waves = patch.waves.clone();
-        let block = (r.nfiber, r.nwave);
-        for (dst, src) in [
-            (&mut self.flux, &r.flux),
-            (&mut self.ivar, &r.ivar),
-            (&mut self.chi2pix, &r.chi2pix),
-            (&mut self.pixmask_fraction, &r.pixmask_fraction),
-        ] {
-            let src = ArrayView2::from_shape(block, src).map_err(bad)?;
-            dst.slice_mut(s![fibers.clone(), waves.clone()])
-                .assign(&src);
-        }
-        let nd = self.resolution.dim().1;
-        let src = ArrayView3::from_shape((r.nfiber, nd, r.nwave), &r.resolution).map_err(bad)?;
-        self.resolution
-            .slice_mut(s![fibers, .., waves])
-            .assign(&src);
-        Ok(())
     }
 
     /// flux /= dw, ivar *= dw^2 with dw the gradient of the output grid.
@@ -536,6 +495,100 @@ fn path_join(a: &str, b: &str) -> String {
     } else {
         format!("{a}/{b}")
     }
+}
+
+/// One fiber's rows of the frame's arrays, filled from the patch results covering it.
+struct FiberRows<'a> {
+    flux: ArrayViewMut1<'a, f64>,
+    ivar: ArrayViewMut1<'a, f64>,
+    chi2: ArrayViewMut1<'a, f64>,
+    fraction: ArrayViewMut1<'a, f64>,
+    /// `[diagonal, wave]`.
+    res: ArrayViewMut2<'a, f64>,
+}
+
+impl FiberRows<'_> {
+    /// Copies row `fiber` of each result in `ids` (of `results`, checked to have their
+    /// patch's shape) into the patch's bins.
+    fn fill(mut self, fiber: usize, plan: &Plan, ids: &[usize], results: &[PatchResult]) {
+        fn row(v: &[f64], i: usize, n: usize) -> ArrayView1<'_, f64> {
+            ArrayView1::from(&v[i * n..][..n])
+        }
+        for &i in ids {
+            let (r, patch) = (&results[i], &plan.patches[results[i].patch]);
+            let (waves, local, nw) = (patch.waves.clone(), fiber - patch.fibers.start, r.nwave);
+            let pairs = [
+                (&mut self.flux, &r.flux),
+                (&mut self.ivar, &r.ivar),
+                (&mut self.chi2, &r.chi2pix),
+                (&mut self.fraction, &r.pixmask_fraction),
+            ];
+            for (dst, src) in pairs {
+                dst.slice_mut(s![waves.clone()])
+                    .assign(&row(src, local, nw));
+            }
+            let nd = self.res.nrows();
+            for d in 0..nd {
+                self.res.slice_mut(s![d, waves.clone()]).assign(&row(
+                    &r.resolution,
+                    local * nd + d,
+                    nw,
+                ));
+            }
+        }
+    }
+}
+
+/// Checks that every patch of `plan` has exactly one result of its shape; the outcome counts,
+/// and for each fiber of the frame the results that cover it.
+fn check_results(
+    plan: &Plan,
+    ndiag: usize,
+    results: &[PatchResult],
+) -> Result<(PatchCounts, Vec<Vec<usize>>)> {
+    let specmin = plan.options.specmin;
+    let nd = 2 * ndiag + 1;
+    let mut seen = vec![false; plan.patches.len()];
+    let mut counts = PatchCounts::default();
+    let mut by_fiber = vec![Vec::new(); plan.options.nspec];
+    for (i, r) in results.iter().enumerate() {
+        let patch = plan
+            .patches
+            .get(r.patch)
+            .ok_or_else(|| Error::config(format!("result for unknown patch {}", r.patch)))?;
+        if std::mem::replace(&mut seen[r.patch], true) {
+            return Err(Error::config(format!("patch {} solved twice", r.patch)));
+        }
+        let (nf, nw) = (patch.fibers.len(), patch.waves.len());
+        let sizes = [&r.flux, &r.ivar, &r.chi2pix, &r.pixmask_fraction]
+            .iter()
+            .all(|v| v.len() == nf * nw)
+            && r.resolution.len() == nf * nd * nw;
+        if r.nfiber != nf || r.nwave != nw || r.ndiag != ndiag || !sizes {
+            return Err(Error::config(format!(
+                "patch {} result has the wrong shape",
+                r.patch
+            )));
+        }
+        match r.status {
+            PatchStatus::Ok => counts.ok += 1,
+            PatchStatus::Regularized => counts.regularized += 1,
+            PatchStatus::EigenFallback => counts.eigen_fallback += 1,
+            PatchStatus::Masked => counts.masked += 1,
+            PatchStatus::OffImage => counts.off_image += 1,
+            PatchStatus::NonFinite => counts.non_finite += 1,
+        }
+        for f in patch.fibers.clone() {
+            by_fiber[f - specmin].push(i);
+        }
+    }
+    if let Some(missing) = seen.iter().position(|s| !s) {
+        return Err(Error::config(format!(
+            "patch {missing} (fibers {:?}, bins {:?}) has no result",
+            plan.patches[missing].fibers, plan.patches[missing].waves
+        )));
+    }
+    Ok((counts, by_fiber))
 }
 
 fn f32s<D: Dimension>(v: &Array<f64, D>) -> Array<f32, D> {
