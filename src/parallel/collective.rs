@@ -23,6 +23,16 @@ use crate::backend::{Backend, Progress};
 use crate::error::{Error, Result};
 use crate::pipeline::{read_frame, ExtractRequest, Inputs, PixelBox};
 
+/// Releases a backend on a thread of its own: freeing a GPU's buffers and context takes
+/// tens of milliseconds, which the last frame's gather and write then hide.
+fn release_in_background(backend: Box<dyn Backend>) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let t0 = Instant::now();
+        drop(backend);
+        tracing::debug!("backend released in {:.3} s", t0.elapsed().as_secs_f64());
+    })
+}
+
 /// What a rank needs to take part in the frames of its group.
 pub(super) struct GroupContext<'a> {
     pub world: &'a Comm,
@@ -62,7 +72,7 @@ impl GroupContext<'_> {
         &self,
         frames: &[(usize, &ExtractRequest)],
         mut first_read: Option<(Result<(Inputs, PixelBox)>, f64)>,
-        mut backend: Option<&mut dyn Backend>,
+        mut backend: Option<Box<dyn Backend>>,
     ) -> Outcome {
         let (group, me) = (self.group, self.local);
         let (is_reader, is_writer) = (me == group.reader(), me == group.writer());
@@ -75,7 +85,8 @@ impl GroupContext<'_> {
             .split((is_writer || worker.is_some()).then_some(0));
 
         let mut outcome = Outcome::default();
-        for &(k, request) in frames {
+        let mut release = None;
+        for (i, &(k, request)) in frames.iter().enumerate() {
             let mut received = match &read_comm {
                 Some(rc) if is_reader => {
                     let read = first_read.take().unwrap_or_else(|| timed_read(request));
@@ -101,6 +112,9 @@ impl GroupContext<'_> {
                 }
                 _ => None,
             };
+            if i + 1 == frames.len() {
+                release = backend.take().map(release_in_background);
+            }
             // The reader needs nothing more of this frame: with --async-io it reads the next
             // one while the workers solve this one.
             if !is_writer {
@@ -112,6 +126,9 @@ impl GroupContext<'_> {
                     outcome.record(written, request, self.prefix);
                 }
             }
+        }
+        if let Some(thread) = release {
+            let _ = thread.join();
         }
         outcome
     }

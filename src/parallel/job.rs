@@ -206,20 +206,9 @@ fn run_collective(
         });
         (first_read, opened)
     });
-    let mut backends = opened?;
-    let outcome = {
-        let backend = backends
-            .first_mut()
-            .map(|b| -> &mut dyn Backend { b.as_mut() });
-        context.run(mine, first_read, backend)
-    };
-    let t_release = Instant::now();
-    drop(backends);
-    tracing::debug!(
-        "frames done; backend released in {:.3} s",
-        t_release.elapsed().as_secs_f64()
-    );
-    Some(outcome)
+    // The loop uses one backend and releases it after its last solve.
+    let backend = opened?.into_iter().next();
+    Some(context.run(mine, first_read, backend))
 }
 
 /// Every group's writer counts its frames; the verdict is the job's, on every rank.
