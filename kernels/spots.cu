@@ -8,14 +8,14 @@
 #define SPEX_MAXEDGE 130
 
 // Edge values of one axis: erf(t/sqrt2) and He_k(t) phi(t) for k < deg at the n + 1 pixel
-// edges, then the pixel integrals pgh[k * n + i].
+// edges, then the pixel integrals pgh[k * n + i]; by the calling warp (lane `lane`).
 __device__ void axis_pgh(double center, double sigma, int deg, int n, double* erfv, double* ghv,
-                         double* pgh) {
+                         double* pgh, int lane) {
     double frac = fmod(center + 0.5, 1.0);
     if (frac < 0.0) frac += 1.0;
     frac -= 0.5;
     double half = (double)(n / 2);
-    for (int e = threadIdx.x; e <= n; e += blockDim.x) {
+    for (int e = lane; e <= n; e += SPEX_WARP) {
         double t = ((double)e - half - 0.5 - frac) / sigma;
         erfv[e] = erf(t * 0.70710678118654752440);
         double phi = exp(-0.5 * t * t) * 0.39894228040143267794;
@@ -29,8 +29,8 @@ __device__ void axis_pgh(double center, double sigma, int deg, int n, double* er
             h1 = h2;
         }
     }
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < (deg + 1) * n; idx += blockDim.x) {
+    __syncwarp();
+    for (int idx = lane; idx < (deg + 1) * n; idx += SPEX_WARP) {
         int k = idx / n, i = idx % n;
         pgh[idx] = k == 0 ? 0.5 * (erfv[i + 1] - erfv[i])
                           : ghv[(k - 1) * (n + 1) + i] - ghv[(k - 1) * (n + 1) + i + 1];
@@ -52,50 +52,53 @@ __device__ double legendre(const double* c, int ncoef, double u) {
     return sum;
 }
 
-// One block per spot `sid = fiber slot * nwave + wave index`. The trace position comes from
-// the host (`xy`, so that the host's corners and the spot agree to the bit); GHSIGX, GHSIGY
-// and the GH-i-j are evaluated here from their Legendre coefficients
+// One warp per spot `sid = fiber slot * nwave + wave index` (a spot is a few hundred pixels:
+// a block of its own left most of its threads idle at its barriers). The trace position comes
+// from the host (`xy`, so that the host's corners and the spot agree to the bit); GHSIGX,
+// GHSIGY and the GH-i-j are evaluated here from their Legendre coefficients
 // `coef[(fiber slot * nparam + param) * ncoef + k]` on the PSF table's domain.
-// Dynamic shared memory: see `spots_smem_doubles` on the host.
+// Dynamic shared memory: the arrays below for each warp, as `launchers::spots` sizes them.
 extern "C" __global__ void spots_f64(const double* __restrict__ xy, const double* __restrict__ coef,
                                      const double* __restrict__ waves, int nspot, int nwave,
                                      int ncoef, double wavemin, double wavemax, int ghdegx,
                                      int ghdegy, int nx, int ny, double* __restrict__ out) {
-    extern __shared__ double sm[];
-    int sid = blockIdx.x;
+    extern __shared__ double smem[];
+    int lane = threadIdx.x % SPEX_WARP, warp = threadIdx.x / SPEX_WARP;
+    int sid = blockIdx.x * (blockDim.x / SPEX_WARP) + warp;
     if (sid >= nspot) return;
     int ngx = ghdegx + 1, ngy = ghdegy + 1;
     int nparam = 2 + ngx * ngy;
-    double* erfx = sm;                         // nx + 1
-    double* ghx = erfx + (nx + 1);             // ghdegx * (nx + 1)
-    double* pghx = ghx + ghdegx * (nx + 1);    // ngx * nx
-    double* erfy = pghx + ngx * nx;            // ny + 1
-    double* ghy = erfy + (ny + 1);             // ghdegy * (ny + 1)
-    double* pghy = ghy + ghdegy * (ny + 1);    // ngy * ny
-    double* tmp = pghy + ngy * ny;             // ngx * ny
-    double* par = tmp + ngx * ny;              // nparam: sigx, sigy, GH-i-j
-    double* red = par + nparam;                // 32
+    int per_warp = (nx + 1) * (1 + ghdegx) + ngx * nx + (ny + 1) * (1 + ghdegy) + ngy * ny +
+                   ngx * ny + nparam;
+    double* erfx = smem + (size_t)warp * per_warp;  // nx + 1
+    double* ghx = erfx + (nx + 1);                  // ghdegx * (nx + 1)
+    double* pghx = ghx + ghdegx * (nx + 1);         // ngx * nx
+    double* erfy = pghx + ngx * nx;                 // ny + 1
+    double* ghy = erfy + (ny + 1);                  // ghdegy * (ny + 1)
+    double* pghy = ghy + ghdegy * (ny + 1);         // ngy * ny
+    double* tmp = pghy + ngy * ny;                  // ngx * ny
+    double* par = tmp + ngx * ny;                   // nparam: sigx, sigy, GH-i-j
 
     int fslot = sid / nwave, w = sid % nwave;
     double u = (waves[w] - wavemin) * (2.0 / (wavemax - wavemin)) - 1.0;
-    for (int i = threadIdx.x; i < nparam; i += blockDim.x)
+    for (int i = lane; i < nparam; i += SPEX_WARP)
         par[i] = legendre(coef + ((size_t)fslot * nparam + i) * ncoef, ncoef, u);
-    __syncthreads();
+    __syncwarp();
     const double* coefgh = par + 2;
-    axis_pgh(xy[2 * sid], par[0], ghdegx, nx, erfx, ghx, pghx);
-    axis_pgh(xy[2 * sid + 1], par[1], ghdegy, ny, erfy, ghy, pghy);
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < ngx * ny; idx += blockDim.x) {
+    axis_pgh(xy[2 * sid], par[0], ghdegx, nx, erfx, ghx, pghx, lane);
+    axis_pgh(xy[2 * sid + 1], par[1], ghdegy, ny, erfy, ghy, pghy, lane);
+    __syncwarp();
+    for (int idx = lane; idx < ngx * ny; idx += SPEX_WARP) {
         int i = idx / ny, iy = idx % ny;
         double s = 0.0;
         for (int j = 0; j < ngy; ++j) s += coefgh[i * ngy + j] * pghy[j * ny + iy];
         tmp[idx] = s;
     }
-    __syncthreads();
+    __syncwarp();
     int size = nx * ny;
     double* o = out + (size_t)sid * size;
     double total = 0.0;
-    for (int s = threadIdx.x; s < size; s += blockDim.x) {
+    for (int s = lane; s < size; s += SPEX_WARP) {
         int iy = s / nx, ix = s % nx;
         double v = 0.0;
         for (int i = 0; i < ngx; ++i) v += tmp[i * ny + iy] * pghx[i * nx + ix];
@@ -103,9 +106,9 @@ extern "C" __global__ void spots_f64(const double* __restrict__ xy, const double
         o[s] = v;
         total += v;
     }
-    total = block_sum(total, red);
+    total = warp_sum(total);
     if (total > 0.0) {
         double inv = 1.0 / total;
-        for (int s = threadIdx.x; s < size; s += blockDim.x) o[s] *= inv;
+        for (int s = lane; s < size; s += SPEX_WARP) o[s] *= inv;
     }
 }

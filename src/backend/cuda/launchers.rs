@@ -37,27 +37,30 @@ pub(crate) struct CoreIn {
     pub nkeep: u64,
 }
 
+/// Spots evaluated by one block, one per warp.
+const SPOTS_PER_BLOCK: usize = 4;
+
 /// Spots of `nspot` (fiber, wavelength) pairs from the trace positions and PSF coefficients
 /// in the workspace.
 pub(crate) fn spots(g: Gpu<'_>, psf: &GaussHermitePsf, ws: &Workspace, nspot: usize) -> Result<()> {
     let sh = g.sh;
     let (ngx, ngy) = (psf.ghdegx + 1, psf.ghdegy + 1);
-    let smem = (sh.nx + 1) * (1 + psf.ghdegx)
+    // per warp: edges and pixel integrals of both axes, the partial sums, the parameters
+    let per_warp = (sh.nx + 1) * (1 + psf.ghdegx)
         + ngx * sh.nx
         + (sh.ny + 1) * (1 + psf.ghdegy)
         + ngy * sh.ny
         + ngx * sh.ny
         + 2
-        + ngx * ngy
-        + 32;
+        + ngx * ngy;
     let (wmin, wmax) = psf.param_domain();
     launch(
         g.dev,
         &g.k.spots,
         "spots_f64",
-        (nspot as u32, 1, 1),
-        128,
-        smem * 8,
+        (nspot.div_ceil(SPOTS_PER_BLOCK) as u32, 1, 1),
+        32 * SPOTS_PER_BLOCK as u32,
+        per_warp * SPOTS_PER_BLOCK * 8,
         Args::new()
             .ptr(ws.xy.get().ptr)
             .ptr(ws.coef.get().ptr)
