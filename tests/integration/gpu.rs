@@ -108,6 +108,25 @@ fn kernels_compile_without_a_gpu() {
     for arch in ["sm_75", "sm_80", "sm_90"] {
         assert_kernels_compile(arch);
     }
+    // This binary was built with the same NVRTC on the loader's path (scripts/test), so
+    // build.rs embedded the code of A100 and H100: byte for byte what NVRTC makes now.
+    assert_eq!(
+        cuda::built_in_archs()
+            .iter()
+            .map(|a| a.0)
+            .collect::<Vec<_>>(),
+        ["sm_80", "sm_90"]
+    );
+    for arch in ["sm_80", "sm_90"] {
+        for (name, src, _) in cuda::SOURCES {
+            let built = cuda::prebuilt(name, src, arch).expect("embedded at build time");
+            let now = cuda::compile(name, src, arch).unwrap_or_else(|e| panic!("{e}"));
+            assert!(
+                built == now.as_slice(),
+                "{name} for {arch}: embedded code differs"
+            );
+        }
+    }
 }
 
 /// Every source compiles afresh (not from the kernel cache) into CUBIN for `arch`, holding

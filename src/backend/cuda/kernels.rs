@@ -11,67 +11,63 @@ use super::device::Device;
 use super::error;
 use crate::error::{Error, Result};
 
-/// The headers the sources include, by name.
-const HEADERS: &[(&str, &str)] = &[
-    ("common.cuh", include_str!("../../../kernels/common.cuh")),
-    ("outputs.cuh", include_str!("../../../kernels/outputs.cuh")),
-    ("tiles.cuh", include_str!("../../../kernels/tiles.cuh")),
-];
+pub use sources::{expand, SOURCES};
+use sources::{source_digest, OPTIONS};
 
-/// Every kernel source: (file name, text, kernels it defines).
-pub const SOURCES: &[(&str, &str, &[&str])] = &[
-    (
-        "spots.cu",
-        include_str!("../../../kernels/spots.cu"),
-        &["spots_f64"],
-    ),
-    (
-        "assemble.cu",
-        include_str!("../../../kernels/assemble.cu"),
-        &["assemble_f64", "regularize_f64"],
-    ),
-    (
-        "factor.cu",
-        include_str!("../../../kernels/factor.cu"),
-        &["eye_f64"],
-    ),
-    (
-        "schur.cu",
-        include_str!("../../../kernels/schur.cu"),
-        &["schur_sweep_f64", "schur_combine_f64"],
-    ),
-    (
-        "polar.cu",
-        include_str!("../../../kernels/polar.cu"),
-        &["polar_f64"],
-    ),
-    (
-        "decorrelate.cu",
-        include_str!("../../../kernels/decorrelate.cu"),
-        &["decorrelate_f64"],
-    ),
-    (
-        "finalize.cu",
-        include_str!("../../../kernels/finalize.cu"),
-        &["project_f64", "chi2pix_f64"],
-    ),
-];
+/// The kernel sources and their options, shared with build.rs.
+#[path = "kernel_sources.rs"]
+mod sources;
 
-/// Replaces the includes of the shared headers by their text: NVRTC is given one string per
-/// program, and the headers must not be looked up on the file system at run time.
-fn expand(src: &str) -> String {
-    HEADERS
-        .iter()
-        .fold(src.to_string(), |text, (name, header)| {
-            text.replace(
-                &format!("#include \"{name}\""),
-                header.replace("#pragma once", "").as_str(),
-            )
-        })
+// `PREBUILT`: the CUBIN build.rs compiled (empty when NVRTC was not found at build time).
+include!(concat!(env!("OUT_DIR"), "/prebuilt_kernels.rs"));
+
+/// Where the machine code of a source came from, for the log.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Origin {
+    /// Compiled when spex was built.
+    BuiltIn,
+    /// The kernel cache.
+    Cache,
+    /// NVRTC, at start-up.
+    Compiled,
 }
 
-/// NVRTC options besides the architecture.
-const OPTIONS: &[&str] = &["--std=c++17"];
+/// The CUBIN build.rs made of source `name` (text `src`) for `arch`, if any: only for the
+/// text and options this binary carries.
+pub fn prebuilt(name: &str, src: &str, arch: &str) -> Option<&'static [u8]> {
+    let digest = source_digest(name, &expand(src), arch);
+    PREBUILT
+        .iter()
+        .find(|&&(a, n, d, _, _)| a == arch && n == name && d == digest)
+        .map(|&(_, _, _, _, cubin)| cubin)
+}
+
+/// "built in", "from the cache", "compiled", or how many sources came from each.
+pub(crate) fn describe_origins(origins: impl Iterator<Item = Origin>) -> String {
+    let origins: Vec<Origin> = origins.collect();
+    let count = |o| origins.iter().filter(|&&x| x == o).count();
+    let parts: Vec<String> = [
+        (Origin::BuiltIn, "built in"),
+        (Origin::Cache, "from the cache"),
+        (Origin::Compiled, "compiled"),
+    ]
+    .into_iter()
+    .filter(|&(o, _)| count(o) > 0)
+    .map(|(o, what)| match count(o) == origins.len() {
+        true => what.to_string(),
+        false => format!("{} {what}", count(o)),
+    })
+    .collect();
+    parts.join(", ")
+}
+
+/// The architectures the binary carries CUBIN for, with the version of the NVRTC that
+/// compiled them.
+pub fn built_in_archs() -> Vec<(&'static str, &'static str)> {
+    let mut archs: Vec<(&str, &str)> = PREBUILT.iter().map(|&(a, _, _, v, _)| (a, v)).collect();
+    archs.dedup();
+    archs
+}
 
 /// Compiles one source for `arch` (e.g. "sm_90") into CUBIN, machine code the driver loads
 /// without a JIT pass; the NVRTC log is in the error.
@@ -183,11 +179,11 @@ fn cubin_of(
     arch: &'static str,
     version: &str,
     fresh: bool,
-) -> Result<Vec<u8>> {
+) -> Result<(Vec<u8>, Origin)> {
     let key = cache::key(name, &expand(src), arch, version);
     if !fresh {
         if let Some(cubin) = cache.and_then(|c| c.get(&key)) {
-            return Ok(cubin);
+            return Ok((cubin, Origin::Cache));
         }
     }
     let _r = nvtx::LocalRange::new(nvtx::Str::from_str_lossy(&format!("nvrtc {name}")));
@@ -195,20 +191,36 @@ fn cubin_of(
     if let Some(c) = cache {
         c.put(&key, &cubin);
     }
-    Ok(cubin)
+    Ok((cubin, Origin::Compiled))
 }
 
-/// The CUBIN of every source for `arch`, in the order of [`SOURCES`]: from the kernel cache
-/// when it holds them, else compiled by NVRTC, one thread per source, and stored there.
-pub(crate) fn cubins_for(arch: &'static str) -> Result<Vec<Vec<u8>>> {
+/// The CUBIN of every source for `arch`, in the order of [`SOURCES`], with where each came
+/// from: built into the binary, else the kernel cache, else compiled by NVRTC (one thread per
+/// source) and stored in the cache.
+pub(crate) fn cubins_for(arch: &'static str) -> Result<Vec<(Vec<u8>, Origin)>> {
+    let built: Vec<Option<&[u8]>> = SOURCES
+        .iter()
+        .map(|&(name, src, _)| prebuilt(name, src, arch))
+        .collect();
+    if built.iter().all(Option::is_some) {
+        return Ok(built
+            .into_iter()
+            .flatten()
+            .map(|c| (c.to_vec(), Origin::BuiltIn))
+            .collect());
+    }
     let cache = cache::Cache::open();
     let version = cache::nvrtc_version();
     std::thread::scope(|scope| {
         let jobs: Vec<_> = SOURCES
             .iter()
-            .map(|&(name, src, _)| {
+            .zip(built)
+            .map(|(&(name, src, _), built)| {
                 let (cache, version) = (cache.as_ref(), &version);
-                scope.spawn(move || cubin_of(cache, name, src, arch, version, false))
+                scope.spawn(move || match built {
+                    Some(c) => Ok((c.to_vec(), Origin::BuiltIn)),
+                    None => cubin_of(cache, name, src, arch, version, false),
+                })
             })
             .collect();
         jobs.into_iter()
@@ -240,10 +252,14 @@ impl Kernels {
     /// Loads the kernels of `cubins` (from [`cubins_for`] for the device's architecture). A
     /// module the driver refuses (a damaged cache entry, say) is compiled afresh and loaded
     /// once more.
-    pub(crate) fn load(dev: &Device, arch: &'static str, cubins: Vec<Vec<u8>>) -> Result<Self> {
+    pub(crate) fn load(
+        dev: &Device,
+        arch: &'static str,
+        cubins: Vec<(Vec<u8>, Origin)>,
+    ) -> Result<Self> {
         let mut modules = Vec::new();
         let mut functions = std::collections::HashMap::new();
-        for ((name, src, kernels), cubin) in SOURCES.iter().zip(cubins) {
+        for ((name, src, kernels), (cubin, _)) in SOURCES.iter().zip(cubins) {
             let module = match dev.ctx.load_module(Ptx::from_binary(cubin)) {
                 Ok(m) => m,
                 Err(e) => {
@@ -256,7 +272,8 @@ impl Kernels {
                         arch,
                         &cache::nvrtc_version(),
                         true,
-                    )?;
+                    )?
+                    .0;
                     dev.ctx
                         .load_module(Ptx::from_binary(cubin))
                         .map_err(error::driver(format!(
@@ -531,5 +548,48 @@ pub(crate) fn launch(
         .map_err(error::driver(format!(
             "launch of {name} (grid {grid:?}, block {block:?}, {smem} B shared)"
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn built_in_code_is_that_of_the_sources_carried() {
+        // Every CUBIN build.rs embedded is found for the text this binary carries, and
+        // nothing for an architecture it did not build (or any, without NVRTC at build time).
+        for &(arch, name, _, _, cubin) in PREBUILT {
+            let (_, src, _) = SOURCES
+                .iter()
+                .find(|s| s.0 == name)
+                .expect("a source of the table");
+            assert_eq!(prebuilt(name, src, arch), Some(cubin), "{name} for {arch}");
+            assert!(
+                cubin.starts_with(b"\x7fELF"),
+                "{name} for {arch}: not a CUBIN"
+            );
+        }
+        for &(name, src, _) in SOURCES {
+            assert_eq!(prebuilt(name, src, "sm_75"), None);
+            assert_eq!(prebuilt(name, "changed text", "sm_90"), None);
+        }
+        let archs: Vec<&str> = built_in_archs().iter().map(|a| a.0).collect();
+        let expected = match PREBUILT.is_empty() {
+            true => vec![],
+            false => vec!["sm_80", "sm_90"],
+        };
+        assert_eq!(archs, expected);
+    }
+
+    #[test]
+    fn origins_are_summed_up_for_the_log() {
+        let all = [Origin::BuiltIn; 3];
+        assert_eq!(describe_origins(all.into_iter()), "built in");
+        let mixed = [Origin::Cache, Origin::Compiled, Origin::Cache];
+        assert_eq!(
+            describe_origins(mixed.into_iter()),
+            "2 from the cache, 1 compiled"
+        );
     }
 }

@@ -44,7 +44,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 pub use decorrelate::BlockKind;
-pub use kernels::{arch_name, compile, resources, SOURCES};
+pub use kernels::{arch_name, built_in_archs, compile, prebuilt, resources, Origin, SOURCES};
 pub use timings::GpuTimings;
 pub use tuning::{Route, Solve};
 
@@ -96,7 +96,9 @@ impl CudaBackend {
         });
         let (dev, t_open) = opened?;
         let (cubins, t_cubin) = cubins;
-        let kernels = Kernels::load(&dev, arch, cubins?)?;
+        let cubins = cubins?;
+        let origin = kernels::describe_origins(cubins.iter().map(|c| c.1));
+        let kernels = Kernels::load(&dev, arch, cubins)?;
         let t_kernels = t0.elapsed().as_secs_f64();
         let budget = match std::env::var("SPEX_GPU_MEMORY_GB") {
             Ok(v) => {
@@ -113,8 +115,8 @@ impl CudaBackend {
             .and_then(|v| v.trim().parse().ok());
         let tuning = Tuning::from_env()?;
         tracing::info!(
-            "CUDA device {device}: {} (compute capability {}.{}), kernels for {}; ready in \
-             {t_kernels:.2} s (device {t_open:.2} s, CUBIN {t_cubin:.2} s)",
+            "CUDA device {device}: {} (compute capability {}.{}), kernels for {} ({origin}); \
+             ready in {t_kernels:.2} s (device {t_open:.2} s, CUBIN {t_cubin:.2} s)",
             dev.name,
             dev.arch.0,
             dev.arch.1,
