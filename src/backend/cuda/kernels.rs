@@ -61,6 +61,11 @@ pub(crate) fn describe_origins(origins: impl Iterator<Item = Origin>) -> String 
     parts.join(", ")
 }
 
+/// The version of the NVRTC library loaded at run time ("major.minor").
+pub fn nvrtc_version() -> String {
+    cache::nvrtc_version()
+}
+
 /// The architectures the binary carries CUBIN for, with the version of the NVRTC that
 /// compiled them.
 pub fn built_in_archs() -> Vec<(&'static str, &'static str)> {

@@ -44,7 +44,9 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 pub use decorrelate::BlockKind;
-pub use kernels::{arch_name, built_in_archs, compile, prebuilt, resources, Origin, SOURCES};
+pub use kernels::{
+    arch_name, built_in_archs, compile, nvrtc_version, prebuilt, resources, Origin, SOURCES,
+};
 pub use timings::GpuTimings;
 pub use tuning::{Route, Solve};
 
