@@ -41,6 +41,7 @@ mod tuning;
 mod workspace;
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 pub use decorrelate::BlockKind;
@@ -74,6 +75,21 @@ pub struct CudaBackend {
     workspace: workspace::Workspace,
     /// Host buffers of the image regions kept between calls (two take turns).
     images: Vec<staging::Staging<f32>>,
+    /// Threads of the backend's host work (chunk tables, results): a pool of its own, so
+    /// that this work, which the device waits for, does not queue behind the long tasks
+    /// (reading, writing, checksums) that other frames put on rayon's global pool.
+    host: Arc<rayon::ThreadPool>,
+}
+
+/// A pool for one backend's host work, as many threads as the process may use cores.
+fn host_pool() -> Result<Arc<rayon::ThreadPool>> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("spex-cuda-host-{i}"))
+        .build()
+        .map(Arc::new)
+        .map_err(|e| Error::Gpu(format!("cannot start the host threads of the backend: {e}")))
 }
 
 impl CudaBackend {
@@ -133,6 +149,7 @@ impl CudaBackend {
             tuning,
             timings: GpuTimings::default(),
             images: Vec::new(),
+            host: host_pool()?,
         })
     }
 
@@ -150,6 +167,7 @@ impl CudaBackend {
             tuning: self.tuning,
             timings: GpuTimings::default(),
             images: Vec::new(),
+            host: host_pool()?,
         })
     }
 
@@ -316,6 +334,20 @@ impl Backend for CudaBackend {
         patches: &[Patch],
         progress: &Progress,
     ) -> Result<Vec<PatchResult>> {
+        let pool = Arc::clone(&self.host);
+        pool.install(|| self.extract_on_device(input, patches, progress))
+    }
+}
+
+impl CudaBackend {
+    /// [`Backend::extract`] on a thread of the backend's host pool (the device is bound to it
+    /// here), so that the parallel host work of the call runs on that pool.
+    fn extract_on_device(
+        &mut self,
+        input: FrameInput<'_>,
+        patches: &[Patch],
+        progress: &Progress,
+    ) -> Result<Vec<PatchResult>> {
         let t0 = Instant::now();
         self.dev.bind()?;
         self.dev.stats.reset_peak();
@@ -365,9 +397,9 @@ impl Backend for CudaBackend {
             )));
             let (solved, buf) = std::thread::scope(|s| {
                 let helper = chunks.get(ci + 1).map(|c| {
-                    let (input, sh) = (&input, &sh);
+                    let (input, sh, host) = (&input, &sh, &self.host);
                     let buf = pool.pop().expect("two buffers take turns");
-                    s.spawn(move || tables::prepare(input, c, sh, buf))
+                    s.spawn(move || host.install(|| tables::prepare(input, c, sh, buf)))
                 });
                 let gpu = Gpu {
                     dev: &self.dev,
