@@ -57,18 +57,19 @@ fn require_library(present: bool, name: &str, file: &str) -> Result<()> {
     }
 }
 
-/// The CUDA libraries every run loads, checked in dependency order (cuBLAS and cuSOLVER are
-/// checked when the dense route first needs them).
+/// The CUDA driver, which every run loads (NVRTC is checked when a kernel must be compiled,
+/// cuBLAS and cuSOLVER when the dense route first needs them).
 pub(crate) fn check_libraries() -> Result<()> {
-    // SAFETY: these only try to open the shared libraries.
-    unsafe {
-        require_library(drv_sys::is_culib_present(), "CUDA driver", "libcuda.so")?;
-        require_library(
-            cudarc::nvrtc::sys::is_culib_present(),
-            "NVRTC",
-            "libnvrtc.so",
-        )
-    }
+    // SAFETY: this only tries to open the shared library.
+    unsafe { require_library(drv_sys::is_culib_present(), "CUDA driver", "libcuda.so") }
+}
+
+/// NVRTC, before the first compile: a binary with kernels built in for the device runs
+/// without it.
+pub(crate) fn require_nvrtc() -> Result<()> {
+    // SAFETY: this only tries to open the shared library.
+    let present = unsafe { cudarc::nvrtc::sys::is_culib_present() };
+    require_library(present, "NVRTC", "libnvrtc.so")
 }
 
 /// The cuBLAS and cuSOLVER handles of a stream.

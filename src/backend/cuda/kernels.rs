@@ -61,9 +61,11 @@ pub(crate) fn describe_origins(origins: impl Iterator<Item = Origin>) -> String 
     parts.join(", ")
 }
 
-/// The version of the NVRTC library loaded at run time ("major.minor").
-pub fn nvrtc_version() -> String {
-    cache::nvrtc_version()
+/// The version of the NVRTC library loaded at run time ("major.minor"); an error when there is
+/// none.
+pub fn nvrtc_version() -> Result<String> {
+    super::device::require_nvrtc()?;
+    Ok(cache::nvrtc_version())
 }
 
 /// The architectures the binary carries CUBIN for, with the version of the NVRTC that
@@ -103,6 +105,7 @@ unsafe fn program_log(prog: nvrtc_sys::nvrtcProgram) -> String {
 
 /// [`compile`] with `extra` options; the CUBIN and NVRTC's log.
 fn compile_with(name: &str, src: &str, arch: &str, extra: &[&str]) -> Result<(Vec<u8>, String)> {
+    super::device::require_nvrtc()?;
     let fail = |what: String| Error::Gpu(format!("NVRTC failed on {name} for {arch}: {what}"));
     let text = CString::new(expand(src)).map_err(|e| fail(e.to_string()))?;
     let cname = CString::new(name).map_err(|e| fail(e.to_string()))?;
@@ -214,6 +217,7 @@ pub(crate) fn cubins_for(arch: &'static str) -> Result<Vec<(Vec<u8>, Origin)>> {
             .map(|c| (c.to_vec(), Origin::BuiltIn))
             .collect());
     }
+    super::device::require_nvrtc()?;
     let cache = cache::Cache::open();
     let version = cache::nvrtc_version();
     std::thread::scope(|scope| {
@@ -269,6 +273,7 @@ impl Kernels {
                 Ok(m) => m,
                 Err(e) => {
                     tracing::warn!("cannot load module {name} ({e:?}); compiling it again");
+                    super::device::require_nvrtc()?;
                     let cache = cache::Cache::open();
                     let cubin = cubin_of(
                         cache.as_ref(),
