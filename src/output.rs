@@ -61,6 +61,15 @@ fn clean_up_on_signals() {
     });
 }
 
+/// Runs `create`, which makes a file anew at the path of a temporary (cfitsio creating a
+/// FITS file, a compressed file replacing the plain one), under the lock of the live
+/// temporaries. The signal cleanup holds that lock from the moment it removes them until the
+/// process is gone, so a file cannot be created again after it was removed.
+pub fn creating<T>(create: impl FnOnce() -> T) -> T {
+    let _live = live();
+    create()
+}
+
 /// The error for `target` with an operating-system cause.
 fn io_error(target: &Path, source: std::io::Error) -> Error {
     Error::Io {

@@ -25,7 +25,7 @@ pub(super) fn compress_in_place(path: &Path) -> Result<()> {
         source,
     };
     let plain = std::fs::read(path).map_err(io)?;
-    let file = std::fs::File::create(path).map_err(io)?;
+    let file = crate::output::creating(|| std::fs::File::create(path)).map_err(io)?;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let gzip_error = |e: gzp::GzpError| Error::Fits {
         path: path.into(),

@@ -213,26 +213,28 @@ impl Fits {
     /// gzip-compressed file: cfitsio writes the plain file, which [`Fits::close`] compresses
     /// in place on every core.
     pub fn create(path: &Path) -> Result<Self> {
-        match std::fs::remove_file(path) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                return Err(Error::Io {
-                    path: path.into(),
-                    source: e,
-                })
-            }
-            _ => {}
-        }
         let name = cstring(&path.to_string_lossy());
         let mut ptr = std::ptr::null_mut();
-        // SAFETY: `name` is NUL-terminated and outlives the call; cfitsio stores a handle in
-        // `ptr` (null on failure) and only reads the name.
-        run(|status| unsafe {
-            sys::ffdkinit(&mut ptr, name.as_ptr(), status);
-        })
-        .map_err(|(status, cause)| Error::Fits {
-            path: path.into(),
-            what: "cannot create".into(),
-            message: failure_message(status, cause),
+        crate::output::creating(|| -> Result<()> {
+            match std::fs::remove_file(path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(Error::Io {
+                        path: path.into(),
+                        source: e,
+                    })
+                }
+                _ => {}
+            }
+            // SAFETY: `name` is NUL-terminated and outlives the call; cfitsio stores a handle
+            // in `ptr` (null on failure) and only reads the name.
+            run(|status| unsafe {
+                sys::ffdkinit(&mut ptr, name.as_ptr(), status);
+            })
+            .map_err(|(status, cause)| Error::Fits {
+                path: path.into(),
+                what: "cannot create".into(),
+                message: failure_message(status, cause),
+            })
         })?;
         let mut fits = Fits::new(ptr, path);
         fits.gzip = path.to_string_lossy().ends_with(".gz");
