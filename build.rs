@@ -58,38 +58,62 @@ struct Built {
     version: String,
 }
 
-/// Every source for every architecture, one thread per program.
+/// A source's name, text and NVRTC's CUBIN of it (or its log).
+type Compiled = (&'static str, &'static str, Result<Vec<u8>, String>);
+
+/// Every source for every architecture, one thread per program. An architecture this NVRTC
+/// cannot compile for (too old a library, or an error in a kernel) is left out with a
+/// warning: its kernels then compile at run time, where an error stops the GPU backend.
 fn compile_all(nvrtc: &Nvrtc, archs: &[&str], out: &Path) -> Vec<Built> {
     let version = nvrtc.version();
-    let jobs: Vec<(&str, &'static str, &'static str)> = archs
-        .iter()
-        .flat_map(|&a| SOURCES.iter().map(move |&(name, src, _)| (a, name, src)))
-        .collect();
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = jobs
+    let compiled: Vec<Vec<Compiled>> = std::thread::scope(|scope| {
+        let per_arch: Vec<Vec<_>> = archs
             .iter()
-            .map(|&(arch, name, src)| {
-                scope.spawn(move || (arch, name, src, nvrtc.compile(name, &expand(src), arch)))
+            .map(|&arch| {
+                SOURCES
+                    .iter()
+                    .map(|&(name, src, _)| {
+                        scope.spawn(move || (name, src, nvrtc.compile(name, &expand(src), arch)))
+                    })
+                    .collect()
             })
             .collect();
-        handles
+        per_arch
             .into_iter()
-            .map(|h| h.join().expect("compile thread"))
-            .map(|(arch, name, src, cubin)| {
-                let cubin =
-                    cubin.unwrap_or_else(|log| panic!("NVRTC failed on {name} for {arch}:\n{log}"));
-                let file = out.join(format!("{}-{arch}.cubin", name.trim_end_matches(".cu")));
-                std::fs::write(&file, cubin).expect("write CUBIN to OUT_DIR");
-                Built {
-                    arch: arch.to_string(),
-                    name,
-                    digest: source_digest(name, &expand(src), arch),
-                    file,
-                    version: version.clone(),
-                }
+            .map(|jobs| {
+                jobs.into_iter()
+                    .map(|j| j.join().expect("compile thread"))
+                    .collect()
             })
             .collect()
-    })
+    });
+    let mut built = Vec::new();
+    for (&arch, sources) in archs.iter().zip(compiled) {
+        let all: Result<Vec<_>, _> = sources
+            .into_iter()
+            .map(|(name, src, cubin)| cubin.map(|c| (name, src, c)).map_err(|log| (name, log)))
+            .collect();
+        let all = match all {
+            Ok(all) => all,
+            Err((name, log)) => {
+                let first = log.lines().next().unwrap_or("no log");
+                println!("cargo:warning=NVRTC {version} cannot compile {name} for {arch} ({first}): no kernels built in for {arch}");
+                continue;
+            }
+        };
+        for (name, src, cubin) in all {
+            let file = out.join(format!("{}-{arch}.cubin", name.trim_end_matches(".cu")));
+            std::fs::write(&file, cubin).expect("write CUBIN to OUT_DIR");
+            built.push(Built {
+                arch: arch.to_string(),
+                name,
+                digest: source_digest(name, &expand(src), arch),
+                file,
+                version: version.clone(),
+            });
+        }
+    }
+    built
 }
 
 /// `prebuilt_kernels.rs`: the table the backend includes.

@@ -114,7 +114,9 @@ fn kernels_compile_without_a_gpu() {
     let built = cuda::built_in_archs();
     assert_eq!(
         built.iter().map(|a| a.0).collect::<Vec<_>>(),
-        ["sm_80", "sm_90"]
+        ["sm_80", "sm_90"],
+        "this test binary must be built with NVRTC on hand (SPEX_NVRTC, or on the loader's \
+         path as scripts/test does) and the default SPEX_KERNEL_ARCHS"
     );
     let version = cuda::nvrtc_version().unwrap_or_else(|e| panic!("{e}"));
     let same_nvrtc = built.iter().all(|a| a.1 == version);

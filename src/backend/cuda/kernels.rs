@@ -217,9 +217,8 @@ pub(crate) fn cubins_for(arch: &'static str) -> Result<Vec<(Vec<u8>, Origin)>> {
             .map(|c| (c.to_vec(), Origin::BuiltIn))
             .collect());
     }
-    super::device::require_nvrtc()?;
+    let version = nvrtc_version()?;
     let cache = cache::Cache::open();
-    let version = cache::nvrtc_version();
     std::thread::scope(|scope| {
         let jobs: Vec<_> = SOURCES
             .iter()
@@ -273,17 +272,9 @@ impl Kernels {
                 Ok(m) => m,
                 Err(e) => {
                     tracing::warn!("cannot load module {name} ({e:?}); compiling it again");
-                    super::device::require_nvrtc()?;
                     let cache = cache::Cache::open();
-                    let cubin = cubin_of(
-                        cache.as_ref(),
-                        name,
-                        src,
-                        arch,
-                        &cache::nvrtc_version(),
-                        true,
-                    )?
-                    .0;
+                    let cubin =
+                        cubin_of(cache.as_ref(), name, src, arch, &nvrtc_version()?, true)?.0;
                     dev.ctx
                         .load_module(Ptx::from_binary(cubin))
                         .map_err(error::driver(format!(

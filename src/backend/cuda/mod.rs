@@ -81,9 +81,10 @@ pub struct CudaBackend {
     host: Arc<rayon::ThreadPool>,
 }
 
-/// A pool for one backend's host work, as many threads as the process may use cores.
+/// A pool for one backend's host work, as many threads as the rank's (`--threads`, the size
+/// of rayon's global pool).
 fn host_pool() -> Result<Arc<rayon::ThreadPool>> {
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = rayon::current_num_threads();
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .thread_name(|i| format!("spex-cuda-host-{i}"))
@@ -287,31 +288,6 @@ impl CudaBackend {
     }
 }
 
-impl CudaBackend {
-    /// Solves the patches with the CPU reference: blocks of `sh.nt` bins are beyond what
-    /// the device's shared memory allows its decorrelation kernels.
-    fn extract_on_cpu(
-        &mut self,
-        input: FrameInput<'_>,
-        patches: &[Patch],
-        progress: &Progress,
-        sh: &Shape,
-    ) -> Result<Vec<PatchResult>> {
-        tracing::warn!(
-            "patches of {} bins are too large for the decorrelation kernels of {}: solved on \
-             the CPU (fewer --nwavestep or --wavepad bins keep them on the GPU)",
-            sh.nt,
-            self.dev.name
-        );
-        self.timings = GpuTimings {
-            patches: patches.len(),
-            cpu_fallback: patches.len(),
-            ..GpuTimings::default()
-        };
-        crate::backend::cpu::CpuBackend::new(0)?.extract(input, patches, progress)
-    }
-}
-
 impl Backend for CudaBackend {
     fn describe(&self) -> String {
         format!(
@@ -340,6 +316,30 @@ impl Backend for CudaBackend {
 }
 
 impl CudaBackend {
+    /// Solves the patches with the CPU reference: blocks of `sh.nt` bins are beyond what
+    /// the device's shared memory allows its decorrelation kernels.
+    fn extract_on_cpu(
+        &mut self,
+        input: FrameInput<'_>,
+        patches: &[Patch],
+        progress: &Progress,
+        sh: &Shape,
+    ) -> Result<Vec<PatchResult>> {
+        tracing::warn!(
+            "patches of {} bins are too large for the decorrelation kernels of {}: solved on \
+             the CPU (fewer --nwavestep or --wavepad bins keep them on the GPU)",
+            sh.nt,
+            self.dev.name
+        );
+        self.timings = GpuTimings {
+            patches: patches.len(),
+            cpu_fallback: patches.len(),
+            ..GpuTimings::default()
+        };
+        let threads = self.host.current_num_threads();
+        crate::backend::cpu::CpuBackend::new(threads)?.extract(input, patches, progress)
+    }
+
     /// [`Backend::extract`] on a thread of the backend's host pool (the device is bound to it
     /// here), so that the parallel host work of the call runs on that pool.
     fn extract_on_device(
