@@ -139,6 +139,9 @@ impl Drop for Libraries {
 pub(crate) struct Device {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
+    /// The stream of the uploads of a chunk's inputs, which run while `stream` solves the
+    /// chunk before.
+    copies: Arc<CudaStream>,
     libraries: std::cell::OnceCell<Libraries>,
     pub ordinal: usize,
     pub name: String,
@@ -198,9 +201,13 @@ impl Device {
         let stream = ctx
             .new_stream()
             .map_err(error::driver("cannot create a stream"))?;
+        let copies = ctx
+            .new_stream()
+            .map_err(error::driver("cannot create a stream"))?;
         Ok(Device {
             ctx,
             stream,
+            copies,
             libraries: std::cell::OnceCell::new(),
             ordinal,
             name,
@@ -320,14 +327,28 @@ impl Device {
 
     /// Copies host data into the start of a device buffer.
     pub(crate) fn copy_to<T: Copy>(&self, b: &DevBuf<T>, host: &[T], what: &str) -> Result<()> {
-        assert!(host.len() <= b.len);
-        if host.is_empty() {
-            return Ok(());
-        }
-        // SAFETY: sizes checked above; the host slice lives until the copy has been staged
-        // (pageable) or until the caller synchronises (pinned, see PinnedBuf).
-        unsafe { drv::memcpy_htod_async(b.ptr, host, self.cu_stream()) }
-            .map_err(error::driver(format!("copy of {what} to the device")))
+        htod(b, host, self.cu_stream(), what)
+    }
+
+    /// [`Device::copy_to`] on the copy stream: it runs while the compute stream works, and
+    /// the compute stream sees it after [`Device::join_copies`]. A pinned `host` must live
+    /// until then.
+    pub(crate) fn upload_to<T: Copy>(&self, b: &DevBuf<T>, host: &[T], what: &str) -> Result<()> {
+        htod(b, host, self.copies.cu_stream(), what)
+    }
+
+    /// Waits for the uploads queued so far (before their host buffers may go).
+    pub(crate) fn sync_copies(&self) -> Result<()> {
+        self.copies
+            .synchronize()
+            .map_err(error::driver(format!("device {}: uploads", self.ordinal)))
+    }
+
+    /// Makes the compute stream wait for the uploads queued so far.
+    pub(crate) fn join_copies(&self) -> Result<()> {
+        self.stream
+            .join(&self.copies)
+            .map_err(error::driver("wait for the uploads"))
     }
 
     /// Copies the start of a device buffer into host memory; completes at the next
@@ -381,9 +402,22 @@ impl Drop for Device {
     fn drop(&mut self) {
         // The library handles go while the context is bound and the stream idle.
         let _ = self.ctx.bind_to_thread();
+        let _ = self.copies.synchronize();
         let _ = self.stream.synchronize();
         drop(self.libraries.take());
     }
+}
+
+/// Copies `host` into the start of `b` on `stream`.
+fn htod<T: Copy>(b: &DevBuf<T>, host: &[T], stream: drv_sys::CUstream, what: &str) -> Result<()> {
+    assert!(host.len() <= b.len);
+    if host.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: sizes checked above; the host slice lives until the copy has been staged
+    // (pageable) or until the stream has passed it (pinned, see PinnedBuf).
+    unsafe { drv::memcpy_htod_async(b.ptr, host, stream) }
+        .map_err(error::driver(format!("copy of {what} to the device")))
 }
 
 /// Device memory of `len` values of `T`, freed on drop.

@@ -381,48 +381,63 @@ impl CudaBackend {
             .back
             .reserve(results::Back::len(per, sh.nd(), 0));
         // Host tables of chunk i + 1 are prepared on a helper thread while the device solves
-        // chunk i; two image buffers take turns.
+        // chunk i, and uploaded on the copy stream once chunk i's work is queued; two image
+        // buffers and two sets of device inputs take turns.
         let mut results: Vec<Option<PatchResult>> = vec![None; patches.len()];
         let mut pool = std::mem::take(&mut self.images);
         while pool.len() < 2 {
             pool.push(staging::Staging::new(self.dev.ctx.clone()));
         }
         let first = pool.pop().expect("two buffers");
-        let mut next = Some(tables::prepare(&input, &chunks[0], &sh, first)?);
+        let host = tables::prepare(&input, &chunks[0], &sh, first)?;
+        self.workspace.next.upload(&self.dev, &input, &host)?;
+        let mut next = Some(host);
         for (ci, chunk) in chunks.iter().enumerate() {
-            let host = next.take().expect("prepared above");
+            let host = next.take().expect("prepared and uploaded the chunk before");
             let _r = nvtx::LocalRange::new(nvtx::Str::from_str_lossy(&format!(
                 "chunk of {} patches",
                 chunk.len()
             )));
-            let (solved, buf) = std::thread::scope(|s| {
+            std::mem::swap(&mut self.workspace.input, &mut self.workspace.next);
+            let outcome = std::thread::scope(|s| {
                 let helper = chunks.get(ci + 1).map(|c| {
                     let (input, sh, host) = (&input, &sh, &self.host);
                     let buf = pool.pop().expect("two buffers take turns");
                     s.spawn(move || host.install(|| tables::prepare(input, c, sh, buf)))
                 });
+                // the next chunk's inputs go up while the device solves this one
+                let (dev, input_ref, next_ref) = (&self.dev, &input, &mut next);
+                let upload_next = move |inputs: &mut workspace::Inputs| -> Result<()> {
+                    if let Some(h) = helper {
+                        let host = h
+                            .join()
+                            .map_err(|_| Error::Gpu("host preparation thread panicked".into()))??;
+                        inputs.upload(dev, input_ref, &host)?;
+                        *next_ref = Some(host);
+                    }
+                    Ok(())
+                };
                 let gpu = Gpu {
                     dev: &self.dev,
                     k: &self.kernels,
                     sh: &sh,
                 };
-                let solved = solve::solve_chunk(
+                solve::solve_chunk(
                     gpu,
                     &self.tuning,
                     &mut self.workspace,
                     &input,
                     chunk,
                     host,
+                    upload_next,
                     &mut timings,
-                );
-                if let Some(h) = helper {
-                    next =
-                        Some(h.join().map_err(|_| {
-                            Error::Gpu("host preparation thread panicked".into())
-                        })??);
-                }
-                solved
-            })?;
+                )
+            });
+            if outcome.is_err() {
+                // the next chunk's upload may still read its host buffer, which goes now
+                let _ = self.dev.sync_copies();
+            }
+            let (solved, buf) = outcome?;
             pool.push(buf);
             for (&i, r) in ids[ci].iter().zip(solved) {
                 results[i] = Some(r);

@@ -41,7 +41,7 @@ fn sweep(g: Gpu<'_>, ws: &Workspace, count: usize, ids: Option<&DevBuf<i32>>) ->
             .ptr(ws.icov.get().ptr)
             .ptr(ws.y.get().ptr)
             .ptr(ids_ptr)
-            .ptr(ws.colspot.get().ptr)
+            .ptr(ws.input.colspot.get().ptr)
             .i32(m as i32)
             .i32(n as i32)
             .i32(nb as i32)

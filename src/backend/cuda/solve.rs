@@ -1,7 +1,8 @@
 //! The batched solve of a chunk of patches on the device (DESIGN "Solve of one patch", the
 //! same steps as [`crate::backend::cpu`]), as a sequence of named steps:
 //!
-//! 1. copies in: host tables and the chunk's image region;
+//! 1. copies in: host tables and the chunk's image region, uploaded on the copy stream while
+//!    the chunk before was solved (the compute stream only waits for them here);
 //! 2. spots of every bundle in the chunk (`launchers::spots`);
 //! 3. assembly of icov (one triangle, icov being symmetric), y, fluxweight and regularisation
 //!    (`launchers::assemble`);
@@ -24,30 +25,19 @@ use super::staging::Staging;
 use super::tables::ChunkHost;
 use super::timings::{GpuTimings, PhaseClock};
 use super::tuning::{Solve, Tuning};
-use super::workspace::{Region, Shape, Workspace};
+use super::workspace::{Inputs, Region, Shape, Workspace};
 use crate::backend::FrameInput;
 use crate::error::{Error, Result};
 use crate::extract::PatchResult;
 use crate::plan::Patch;
 
-/// Allocates the chunk's buffers (kept between chunks) and copies its tables and image region.
-fn copy_in(g: Gpu<'_>, ws: &mut Workspace, input: &FrameInput<'_>, host: &ChunkHost) -> Result<()> {
+/// Sizes the chunk's buffers (kept between chunks) and waits for the upload of its inputs
+/// (queued on the copy stream while the previous chunk was solved).
+fn copy_in(g: Gpu<'_>, ws: &mut Workspace, host: &ChunkHost) -> Result<()> {
     let (dev, sh) = (g.dev, g.sh);
     let n = host.live.len();
     let (m, ncore, nws) = (sh.m(), sh.ncore, sh.nws);
-    let (r0, r1, c0, c1) = host.region;
-    let npix = (r1 - r0) * (c1 - c0);
     ws.spots.ensure(dev, host.xy.len() / 2 * sh.nx * sh.ny)?;
-    ws.xy.ensure(dev, host.xy.len())?;
-    ws.coef.ensure(dev, host.coef.len())?;
-    ws.waves.ensure(dev, input.plan.fullwave.len())?;
-    ws.corners.ensure(dev, host.corners.len())?;
-    ws.colspot.ensure(dev, host.colspot.len())?;
-    ws.boxes.ensure(dev, host.boxes.len())?;
-    ws.nkeep.ensure(dev, n)?;
-    ws.boxoff.ensure(dev, n)?;
-    ws.pix.ensure(dev, npix)?;
-    ws.ivar.ensure(dev, npix)?;
     ws.icov.ensure(dev, n * m * m)?;
     ws.y.ensure(dev, n * m)?;
     ws.fw.ensure(dev, n * m)?;
@@ -55,17 +45,7 @@ fn copy_in(g: Gpu<'_>, ws: &mut Workspace, input: &FrameInput<'_>, host: &ChunkH
     ws.pixmask.ensure(dev, n * ncore * nws)?;
     ws.masked.ensure(dev, n)?;
     ws.x.ensure(dev, n * m)?;
-    dev.copy_to(ws.xy.get(), &host.xy, "trace positions")?;
-    dev.copy_to(ws.coef.get(), &host.coef, "PSF coefficients")?;
-    dev.copy_to(ws.waves.get(), &input.plan.fullwave, "wavelength grid")?;
-    dev.copy_to(ws.corners.get(), &host.corners, "spot corners")?;
-    dev.copy_to(ws.colspot.get(), &host.colspot, "column table")?;
-    dev.copy_to(ws.boxes.get(), &host.boxes, "pixel boxes")?;
-    dev.copy_to(ws.nkeep.get(), &host.nkeep, "kept bins")?;
-    dev.copy_to(ws.boxoff.get(), &host.boxoff, "box offsets")?;
-    let (pp, pv) = host.image.current(2 * npix).split_at(npix);
-    dev.copy_to(ws.pix.get(), pp, "image pixels")?;
-    dev.copy_to(ws.ivar.get(), pv, "image inverse variance")?;
+    dev.join_copies()?;
     dev.zero_prefix(ws.pixmask.get(), n * ncore * nws)?;
     dev.zero_prefix(ws.masked.get(), n)
 }
@@ -102,7 +82,7 @@ fn decorrelate_chunk(
             },
             count: nblocks,
             xflux: ws.x.get().ptr,
-            nkeep: ws.nkeep.get().ptr,
+            nkeep: ws.input.nkeep.get().ptr,
         },
         kind,
         Scratch {
@@ -208,8 +188,10 @@ fn dense_steps(
     Ok(fact)
 }
 
-/// Solves one prepared chunk; results in the order of `chunk`, and the chunk's image buffer
-/// back for reuse.
+/// Solves one prepared chunk, whose inputs were uploaded into `ws.input`; results in the
+/// order of `chunk`, and the chunk's image buffer back for reuse. `upload_next` queues the
+/// next chunk's inputs into `ws.next` once the device has this chunk's work in hand.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn solve_chunk(
     g: Gpu<'_>,
     tuning: &Tuning,
@@ -217,6 +199,7 @@ pub(crate) fn solve_chunk(
     input: &FrameInput<'_>,
     chunk: &[&Patch],
     mut host: ChunkHost,
+    upload_next: impl FnOnce(&mut Inputs) -> Result<()>,
     timings: &mut GpuTimings,
 ) -> Result<(Vec<PatchResult>, Staging<f32>)> {
     timings.add("host tables", host.prep_ms);
@@ -226,7 +209,14 @@ pub(crate) fn solve_chunk(
     }
     let n = host.live.len();
     if n > 0 {
-        solve_live(g, tuning, ws, input, chunk, &host, timings, &mut results)?;
+        let live = Live {
+            input,
+            chunk,
+            host: &host,
+        };
+        solve_live(g, tuning, ws, live, upload_next, timings, &mut results)?;
+    } else {
+        upload_next(&mut ws.next)?;
     }
     let results = results
         .into_iter()
@@ -235,15 +225,20 @@ pub(crate) fn solve_chunk(
     Ok((results, host.image))
 }
 
+/// A chunk with live patches: the frame, the chunk's patches and its host tables.
+struct Live<'a, 'f> {
+    input: &'a FrameInput<'f>,
+    chunk: &'a [&'a Patch],
+    host: &'a ChunkHost,
+}
+
 /// The steps of [`solve_chunk`] for the live patches of a chunk.
-#[allow(clippy::too_many_arguments)]
 fn solve_live(
     g: Gpu<'_>,
     tuning: &Tuning,
     ws: &mut Workspace,
-    input: &FrameInput<'_>,
-    chunk: &[&Patch],
-    host: &ChunkHost,
+    Live { input, chunk, host }: Live<'_, '_>,
+    upload_next: impl FnOnce(&mut Inputs) -> Result<()>,
     timings: &mut GpuTimings,
     results: &mut [Option<PatchResult>],
 ) -> Result<()> {
@@ -256,7 +251,7 @@ fn solve_live(
     let live: Vec<&Patch> = host.live.iter().map(|(ci, _, _)| chunk[*ci]).collect();
     let mut clock = PhaseClock::new(g.dev);
     clock.mark("start")?;
-    copy_in(g, ws, input, host)?;
+    copy_in(g, ws, host)?;
     clock.mark("copies in")?;
     launchers::spots(g, input.psf, ws, host.xy.len() / 2)?;
     clock.mark("spots")?;
@@ -293,6 +288,7 @@ fn solve_live(
     clock.mark("finalize")?;
     let (steps, sweeps) = copy_out(g, ws, host, input.options.model)?;
     clock.mark("copies out")?;
+    upload_next(&mut ws.next)?;
     g.dev.sync("chunk results")?;
     drop(keep);
     let counts = Counts::new(&steps, &sweeps);

@@ -8,6 +8,7 @@ use cudarc::driver::CudaContext;
 
 use super::device::{DevBuf, Device, Slot};
 use super::staging::Staging;
+use super::tables::ChunkHost;
 use super::tuning::Solve;
 use crate::backend::FrameInput;
 use crate::error::Result;
@@ -93,17 +94,11 @@ pub(crate) fn pointer_array(
 
 /// Device and pinned buffers, kept by the backend between chunks and calls.
 pub(crate) struct Workspace {
-    pub(crate) xy: Slot<f64>,
-    pub(crate) coef: Slot<f64>,
-    pub(crate) waves: Slot<f64>,
+    /// The inputs of the chunk being solved.
+    pub(crate) input: Inputs,
+    /// The inputs of the next chunk, uploaded while this one is solved.
+    pub(crate) next: Inputs,
     pub(crate) spots: Slot<f64>,
-    pub(crate) corners: Slot<i32>,
-    pub(crate) colspot: Slot<i32>,
-    pub(crate) boxes: Slot<i32>,
-    pub(crate) nkeep: Slot<i32>,
-    pub(crate) boxoff: Slot<i64>,
-    pub(crate) pix: Slot<f32>,
-    pub(crate) ivar: Slot<f32>,
     pub(crate) icov: Slot<f64>,
     pub(crate) y: Slot<f64>,
     pub(crate) fw: Slot<f64>,
@@ -132,17 +127,9 @@ pub(crate) struct Workspace {
 impl Workspace {
     pub(crate) fn new(ctx: Arc<CudaContext>) -> Self {
         Workspace {
-            xy: Slot::new("trace positions"),
-            coef: Slot::new("PSF coefficients"),
-            waves: Slot::new("wavelength grid"),
+            input: Inputs::new(),
+            next: Inputs::new(),
             spots: Slot::new("spots"),
-            corners: Slot::new("spot corners"),
-            colspot: Slot::new("column table"),
-            boxes: Slot::new("pixel boxes"),
-            nkeep: Slot::new("kept bins"),
-            boxoff: Slot::new("box offsets"),
-            pix: Slot::new("image pixels"),
-            ivar: Slot::new("image inverse variance"),
             icov: Slot::new("icov"),
             y: Slot::new("y"),
             fw: Slot::new("fluxweight"),
@@ -167,6 +154,78 @@ impl Workspace {
             chi2: Slot::new("chi2pix"),
             back: Staging::new(ctx),
         }
+    }
+}
+
+/// Device buffers of a chunk's inputs: its host tables and image region. Two sets take
+/// turns, so that the next chunk's inputs upload on the copy stream while the device solves
+/// the current chunk.
+pub(crate) struct Inputs {
+    pub(crate) xy: Slot<f64>,
+    pub(crate) coef: Slot<f64>,
+    pub(crate) waves: Slot<f64>,
+    pub(crate) corners: Slot<i32>,
+    pub(crate) colspot: Slot<i32>,
+    pub(crate) boxes: Slot<i32>,
+    pub(crate) nkeep: Slot<i32>,
+    pub(crate) boxoff: Slot<i64>,
+    pub(crate) pix: Slot<f32>,
+    pub(crate) ivar: Slot<f32>,
+}
+
+impl Inputs {
+    fn new() -> Self {
+        Inputs {
+            xy: Slot::new("trace positions"),
+            coef: Slot::new("PSF coefficients"),
+            waves: Slot::new("wavelength grid"),
+            corners: Slot::new("spot corners"),
+            colspot: Slot::new("column table"),
+            boxes: Slot::new("pixel boxes"),
+            nkeep: Slot::new("kept bins"),
+            boxoff: Slot::new("box offsets"),
+            pix: Slot::new("image pixels"),
+            ivar: Slot::new("image inverse variance"),
+        }
+    }
+
+    /// Queues the upload of a chunk's tables and image region on the copy stream (grown
+    /// buffers are allocated first, which waits for the device). The compute stream must
+    /// [`Device::join_copies`] before it reads them; `host`'s pinned image must live until
+    /// then.
+    pub(crate) fn upload(
+        &mut self,
+        dev: &Device,
+        input: &FrameInput<'_>,
+        host: &ChunkHost,
+    ) -> Result<()> {
+        let n = host.live.len();
+        let (r0, r1, c0, c1) = host.region;
+        let npix = (r1 - r0) * (c1 - c0);
+        self.xy.ensure(dev, host.xy.len())?;
+        self.coef.ensure(dev, host.coef.len())?;
+        self.waves.ensure(dev, input.plan.fullwave.len())?;
+        self.corners.ensure(dev, host.corners.len())?;
+        self.colspot.ensure(dev, host.colspot.len())?;
+        self.boxes.ensure(dev, host.boxes.len())?;
+        self.nkeep.ensure(dev, n)?;
+        self.boxoff.ensure(dev, n)?;
+        self.pix.ensure(dev, npix)?;
+        self.ivar.ensure(dev, npix)?;
+        dev.upload_to(self.xy.get(), &host.xy, "trace positions")?;
+        dev.upload_to(self.coef.get(), &host.coef, "PSF coefficients")?;
+        dev.upload_to(self.waves.get(), &input.plan.fullwave, "wavelength grid")?;
+        dev.upload_to(self.corners.get(), &host.corners, "spot corners")?;
+        dev.upload_to(self.colspot.get(), &host.colspot, "column table")?;
+        dev.upload_to(self.boxes.get(), &host.boxes, "pixel boxes")?;
+        dev.upload_to(self.nkeep.get(), &host.nkeep, "kept bins")?;
+        dev.upload_to(self.boxoff.get(), &host.boxoff, "box offsets")?;
+        if n > 0 {
+            let (pp, pv) = host.image.current(2 * npix).split_at(npix);
+            dev.upload_to(self.pix.get(), pp, "image pixels")?;
+            dev.upload_to(self.ivar.get(), pv, "image inverse variance")?;
+        }
+        Ok(())
     }
 }
 
