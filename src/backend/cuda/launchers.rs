@@ -98,6 +98,7 @@ pub(crate) fn assemble(
         &g.k.assemble,
         "assemble_f64",
         (m as u32, n as u32, 1),
+        // the kernel's launch bounds
         128,
         (size + m + 32) * 8,
         Args::new()
