@@ -3,6 +3,9 @@
 //! full frame), which a process's first frame should not wait for. A [`Staging`] buffer is
 //! pageable (the driver stages its copies) until a background thread has pinned one of the
 //! size asked; from then on the transfers go at full bus speed and overlap with the kernels.
+//! Pinning starts only once [`Staging::allow_pinning`] has been called, which the backend
+//! does after its first frame: while it runs, the driver work of pinning delays that frame's
+//! launches, and a process of one frame would gain nothing from it.
 
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -22,6 +25,8 @@ pub(crate) struct Staging<T: Copy + Default + Send + 'static> {
     pending: Option<(usize, JoinHandle<Result<PinnedBuf<T>>>)>,
     /// Whether the last [`Staging::get`] gave the pinned buffer.
     on_pinned: bool,
+    /// Whether a buffer may be pinned.
+    pinning: bool,
 }
 
 impl<T: Copy + Default + Send + 'static> Staging<T> {
@@ -32,11 +37,18 @@ impl<T: Copy + Default + Send + 'static> Staging<T> {
             pageable: Vec::new(),
             pending: None,
             on_pinned: false,
+            pinning: false,
         }
     }
 
+    /// Lets the next [`Staging::get`] or [`Staging::reserve`] start pinning a buffer.
+    pub(crate) fn allow_pinning(&mut self) {
+        self.pinning = true;
+    }
+
     /// A buffer of `len` values (contents unspecified): the pinned one if it is large enough,
-    /// else a pageable one, and then a pinned one of `len` is asked for the next time.
+    /// else a pageable one, and then (once pinning is allowed) a pinned one of `len` is asked
+    /// for the next time.
     pub(crate) fn get(&mut self, len: usize) -> &mut [T] {
         self.adopt_finished();
         self.on_pinned = self.pinned.as_ref().is_some_and(|p| p.len() >= len);
@@ -44,7 +56,7 @@ impl<T: Copy + Default + Send + 'static> Staging<T> {
             self.pageable = Vec::new();
             return &mut self.pinned.as_mut().expect("checked above").as_mut_slice()[..len];
         }
-        if self.pending.is_none() {
+        if self.pending.is_none() && self.pinning {
             self.pin_later(len);
         }
         if self.pageable.len() < len {
@@ -59,7 +71,7 @@ impl<T: Copy + Default + Send + 'static> Staging<T> {
         self.adopt_finished();
         let pinned = self.pinned.as_ref().is_some_and(|p| p.len() >= len);
         let coming = self.pending.as_ref().is_some_and(|(n, _)| *n >= len);
-        if !pinned && !coming && self.pending.is_none() {
+        if !pinned && !coming && self.pending.is_none() && self.pinning {
             self.pin_later(len);
         }
     }
