@@ -375,8 +375,7 @@ impl CudaBackend {
             .collect();
         let ids: Vec<&[usize]> = order.chunks(size).collect();
         // The copies back of the first chunk come after its solve: time enough to pin their
-        // buffer, from the backend's second frame on (the model boxes, when asked, may need a
-        // larger one later).
+        // buffer (the model boxes, when asked, may need a larger one later).
         let per = size * sh.ncore * sh.nws;
         self.workspace
             .back
@@ -446,11 +445,10 @@ impl CudaBackend {
             timings.chunks += 1;
             progress.add(chunk.len());
         }
-        // later frames transfer from pinned buffers, pinned in the background
+        // later frames transfer from pinned image buffers, pinned in the background
         for staging in &mut pool {
             staging.allow_pinning();
         }
-        self.workspace.back.allow_pinning();
         self.images = pool;
         self.dev.bind()?;
         timings.patches = patches.len();

@@ -4,8 +4,9 @@
 //! pageable (the driver stages its copies) until a background thread has pinned one of the
 //! size asked; from then on the transfers go at full bus speed and overlap with the kernels.
 //! Pinning starts only once [`Staging::allow_pinning`] has been called, which the backend
-//! does after its first frame: while it runs, the driver work of pinning delays that frame's
-//! launches, and a process of one frame would gain nothing from it.
+//! does for its image buffers after its first frame: while it runs, the driver work of
+//! pinning them delays that frame's launches, and a process of one frame would gain nothing
+//! from it.
 
 use std::sync::Arc;
 use std::thread::JoinHandle;
