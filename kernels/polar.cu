@@ -191,7 +191,8 @@ extern "C" __global__ void SPEX_MAX_REGS(96) polar_f64(
         tile_row_tn(X, X, ld, N, acc);
         int lane = tid & 31, g = lane >> 2, t = lane & 3, r = 8 * (tid >> 5) + g;
         double xs = 1.0;
-        if (it == 1 && l >= SPEX_POLAR_RESCALE_MIN_L) xs = rescale_first_step(acc, r, t, N, n, red, l);
+        if (it == 1 && l >= SPEX_POLAR_RESCALE_MIN_L)
+            xs = rescale_first_step(acc, r, t, N, n, red, l);
         double e = 0.0;
 #pragma unroll
         for (int J = 0; J < SPEX_TILES; ++J)
