@@ -200,7 +200,8 @@ impl CudaBackend {
     }
 
     /// Patches per chunk: the per-patch buffers must fit in the budget left after the spots
-    /// and the image region of a chunk (bounded by a quarter of the budget).
+    /// of a chunk and two chunks' inputs, the one solved and the next one uploading (bounded
+    /// by a quarter of the budget; a full frame's peak is 6.0 GB of the 8 GB default).
     fn chunk_size(&self, sh: &Shape) -> usize {
         let per = sh.bytes_per_patch(self.tuning.solve) + 8 * 8192;
         let fit = (self.budget * 3 / 4) / per;
