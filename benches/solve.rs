@@ -1,5 +1,6 @@
 //! Time of one patch solve on the CPU (one thread), the unit of work of an extraction: a
-//! sub-bundle of 5 fibers plus 2 neighbours by 50 + 2 x 12 wavelength bins.
+//! sub-bundle of 5 fibers plus 2 neighbours by 50 + 2 x 12 wavelength bins; and of the spots
+//! that the CPU backend evaluates for it, those of one fiber over the whole wavelength grid.
 
 use std::path::Path;
 
@@ -57,9 +58,23 @@ fn bench_patch(c: &mut Criterion) {
     });
 }
 
+/// The spots of one fiber at every bin of a full r-camera grid (5760-7620 A at 0.8 A, with
+/// the plan's padding), on one thread: a 25th of a bundle's spot evaluation.
+fn bench_spots(c: &mut Criterion) {
+    let psf = GaussHermitePsf::read(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/psf-r0-00067784.fits"),
+    )
+    .expect("bundled PSF");
+    let plan = Plan::new(PlanOptions::new(5760.0, 7620.0, 0.8, 0, 25)).expect("plan");
+    let mut spots = psf.spots(10..11, &plan.fullwave);
+    c.bench_function("spots 1 fiber x full grid", |b| {
+        b.iter(|| psf.spots_into(10..11, &plan.fullwave, &mut spots))
+    });
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(20);
-    targets = bench_patch
+    targets = bench_patch, bench_spots
 }
 criterion_main!(benches);

@@ -68,6 +68,7 @@ pub fn legendre_values(u: f64, deg: usize, out: &mut [f64]) {
 }
 
 /// Probabilists' Hermite polynomials `He_0..He_deg` at `t`.
+#[inline]
 pub fn hermite_values(t: f64, deg: usize, out: &mut [f64]) {
     out[0] = 1.0;
     if deg >= 1 {
@@ -396,36 +397,39 @@ impl GaussHermitePsf {
 
     /// Evaluates the spots of `fibers` at every wavelength of `waves`.
     pub fn spots(&self, fibers: Range<usize>, waves: &[f64]) -> Spots {
+        let mut spots = Spots::default();
+        self.spots_into(fibers, waves, &mut spots);
+        spots
+    }
+
+    /// [`Self::spots`] into the buffers of `spots`, which keep their memory: a backend that
+    /// evaluates bundle after bundle maps and zeroes the pages of its largest table once,
+    /// not once per bundle. Every value is written, so the previous contents do not matter.
+    pub fn spots_into(&self, fibers: Range<usize>, waves: &[f64], spots: &mut Spots) {
         let (ny, nx) = self.spot_shape();
         let nfiber = fibers.len();
         let nwave = waves.len();
         let size = ny * nx;
-        let mut data = vec![0.0; nfiber * nwave * size];
-        let mut xc = vec![0i32; nfiber * nwave];
-        let mut yc = vec![0i32; nfiber * nwave];
-        data.par_chunks_mut(nwave * size)
-            .zip(xc.par_chunks_mut(nwave).zip(yc.par_chunks_mut(nwave)))
+        spots.data.resize(nfiber * nwave * size, 0.0);
+        let c = &mut spots.corners;
+        c.xc.resize(nfiber * nwave, 0);
+        c.yc.resize(nfiber * nwave, 0);
+        (c.nwave, c.ny, c.nx) = (nwave, ny, nx);
+        c.fibers = fibers.clone();
+        spots
+            .data
+            .par_chunks_mut(nwave * size)
+            .zip(c.xc.par_chunks_mut(nwave).zip(c.yc.par_chunks_mut(nwave)))
             .enumerate()
-            .for_each(|(i, (spots, (xc, yc)))| {
+            .for_each(|(i, (data, (xc, yc)))| {
                 let fiber = fibers.start + i;
                 let mut work = SpotWork::new(self);
                 for (iw, &w) in waves.iter().enumerate() {
-                    let p = self.params(fiber, w);
-                    work.eval(self, &p, &mut spots[iw * size..(iw + 1) * size]);
-                    (xc[iw], yc[iw]) = self.corner_of(p.x, p.y);
+                    let (x, y) = work.params(self, fiber, w);
+                    work.eval(self, x, y, &mut data[iw * size..(iw + 1) * size]);
+                    (xc[iw], yc[iw]) = self.corner_of(x, y);
                 }
             });
-        Spots {
-            corners: Corners {
-                fibers,
-                nwave,
-                ny,
-                nx,
-                xc,
-                yc,
-            },
-            data,
-        }
     }
 }
 
@@ -435,6 +439,10 @@ struct SpotWork {
     pghy: Vec<f64>,
     tmp: Vec<f64>,
     herm: Vec<f64>,
+    /// The widths and the Gauss-Hermite coefficients of the spot, as in [`SpotParams`].
+    sigx: f64,
+    sigy: f64,
+    gh: Vec<f64>,
 }
 
 impl SpotWork {
@@ -445,35 +453,59 @@ impl SpotWork {
             pghy: vec![0.0; (psf.ghdegy + 1) * ny],
             tmp: vec![0.0; (psf.ghdegx + 1) * ny],
             herm: vec![0.0; psf.ghdegx.max(psf.ghdegy) + 1],
+            sigx: 0.0,
+            sigy: 0.0,
+            gh: vec![0.0; psf.gh.len()],
         }
     }
 
-    /// Writes the normalised spot into `out` (`ny * nx`, row-major).
-    fn eval(&mut self, psf: &GaussHermitePsf, p: &SpotParams, out: &mut [f64]) {
+    /// The spot parameters of [`GaussHermitePsf::params`] into the scratch space, without
+    /// allocating; returns the centre (x, y).
+    fn params(&mut self, psf: &GaussHermitePsf, fiber: usize, w: f64) -> (f64, f64) {
+        self.sigx = psf.ghsigx.eval(fiber, w);
+        self.sigy = psf.ghsigy.eval(fiber, w);
+        for (g, l) in self.gh.iter_mut().zip(&psf.gh) {
+            *g = l.eval(fiber, w);
+        }
+        psf.xy(fiber, w)
+    }
+
+    /// Writes the normalised spot centred at (x, y) into `out` (`ny * nx`, row-major), from
+    /// the parameters of the last [`Self::params`].
+    ///
+    /// Both products run along rows so that they vectorise; every value is still summed in
+    /// the order of the Gauss-Hermite degree, from zero, as a scalar loop over the degree
+    /// would, which keeps the spots' bits.
+    fn eval(&mut self, psf: &GaussHermitePsf, x: f64, y: f64, out: &mut [f64]) {
         let (ny, nx) = psf.spot_shape();
         let (ngx, ngy) = (psf.ghdegx + 1, psf.ghdegy + 1);
-        pixel_gauss_hermite(p.x, p.sigx, psf.ghdegx, nx, &mut self.herm, &mut self.pghx);
-        pixel_gauss_hermite(p.y, p.sigy, psf.ghdegy, ny, &mut self.herm, &mut self.pghy);
+        pixel_gauss_hermite(x, self.sigx, psf.ghdegx, nx, &mut self.herm, &mut self.pghx);
+        pixel_gauss_hermite(y, self.sigy, psf.ghdegy, ny, &mut self.herm, &mut self.pghy);
         // tmp[i][iy] = sum_j GH-i-j pGHy[j][iy]
-        for i in 0..ngx {
-            for iy in 0..ny {
-                let mut s = 0.0;
-                for j in 0..ngy {
-                    s += p.gh[i * ngy + j] * self.pghy[j * ny + iy];
+        for (i, t) in self.tmp.chunks_exact_mut(ny).enumerate().take(ngx) {
+            t.fill(0.0);
+            for (&g, py) in self.gh[i * ngy..(i + 1) * ngy]
+                .iter()
+                .zip(self.pghy.chunks_exact(ny))
+            {
+                for (t, &py) in t.iter_mut().zip(py) {
+                    *t += g * py;
                 }
-                self.tmp[i * ny + iy] = s;
             }
         }
+        // out[iy][ix] = max(0, sum_i tmp[i][iy] pGHx[i][ix])
         let mut total = 0.0;
-        for iy in 0..ny {
-            for ix in 0..nx {
-                let mut s = 0.0;
-                for i in 0..ngx {
-                    s += self.tmp[i * ny + iy] * self.pghx[i * nx + ix];
+        for (iy, row) in out.chunks_exact_mut(nx).enumerate().take(ny) {
+            row.fill(0.0);
+            for (i, px) in self.pghx.chunks_exact(nx).enumerate().take(ngx) {
+                let t = self.tmp[i * ny + iy];
+                for (o, &px) in row.iter_mut().zip(px) {
+                    *o += t * px;
                 }
-                let v = s.max(0.0);
-                out[iy * nx + ix] = v;
-                total += v;
+            }
+            for o in row.iter_mut() {
+                *o = o.max(0.0);
+                total += *o;
             }
         }
         if total > 0.0 {
@@ -525,7 +557,7 @@ pub fn pixel_gauss_hermite(
 }
 
 /// CCD corners of the spots of a block of fibers on a wavelength grid.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Corners {
     /// Absolute fiber numbers covered.
     pub fibers: Range<usize>,
@@ -549,7 +581,7 @@ impl Corners {
 }
 
 /// Spots of a block of fibers on a wavelength grid, with their CCD corners.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct Spots {
     pub corners: Corners,
     /// `[fiber][wave][ny][nx]`, fiber relative to `corners.fibers.start`.

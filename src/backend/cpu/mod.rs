@@ -52,6 +52,10 @@ pub const FAR_COUPLING_LIMIT: f64 = 1e-12;
 pub struct CpuBackend {
     pool: rayon::ThreadPool,
     threads: usize,
+    /// The spots of the bundle being solved. Kept from bundle to bundle and frame to frame:
+    /// a bundle's table is tens of megabytes, whose fresh pages the kernel would otherwise
+    /// zero for every bundle.
+    spots: Spots,
 }
 
 impl CpuBackend {
@@ -63,7 +67,11 @@ impl CpuBackend {
             .build()
             .map_err(|e| Error::config(format!("cannot start {threads} threads: {e}")))?;
         let threads = pool.current_num_threads();
-        Ok(CpuBackend { pool, threads })
+        Ok(CpuBackend {
+            pool,
+            threads,
+            spots: Spots::default(),
+        })
     }
 }
 
@@ -90,6 +98,7 @@ impl Backend for CpuBackend {
         let mut results: Vec<Option<PatchResult>> = vec![None; patches.len()];
         let (mut spot_time, mut solve_time) = (Duration::ZERO, Duration::ZERO);
         let mut counts = RouteCounts::default();
+        let spots = &mut self.spots;
         self.pool.install(|| {
             for (&start, members) in &by_bundle {
                 let _span = tracing::debug_span!("bundle", start).entered();
@@ -106,10 +115,11 @@ impl Backend for CpuBackend {
                     .unwrap_or(start);
                 let fibers = lo..hi;
                 let t0 = Instant::now();
-                let spots = {
+                {
                     let _range = nvtx::LocalRange::new(c"spots");
-                    input.psf.spots(fibers, &input.plan.fullwave)
-                };
+                    input.psf.spots_into(fibers, &input.plan.fullwave, spots);
+                }
+                let spots = &*spots;
                 let t1 = Instant::now();
                 spot_time += t1 - t0;
                 let _range = nvtx::LocalRange::new(c"solve patches");
@@ -120,7 +130,7 @@ impl Backend for CpuBackend {
                         let r = solve_patch_counted(
                             input.plan,
                             &patches[i],
-                            &spots,
+                            spots,
                             input.image,
                             input.options,
                             &mut c,
