@@ -14,6 +14,25 @@
 
 #define SPEX_WARP 32
 
+// Phase clocks for the kernel harness (benches/kernels): with SPEX_PHASE_CLOCK defined, thread 0
+// of every block adds the cycles since its previous mark to spex_phase_cycles[k], so that the
+// harness can say where a kernel's time goes; without it the marks compile to nothing.
+#ifdef SPEX_PHASE_CLOCK
+__device__ unsigned long long spex_phase_cycles[64];
+#define SPEX_PHASE_START long long spex_phase_t = clock64();
+#define SPEX_PHASE(k)                                                                     \
+    do {                                                                                  \
+        if (threadIdx.x == 0) {                                                           \
+            long long spex_now = clock64();                                               \
+            atomicAdd(&spex_phase_cycles[k], (unsigned long long)(spex_now - spex_phase_t)); \
+            spex_phase_t = spex_now;                                                      \
+        }                                                                                 \
+    } while (0)
+#else
+#define SPEX_PHASE_START
+#define SPEX_PHASE(k)
+#endif
+
 // Sum of `v` over the block; every thread gets the result. `scratch` holds one double per warp.
 __device__ __forceinline__ double block_sum(double v, double* scratch) {
     for (int o = SPEX_WARP / 2; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);

@@ -41,12 +41,13 @@ __device__ __forceinline__ double warp_dot(const double* a, const double* b, int
 // An estimate of the 2-norm of the lower triangular n x n matrix M, ||M v|| after a few power
 // steps on M^T M from the all-ones direction. It comes from below, so the bound l it gives the
 // iteration may be optimistic; that only slows the blocks where it is, and their convergence
-// test still decides. `v`, `w`: n doubles each. Each step: w = M v / ||v|| by one warp per row,
-// a barrier, v = M^T w by one warp per column, a barrier (13 barriers in all); the norms are
-// summed by every warp for itself, so every thread returns the same estimate.
+// test still decides. `v`, `w`: n doubles each. Each product runs four threads to a row (or
+// column) of M, with two shuffles to sum them, and ends in a barrier: the block needs at least
+// 4 n threads. The norms are summed by every warp for itself, so every thread returns the same
+// estimate.
 __device__ double lower_norm2(const double* M, int ld, int n, double* v, double* w) {
     int tid = threadIdx.x, nth = blockDim.x;
-    int lane = tid & 31, warp = tid >> 5, nwarp = nth >> 5;
+    int row = tid >> 2, q = tid & 3;
     for (int i = tid; i < n; i += nth) v[i] = rsqrt((double)n);
     __syncthreads();
     double est = 0.0;
@@ -56,20 +57,20 @@ __device__ double lower_norm2(const double* M, int ld, int n, double* v, double*
             double len = sqrt(warp_dot(v, v, n));
             inv = len > 0.0 ? 1.0 / len : 0.0;
         }
-        for (int i = warp; i < n; i += nwarp) {
-            double s = 0.0;
-            for (int k = lane; k <= i; k += 32) s += M[i * ld + k] * v[k];
-            s = warp_sum(s);
-            if (lane == 0) w[i] = s * inv;
-        }
+        double s = 0.0;
+        if (row < n)
+            for (int k = q; k <= row; k += 4) s += M[row * ld + k] * v[k];
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        if (row < n && q == 0) w[row] = s * inv;
         __syncthreads();
         est = sqrt(warp_dot(w, w, n));
-        for (int j = warp; j < n; j += nwarp) {
-            double s = 0.0;
-            for (int i = j + lane; i < n; i += 32) s += M[i * ld + j] * w[i];
-            s = warp_sum(s);
-            if (lane == 0) v[j] = s;
-        }
+        s = 0.0;
+        if (row < n)
+            for (int i = row + q; i < n; i += 4) s += M[i * ld + row] * w[i];
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        if (row < n && q == 0) v[row] = s;
         __syncthreads();
     }
     return est;
@@ -115,6 +116,9 @@ __device__ __forceinline__ double rescale_first_step(double (&acc)[SPEX_TILES][2
 }
 
 // `blocks`: C (from_cov != 0) or S, n x n each, row-major, one per (patch, core fiber).
+// `factored` (S only): `pbuf` already holds each block's Cholesky factor G (S = G G^T, lower,
+// row-major, zero above the diagonal), which the Schur combine computed anyway; the kernel then
+// starts from it instead of factorising S again, and leaves it in place.
 // `iters_out[blk]`: the number of steps, or -1 (not positive definite) or -2 (no convergence).
 // `pbuf`: n x n doubles per block of scratch. `qout`, when not null, receives Q.
 //
@@ -123,12 +127,13 @@ __device__ __forceinline__ double rescale_first_step(double (&acc)[SPEX_TILES][2
 // to the compiler it takes 133, one block fits, and a full frame's decorrelation takes 48 ms
 // instead of 41 on an H100.
 extern "C" __global__ void SPEX_MAX_REGS(96) polar_f64(
-    const double* __restrict__ blocks, int from_cov, const double* __restrict__ xflux,
+    const double* __restrict__ blocks, int from_cov, int factored, const double* __restrict__ xflux,
     const int* __restrict__ nkeep, int n, int m, int ncore, int wavepad, int nwavestep,
     int ndiag, double tol, int max_iter, double* __restrict__ pbuf, double* __restrict__ flux,
     double* __restrict__ ivar, double* __restrict__ resolution, double* __restrict__ fluxcol,
     int* __restrict__ iters_out, double* __restrict__ qout) {
     extern __shared__ double sm[];
+    SPEX_PHASE_START
     int N = (n + 7) / 8 * 8, ld = N + 4;
     double* X = sm;
     double* T = X + N * ld;
@@ -140,55 +145,52 @@ extern "C" __global__ void SPEX_MAX_REGS(96) polar_f64(
     const double* src = blocks + (size_t)blk * n * n;
     double* P = pbuf + (size_t)blk * n * n;
 
-    for (int idx = tid; idx < N * ld; idx += nth) {
-        int i = idx / ld, j = idx % ld;
-        T[idx] = (i < n && j < n) ? src[i * n + j] : 0.0;
-        X[idx] = 0.0;
-    }
+    load_block(factored ? P : src, n, n, [&](int i, int j, double v) { T[i * ld + j] = v; });
+    for_each_element(N, ld, [&](int i, int j) {
+        if (i >= n || j >= n) T[i * ld + j] = 0.0;
+        X[i * ld + j] = 0.0;
+    });
     __syncthreads();
-    if (!cholesky_in_place(T, ld, n)) {
+    if (!factored && !cholesky_in_place(T, ld, n)) {
         if (tid == 0) iters_out[blk] = -1;
         return;
     }
+    SPEX_PHASE(0);
     lower_inverse(T, X, ld, n);
+    SPEX_PHASE(1);
     double norm_a, norm_ainv;
     if (from_cov) {
         // A = L^-1 (in X), A^-1 = L
         norm_a = frobenius(X, ld, n, true, red);
         norm_ainv = lower_norm2(T, ld, n, rowsum, v);
-        for (int idx = tid; idx < n * n; idx += nth) {
-            int i = idx / n, j = idx % n;
-            P[idx] = j <= i ? X[i * ld + j] : 0.0;
-        }
+        for_each_element(n, n, [&](int i, int j) { P[i * n + j] = j <= i ? X[i * ld + j] : 0.0; });
         __syncthreads();
         double s = 1.0 / norm_a;
-        for (int idx = tid; idx < N * ld; idx += nth) {
-            int i = idx / ld, j = idx % ld;
-            X[idx] = (i < n && j <= i) ? X[idx] * s : 0.0;
-        }
+        for_each_element(N, ld, [&](int i, int j) {
+            X[i * ld + j] = (i < n && j <= i) ? X[i * ld + j] * s : 0.0;
+        });
     } else {
         // A = G^T, A^-1 = G^-T (G^-1 in X)
         norm_a = frobenius(T, ld, n, true, red);
         norm_ainv = lower_norm2(X, ld, n, rowsum, v);
-        for (int idx = tid; idx < n * n; idx += nth) {
-            int i = idx / n, j = idx % n;
-            P[idx] = j >= i ? T[j * ld + i] : 0.0;
-        }
+        if (!factored)
+            for_each_element(n, n, [&](int i, int j) { P[i * n + j] = j >= i ? T[j * ld + i] : 0.0; });
         __syncthreads();
         double s = 1.0 / norm_a;
-        for (int idx = tid; idx < N * ld; idx += nth) {
-            int i = idx / ld, j = idx % ld;
-            X[idx] = (j < n && i <= j) ? T[j * ld + i] * s : 0.0;
-        }
+        for_each_element(N, ld, [&](int i, int j) {
+            X[i * ld + j] = (j < n && i <= j) ? T[j * ld + i] * s : 0.0;
+        });
     }
     __syncthreads();
 
+    SPEX_PHASE(2);
     double acc[SPEX_TILES][2];
     double l = 1.0 / (norm_a * norm_ainv);
     int verdict = -2;
     for (int it = 1; it <= max_iter && isfinite(l); ++it) {
         // X^T X in registers (this warp's row tile), its distance to I, then M into T
         tile_row_tn(X, X, ld, N, acc);
+        SPEX_PHASE(3);
         int lane = tid & 31, g = lane >> 2, t = lane & 3, r = 8 * (tid >> 5) + g;
         double xs = 1.0;
         if (it == 1 && l >= SPEX_POLAR_RESCALE_MIN_L)
@@ -215,6 +217,7 @@ extern "C" __global__ void SPEX_MAX_REGS(96) polar_f64(
             }
         }
         l = fmin(l, 1.0);
+        SPEX_PHASE(4);
         double a = sqrt(3.0 / (1.0 + l + l * l));
         double b = a / s;
         // M = 1.5 b I - 0.5 b^3 X^T X (zero outside n x n), then X <- X M
@@ -232,6 +235,7 @@ extern "C" __global__ void SPEX_MAX_REGS(96) polar_f64(
         __syncwarp();
         store_rows(X, ld, N, acc);
         __syncthreads();
+        SPEX_PHASE(5);
         l = 0.5 * a * l * (3.0 - a * a * l * l);
         if (e < tol) {
             verdict = it;
@@ -245,10 +249,16 @@ extern "C" __global__ void SPEX_MAX_REGS(96) polar_f64(
 
     // Q^T = (U^T A)^T into X (warp I writes the column tile I that only it reads), then Q
     // symmetrised into T.
-    for (int idx = tid; idx < N * ld; idx += nth) {
-        int i = idx / ld, j = idx % ld;
-        T[idx] = (i < n && j < n) ? P[i * n + j] : 0.0;
-    }
+    // A into T: parked as it is, or given as G (A = G^T)
+    load_block(P, n, n, [&](int i, int j, double v) {
+        if (factored)
+            T[j * ld + i] = v;
+        else
+            T[i * ld + j] = v;
+    });
+    for_each_element(N, ld, [&](int i, int j) {
+        if (i >= n || j >= n) T[i * ld + j] = 0.0;
+    });
     __syncthreads();
     tile_row_tn(X, T, ld, N, acc);
     __syncwarp();
@@ -262,16 +272,15 @@ extern "C" __global__ void SPEX_MAX_REGS(96) polar_f64(
             }
     }
     __syncthreads();
-    for (int idx = tid; idx < n * n; idx += nth) {
-        int i = idx / n, j = idx % n;
-        T[i * ld + j] = 0.5 * (X[i * ld + j] + X[j * ld + i]);
-    }
+    for_each_element(n, n, [&](int i, int j) { T[i * ld + j] = 0.5 * (X[i * ld + j] + X[j * ld + i]); });
     __syncthreads();
+    SPEX_PHASE(6);
     if (qout) {
         for (int idx = tid; idx < n * n; idx += nth)
             qout[(size_t)blk * n * n + idx] = T[(idx / n) * ld + idx % n];
     }
     write_decorrelated(T, ld, n, rowsum, blk, tid, nth, xflux, nkeep, m, ncore, wavepad,
                        nwavestep, ndiag, flux, ivar, resolution, fluxcol);
+    SPEX_PHASE(7);
     if (tid == 0) iters_out[blk] = verdict;
 }

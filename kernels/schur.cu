@@ -28,39 +28,38 @@
 #include "common.cuh"
 #include "tiles.cuh"
 
-// Element (i, j) of block (r, c) of patch p's icov: (R, C) = (r n + i, c n + j) is stored at
-// min(R, C) m + max(R, C). Coalesced when consecutive threads step j with R <= C.
-__device__ __forceinline__ double icov_at(const double* icov, size_t p, int m, int n, int r, int c,
-                                          int i, int j) {
-    int R = r * n + i, C = c * n + j;
-    return icov[(p * m + min(R, C)) * m + max(R, C)];
+// Block (r, c) of patch p's icov, r <= c (the stored side), as rows of m doubles.
+__device__ __forceinline__ const double* icov_block(const double* icov, size_t p, int m, int n,
+                                                    int r, int c) {
+    return icov + (p * m + (size_t)r * n) * m + (size_t)c * n;
 }
 
 // Diagonal block (b, b) of patch p's icov into D (n x n, leading dimension ld), both halves:
 // the stored half j >= i read row-wise, each element also written to its mirror (i, j) ->
 // (j, i). Every D[i][j] (i, j < n) is written by exactly one thread; nothing else of D.
+// (Batching these loads, as polar.cu does, made the sweeps slower: they wait on shared
+// memory and barriers, not on these loads.)
 __device__ void load_diagonal_block(const double* icov, size_t p, int m, int n, int b, double* D,
                                     int ld) {
-    for (int idx = threadIdx.x; idx < n * n; idx += blockDim.x) {
-        int i = idx / n, j = idx % n;
-        if (j < i) continue;
-        double a = icov_at(icov, p, m, n, b, b, i, j);
-        D[i * ld + j] = a;
-        D[j * ld + i] = a;
-    }
+    const double* a = icov_block(icov, p, m, n, b, b);
+    for_each_element(n, n, [&](int i, int j) {
+        if (j < i) return;
+        D[i * ld + j] = a[(size_t)i * m + j];
+        D[j * ld + i] = a[(size_t)i * m + j];
+    });
 }
 
 // D <- A_bb - D for the n x n block in D (diagonal block b of patch p's icov), reading A_bb's
 // stored half row-wise as above; the thread of (i, j), j >= i, updates both (i, j) and (j, i).
 __device__ void subtract_from_diagonal_block(const double* icov, size_t p, int m, int n, int b,
                                              double* D, int ld) {
-    for (int idx = threadIdx.x; idx < n * n; idx += blockDim.x) {
-        int i = idx / n, j = idx % n;
-        if (j < i) continue;
-        double a = icov_at(icov, p, m, n, b, b, i, j);
+    const double* src = icov_block(icov, p, m, n, b, b);
+    for_each_element(n, n, [&](int i, int j) {
+        if (j < i) return;
+        double a = src[(size_t)i * m + j];
         D[i * ld + j] = a - D[i * ld + j];
         if (j != i) D[j * ld + i] = a - D[j * ld + i];
-    }
+    });
 }
 
 // One block per (patch, direction): blockIdx.y = 0 sweeps from the left, 1 from the right, over
@@ -81,6 +80,7 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
                                            int nb, double* __restrict__ U, double* __restrict__ u,
                                            int* __restrict__ info, double* __restrict__ coupling) {
     extern __shared__ double sm[];
+    SPEX_PHASE_START
     int N = (n + 8) / 8 * 8, ld = N + 4;
     double* S = sm;
     double* W = S + N * ld;
@@ -108,27 +108,31 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
         for (int i = tid; i < nb * n; i += nth)
             W[i] = rsqrt(fmax(icov[(p * m + (size_t)(m - nb * n + i)) * m + m - nb * n + i], 1e-300));
         __syncthreads();
-        // each pair of blocks through its stored side (lo, hi): the same entries, transposed
+        // each pair of blocks through its stored side (lo, hi): the same entries, transposed;
+        // a warp per row of a pair, a lane per column, several rows' loads in flight
         double worst = 0.0;
-        for (int k = 0; k + 2 < nb; ++k)
-            for (int l = k + 2; l < nb; ++l) {
-                int lo = min(ord[k], ord[l]), hi = max(ord[k], ord[l]);
-                for (int idx = tid; idx < n * n; idx += nth) {
-                    int i = idx / n, j = idx % n;
-                    double a = icov_at(icov, p, m, n, lo, hi, i, j);
-                    worst = fmax(worst, fabs(a) * W[lo * n + i] * W[hi * n + j]);
-                }
-            }
+        int lane = tid & 31, warp = tid >> 5, nwarp = nth >> 5;
+        int npair = (nb - 2) * (nb - 1) / 2;
+#pragma unroll 4
+        for (int row = warp; row < npair * n; row += nwarp) {
+            int pair = row / n, i = row % n, k = 0;
+            while (pair >= nb - 2 - k) pair -= nb - 2 - k++;
+            int l = k + 2 + pair;
+            int lo = min(ord[k], ord[l]), hi = max(ord[k], ord[l]);
+            const double* a = icov + (p * m + (size_t)lo * n + i) * m + (size_t)hi * n;
+            double wi = W[lo * n + i];
+            for (int j = lane; j < n; j += 32) worst = fmax(worst, fabs(a[j]) * wi * W[hi * n + j]);
+        }
         worst = block_max(worst, red);
         if (tid == 0) coupling[p] = worst;
     } else if (dir == 0 && tid == 0) {
         coupling[p] = 0.0;
     }
+    SPEX_PHASE(16);
     int k = dir == 0 ? 0 : nb - 1, bk = ord[k];
-    for (int idx = tid; idx < N * ld; idx += nth) {
-        int i = idx / ld, j = idx % ld;
-        if (i >= n || j >= n) S[idx] = 0.0;
-    }
+    for_each_element(N, ld, [&](int i, int j) {
+        if (i >= n || j >= n) S[i * ld + j] = 0.0;
+    });
     load_diagonal_block(icov, p, m, n, bk, S, ld);
     double* U0 = U + ((p * 2 + dir) * nb + bk) * n * n;
     for (int idx = tid; idx < n * n; idx += nth) U0[idx] = 0.0;
@@ -137,6 +141,7 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
         u[((p * 2 + dir) * nb + bk) * n + i] = 0.0;
     }
     __syncthreads();
+    SPEX_PHASE(17);
     double acc[SPEX_TILES][2];
     for (int s = 0; s + 1 < nb; ++s) {
         int kn = dir == 0 ? k + 1 : k - 1, bn = ord[kn];
@@ -144,53 +149,57 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
             if (tid == 0) info[p] = 1;
             return;
         }
+        SPEX_PHASE(18);
         // V = [A_{kn,k}; r^T]^T in W (n rows, n + 1 columns; icov is symmetric, so row j of V
         // is row j of A_{k,kn}), then V <- L^-1 V, so that V^T = [W; z^T]. A_{k,kn} is read
         // from its stored side (lo, hi) row-wise: as it is when bk < bn, else transposed.
-        for (int idx = tid; idx < N * ld; idx += nth) {
-            int j = idx / ld, i = idx % ld;
-            if (j < n && i < n) continue;
-            W[idx] = (j < n && i == n) ? r[j] : 0.0;
-        }
+        for_each_element(N, ld, [&](int j, int i) {
+            if (j < n && i < n) return;
+            W[j * ld + i] = (j < n && i == n) ? r[j] : 0.0;
+        });
         {
             int lo = min(bk, bn), hi = max(bk, bn);
-            for (int idx = tid; idx < n * n; idx += nth) {
-                int a = idx / n, c = idx % n;
-                double v = icov_at(icov, p, m, n, lo, hi, a, c);
+            const double* src = icov_block(icov, p, m, n, lo, hi);
+            for_each_element(n, n, [&](int a, int c) {
+                double v = src[(size_t)a * m + c];
                 if (bk < bn)
                     W[a * ld + c] = v;
                 else
                     W[c * ld + a] = v;
-            }
+            });
         }
         __syncthreads();
+        SPEX_PHASE(19);
         lower_solve(S, W, ld, n, n + 1);
+        SPEX_PHASE(20);
         // S <- V^T V: columns 0..n-1 the update W W^T of Sigma, column n that of r, W z
         tile_row_tn(W, W, ld, N, acc);
         store_rows(S, ld, N, acc);
         __syncthreads();
+        SPEX_PHASE(21);
         size_t o = (p * 2 + dir) * nb + bn;
-        for (int idx = tid; idx < n * n; idx += nth) {
-            int i = idx / n, j = idx % n;
-            U[o * n * n + idx] = S[i * ld + j];
-        }
+        for_each_element(n, n, [&](int i, int j) { U[(o * n + i) * n + j] = S[i * ld + j]; });
         for (int i = tid; i < n; i += nth) {
             double g = S[i * ld + n];
             u[o * n + i] = g;
             r[i] = yp[(size_t)bn * n + i] - g;
         }
         __syncthreads();
+        SPEX_PHASE(22);
         subtract_from_diagonal_block(icov, p, m, n, bn, S, ld);
         for (int i = tid; i < N; i += nth) S[i * ld + n] = 0.0;
         __syncthreads();
+        SPEX_PHASE(23);
         k = kn;
         bk = bn;
     }
 }
 
 // One block per (fiber block b, patch): S_b and xflux_b from the sweeps' contributions. The
-// core blocks' S_b go to `sblocks[(patch * ncore + c) n^2]` (row-major) for the decorrelation;
-// xflux to `x[p * m + b * n]`. `info[p]` is set to 1 when S_b is not positive definite.
+// core blocks' S_b go to `sblocks[(patch * ncore + c) n^2]` (row-major) for the decorrelation,
+// and, when `factors` is not null, their Cholesky factors G (lower, zero above the diagonal) to
+// `factors` at the same place, so that the polar kernel need not factorise S_b again; xflux to
+// `x[p * m + b * n]`. `info[p]` is set to 1 when S_b is not positive definite.
 //
 // Shared memory (dynamic): T[N ld] (only its n x n block is written before the factorisation,
 // which reads nothing else), v[n]; N = n rounded up to 8, ld = N + 4; 4 N threads.
@@ -201,8 +210,9 @@ extern "C" __global__ void SPEX_MAX_REGS(48) schur_combine_f64(
     const double* __restrict__ icov, const double* __restrict__ y,
     const int* __restrict__ patch_ids, int m, int n, int nb, int ncore,
     const double* __restrict__ U, const double* __restrict__ u, double* __restrict__ sblocks,
-    double* __restrict__ x, int* __restrict__ info) {
+    double* __restrict__ factors, double* __restrict__ x, int* __restrict__ info) {
     extern __shared__ double sm[];
+    SPEX_PHASE_START
     int N = (n + 7) / 8 * 8, ld = N + 4;
     double* T = sm;
     double* v = T + N * ld;
@@ -213,24 +223,27 @@ extern "C" __global__ void SPEX_MAX_REGS(48) schur_combine_f64(
     const double* ur = U + ((p * 2 + 1) * nb + b) * n * n;
     int c = b - (nb - ncore);
     double* so = c >= 0 ? sblocks + (p * ncore + c) * n * n : nullptr;
+    double* fo = c >= 0 && factors ? factors + (p * ncore + c) * n * n : nullptr;
     load_diagonal_block(icov, p, m, n, b, T, ld);
     __syncthreads();
-    for (int idx = tid; idx < n * n; idx += nth) {
-        int i = idx / n, j = idx % n;
-        double s = T[i * ld + j] - ul[idx] - ur[idx];
+    for_each_element(n, n, [&](int i, int j) {
+        double s = T[i * ld + j] - ul[i * n + j] - ur[i * n + j];
         T[i * ld + j] = s;
-        if (so) so[idx] = s;
-    }
+        if (so) so[i * n + j] = s;
+    });
     for (int i = tid; i < n; i += nth)
         v[i] = y[p * m + (size_t)b * n + i] - u[((p * 2 + 0) * nb + b) * n + i] -
                u[((p * 2 + 1) * nb + b) * n + i];
     __syncthreads();
+    SPEX_PHASE(32);
     if (!cholesky_in_place(T, ld, n)) {
         if (tid == 0) info[p] = 1;
         return;
     }
-    // v <- L^-T L^-1 v by one warp
-    if (tid < 32) cholesky_solve_vector(T, v, ld, n);
-    __syncthreads();
+    if (fo) for_each_element(n, n, [&](int i, int j) { fo[i * n + j] = j <= i ? T[i * ld + j] : 0.0; });
+    SPEX_PHASE(33);
+    // v <- L^-T L^-1 v
+    cholesky_solve_vector(T, v, ld, n);
     for (int i = tid; i < n; i += nth) x[p * m + (size_t)b * n + i] = v[i];
+    SPEX_PHASE(34);
 }

@@ -305,125 +305,114 @@ __device__ void lower_inverse(const double* T, double* X, int ld, int n) {
     __syncthreads();
 }
 
-// v <- L^-T L^-1 v (n entries) for the lower L of cholesky_in_place, by the calling warp
-// alone (warp-synchronous; no block barrier): panel by panel, every lane solves the 8 x 8
-// diagonal system itself, lanes < 8 store it, and the lanes update the other rows of v
-// (those below the panel going down, above it going up) each on its own rows. Reads L and v
-// only inside n.
+// v <- L^-T L^-1 v (n entries) for the lower L of cholesky_in_place, by the whole block: panel
+// by panel, warp 0 solves the 8 x 8 diagonal system (every lane for itself; lanes < 8 store
+// it), then every thread updates one row of v beyond the panel (below it going down, above it
+// going up); two barriers per panel. Reads L and v only inside n. The caller orders the writes
+// of L and v before the call; the result is in v for every thread on return.
 __device__ void cholesky_solve_vector(const double* L, double* v, int ld, int n) {
-    int lane = threadIdx.x & 31;
+    int tid = threadIdx.x, nth = blockDim.x, lane = tid & 31;
     int nt = (n + 7) / 8;
     for (int dir = 0; dir < 2; ++dir) {
         for (int q = 0; q < nt; ++q) {
             int p = dir == 0 ? q : nt - 1 - q, r0 = 8 * p;
-            const double* Lp = L + r0 * ld + r0;
-            double x[8], inv[8];
-#pragma unroll
-            for (int r = 0; r < 8; ++r) {
-                bool on = r0 + r < n;
-                x[r] = on ? v[r0 + r] : 0.0;
-                inv[r] = on ? 1.0 / Lp[r * ld + r] : 0.0;
-            }
-            if (dir == 0) {
+            if (tid < 32) {
+                const double* Lp = L + r0 * ld + r0;
+                double x[8], inv[8];
 #pragma unroll
                 for (int r = 0; r < 8; ++r) {
-                    double s = x[r];
-#pragma unroll
-                    for (int k = 0; k < r; ++k) s -= Lp[r * ld + k] * x[k];
-                    x[r] = s * inv[r];
+                    bool on = r0 + r < n;
+                    x[r] = on ? v[r0 + r] : 0.0;
+                    inv[r] = on ? 1.0 / Lp[r * ld + r] : 0.0;
                 }
-            } else {
+                if (dir == 0) {
 #pragma unroll
-                for (int r = 7; r >= 0; --r) {
-                    double s = x[r];
+                    for (int r = 0; r < 8; ++r) {
+                        double s = x[r];
 #pragma unroll
-                    for (int k = r + 1; k < 8; ++k) s -= Lp[k * ld + r] * x[k];
-                    x[r] = s * inv[r];
+                        for (int k = 0; k < r; ++k) s -= Lp[r * ld + k] * x[k];
+                        x[r] = s * inv[r];
+                    }
+                } else {
+#pragma unroll
+                    for (int r = 7; r >= 0; --r) {
+                        double s = x[r];
+#pragma unroll
+                        for (int k = r + 1; k < 8; ++k) s -= Lp[k * ld + r] * x[k];
+                        x[r] = s * inv[r];
+                    }
                 }
+                __syncwarp();
+#pragma unroll
+                for (int r = 0; r < 8; ++r)
+                    if (r == lane && r0 + r < n) v[r0 + r] = x[r];
             }
-            __syncwarp();
-#pragma unroll
-            for (int r = 0; r < 8; ++r)
-                if (r == lane && r0 + r < n) v[r0 + r] = x[r];
+            __syncthreads();
+            int kmax = min(8, n - r0);
             if (dir == 0) {
-                for (int i = r0 + 8 + lane; i < n; i += 32) {
+                for (int i = r0 + 8 + tid; i < n; i += nth) {
                     double s = v[i];
-#pragma unroll
-                    for (int k = 0; k < 8; ++k)
-                        if (r0 + k < n) s -= L[i * ld + r0 + k] * x[k];
+                    for (int k = 0; k < kmax; ++k) s -= L[i * ld + r0 + k] * v[r0 + k];
                     v[i] = s;
                 }
             } else {
-                for (int i = lane; i < r0; i += 32) {
+                for (int i = tid; i < r0; i += nth) {
                     double s = v[i];
-#pragma unroll
-                    for (int k = 0; k < 8; ++k)
-                        if (r0 + k < n) s -= L[(r0 + k) * ld + i] * x[k];
+                    for (int k = 0; k < kmax; ++k) s -= L[(r0 + k) * ld + i] * v[r0 + k];
                     v[i] = s;
                 }
             }
-            __syncwarp();
+            __syncthreads();
         }
     }
 }
 
-__device__ bool old_cholesky(double* T, int ld, int n, int* flag) {
-    int tid = threadIdx.x, nth = blockDim.x;
-    int lane = tid & 31, warp = tid >> 5, nwarp = nth >> 5;
-    if (tid == 0) *flag = 0;
-    __syncthreads();
-    for (int j = 0; j < n; ++j) {
-        double inv = 1.0 / T[j * ld + j];
-        for (int i = j + 1 + warp; i < n; i += nwarp) {
-            double f = T[i * ld + j] * inv;
-            for (int k = j + 1 + lane; k <= i; k += 32) T[i * ld + k] -= f * T[k * ld + j];
-        }
-        __syncthreads();
-    }
-    for (int idx = tid; idx < n * n; idx += nth) {
-        int i = idx / n, j = idx % n;
-        double d = T[j * ld + j];
-        if (j == i && (!(d > 0.0) || !isfinite(d))) *flag = 1;
-        if (j < i) T[i * ld + j] = T[i * ld + j] * rsqrt(fmax(d, 1e-300));
-    }
-    __syncthreads();
-    for (int j = tid; j < n; j += nth) T[j * ld + j] = sqrt(fmax(T[j * ld + j], 1e-300));
-    __syncthreads();
-    return *flag == 0;
+// Calls f(i, j) for every element of a rows x cols block, a warp per row and a lane per
+// column: no integer division per element, and consecutive lanes at consecutive addresses.
+template <typename F>
+__device__ __forceinline__ void for_each_element(int rows, int cols, F f) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
+    for (int i = warp; i < rows; i += nwarp)
+        for (int j = lane; j < cols; j += 32) f(i, j);
 }
 
-// X = L^-1 for the lower triangular L in T (rows swept from the top, each row scaled by its
-// pivot at the end; X zero outside n x n).
-__device__ void old_lower_inverse(const double* T, double* X, int ld, int n) {
-    int tid = threadIdx.x, nth = blockDim.x;
-    int lane = tid & 31, warp = tid >> 5, nwarp = nth >> 5;
-    for (int idx = tid; idx < n * n; idx += nth) {
-        int i = idx / n, j = idx % n;
-        X[i * ld + j] = i == j ? 1.0 : 0.0;
-    }
-    __syncthreads();
-    for (int k = 0; k < n; ++k) {
-        double inv = 1.0 / T[k * ld + k];
-        for (int i = k + 1 + warp; i < n; i += nwarp) {
-            double f = T[i * ld + k] * inv;
-            for (int j = lane; j <= k; j += 32) X[i * ld + j] -= f * X[k * ld + j];
+// Loads of a block from global memory in flight per thread before the first is stored.
+#define SPEX_LOADS 8
+
+// Reads the n x n block at src (row-major, rows `stride` apart) and calls put(i, j, value)
+// for each element: every thread first issues SPEX_LOADS loads, then stores them, so that a
+// block's load costs a few memory latencies instead of one per element a thread handles.
+template <typename F>
+__device__ __forceinline__ void load_block(const double* __restrict__ src, size_t stride, int n,
+                                           F put) {
+    int nth = blockDim.x, count = n * n;
+    for (int base = threadIdx.x; base < count; base += SPEX_LOADS * nth) {
+        double r[SPEX_LOADS];
+#pragma unroll
+        for (int u = 0; u < SPEX_LOADS; ++u) {
+            int idx = base + u * nth;
+            if (idx < count) {
+                int i = idx / n;
+                r[u] = src[i * stride + (idx - i * n)];
+            }
         }
-        __syncthreads();
+#pragma unroll
+        for (int u = 0; u < SPEX_LOADS; ++u) {
+            int idx = base + u * nth;
+            if (idx < count) {
+                int i = idx / n;
+                put(i, idx - i * n, r[u]);
+            }
+        }
     }
-    for (int idx = tid; idx < n * n; idx += nth) {
-        int i = idx / n, j = idx % n;
-        X[i * ld + j] /= T[i * ld + i];
-    }
-    __syncthreads();
 }
 
 // Frobenius norm of the n x n block of M (lower triangle only when `lower`).
 __device__ double frobenius(const double* M, int ld, int n, bool lower, double* red) {
     double s = 0.0;
-    for (int idx = threadIdx.x; idx < n * n; idx += blockDim.x) {
-        int i = idx / n, j = idx % n;
+    for_each_element(n, n, [&](int i, int j) {
         if (!lower || j <= i) s += M[i * ld + j] * M[i * ld + j];
-    }
+    });
     return sqrt(block_sum(s, red));
 }
 

@@ -9,9 +9,12 @@ use super::tuning::{Route, Tuning};
 use crate::error::Result;
 
 /// Scratch and verdicts of a decorrelation: `pbuf` (order^2 doubles per block), `steps` and
-/// `sweeps` (one per block, zeroed by the caller).
+/// `sweeps` (one per block, zeroed by the caller). `factored`: `pbuf` already holds the
+/// Cholesky factor of each precision block (the Schur combine's), so that the polar route does
+/// not factorise the block again.
 pub(crate) struct Scratch<'a> {
     pub pbuf: &'a DevBuf<f64>,
+    pub factored: bool,
     pub steps: &'a DevBuf<i32>,
     pub sweeps: &'a DevBuf<i32>,
 }
@@ -41,6 +44,7 @@ pub(crate) fn decorrelate(
             g,
             input,
             kind == BlockKind::Covariance,
+            scratch.factored && kind == BlockKind::Precision,
             tuning.polar_tol,
             tuning.polar_max_steps,
             scratch.pbuf,

@@ -177,12 +177,14 @@ fn polar_smem(n: usize) -> usize {
 
 /// The polar decorrelation of the blocks of `input` (C when `from_cov`, else S = C^-1).
 /// `steps` gets each block's number of steps, or a negative verdict; `pbuf` holds `n * n`
-/// doubles per block of scratch.
+/// doubles per block of scratch, or, when `factored` (S only), each block's Cholesky factor,
+/// which the kernel then starts from.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn polar(
     g: Gpu<'_>,
     input: CoreIn,
     from_cov: bool,
+    factored: bool,
     tol: f64,
     max_steps: usize,
     pbuf: &DevBuf<f64>,
@@ -202,6 +204,7 @@ pub(crate) fn polar(
         Args::new()
             .ptr(input.blocks)
             .i32(from_cov as i32)
+            .i32(factored as i32)
             .ptr(input.xflux)
             .ptr(input.nkeep)
             .i32(n as i32)

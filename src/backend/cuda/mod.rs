@@ -269,6 +269,7 @@ impl CudaBackend {
             kind,
             decorrelate::Scratch {
                 pbuf: &pbuf,
+                factored: false,
                 steps: &steps,
                 sweeps: &sweeps,
             },

@@ -68,6 +68,7 @@ fn sweep(g: Gpu<'_>, ws: &Workspace, count: usize, ids: Option<&DevBuf<i32>>) ->
             .ptr(ws.su.get().ptr)
             .ptr(ws.sv.get().ptr)
             .ptr(ws.sblocks.get().ptr)
+            .ptr(ws.pbuf.get().ptr)
             .ptr(ws.x.get().ptr)
             .ptr(ws.info.get().ptr),
     )
@@ -80,6 +81,8 @@ pub(crate) fn ensure(g: Gpu<'_>, ws: &mut Workspace, n: usize) -> Result<()> {
     ws.su.ensure(g.dev, n * 2 * nb * nt * nt)?;
     ws.sv.ensure(g.dev, n * 2 * nb * nt)?;
     ws.sblocks.ensure(g.dev, n * sh.ncore * nt * nt)?;
+    // the combine's Cholesky factors of the core blocks, which the polar route starts from
+    ws.pbuf.ensure(g.dev, n * sh.ncore * nt * nt)?;
     ws.info.ensure(g.dev, n)?;
     ws.coupling.ensure(g.dev, n)?;
     Ok(())

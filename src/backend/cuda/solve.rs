@@ -87,6 +87,7 @@ fn decorrelate_chunk(
         kind,
         Scratch {
             pbuf: ws.pbuf.get(),
+            factored: kind == BlockKind::Precision,
             steps: ws.steps.get(),
             sweeps: ws.sweeps.get(),
         },
