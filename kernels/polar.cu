@@ -24,7 +24,8 @@
 // Layout: N = n rounded up to 8, one warp per 8-row tile (N / 8 warps, N <= 8 SPEX_TILES); two
 // N x N matrices in shared memory with leading dimension N + 4 (conflict-free fragment
 // loads), zero outside n x n; the triangular factor A is parked in global memory (`pbuf`)
-// while they iterate.
+// while they iterate, or, when `factored`, read back transposed from the combine's G that
+// `pbuf` already holds.
 
 #include "common.cuh"
 #include "outputs.cuh"
