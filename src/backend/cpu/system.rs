@@ -16,12 +16,15 @@ use crate::image::Image;
 use crate::psf::Spots;
 
 /// The projection matrix of a patch restricted to its pixel box, with the box's pixels.
-pub(super) struct PatchSystem {
+///
+/// A column is its spot, read in place from the bundle's table: every loop over a column
+/// runs over the rows and columns of the spot that fall in the box ([`Self::for_rows`]), and
+/// the weighted columns of the normal equations are zero outside it.
+pub(super) struct PatchSystem<'a> {
     pub geom: PatchGeometry,
     ny: usize,
     nx: usize,
-    /// Per column: the spot with zeros outside the box, `[col][ny * nx]`.
-    a: Vec<f64>,
+    spots: &'a Spots,
     /// Per column: CCD corner (x, y).
     corner: Vec<(i64, i64)>,
     /// Box pixels and weights, `[row][col]` of the box.
@@ -123,33 +126,16 @@ pub fn prior(fluxweight: &[f64], regularize: f64) -> Option<Vec<f64>> {
     )
 }
 
-impl PatchSystem {
+impl<'a> PatchSystem<'a> {
     #[inline(always)]
-    pub fn new(geom: PatchGeometry, spots: &Spots, image: &Image) -> Self {
+    pub fn new(geom: PatchGeometry, spots: &'a Spots, image: &Image) -> Self {
         let (ny, nx) = (spots.corners.ny, spots.corners.nx);
-        let size = ny * nx;
         let m = geom.nunknowns();
-        let (r0, r1) = (geom.rows.start as i64, geom.rows.end as i64);
-        let (c0, c1) = (geom.cols.start as i64, geom.cols.end as i64);
-        let mut a = vec![0.0; m * size];
         let mut corner = Vec::with_capacity(m);
-        for (b, &f) in geom.block_fibers.iter().enumerate() {
+        for &f in &geom.block_fibers {
             for w in 0..geom.nwavetot {
-                let j = b * geom.nwavetot + w;
                 let (xc, yc) = spots.corners.corner(f, geom.wave0 + w);
-                let (xc, yc) = (xc as i64, yc as i64);
-                corner.push((xc, yc));
-                let spot = spots.spot(f, geom.wave0 + w);
-                let col = &mut a[j * size..(j + 1) * size];
-                let ylo = (r0 - yc).clamp(0, ny as i64) as usize;
-                let yhi = (r1 - yc).clamp(0, ny as i64) as usize;
-                let xlo = (c0 - xc).clamp(0, nx as i64) as usize;
-                let xhi = (c1 - xc).clamp(0, nx as i64) as usize;
-                for iy in ylo..yhi {
-                    let row = iy * nx;
-                    col[row + xlo..row + xhi.max(xlo)]
-                        .copy_from_slice(&spot[row + xlo..row + xhi.max(xlo)]);
-                }
+                corner.push((xc as i64, yc as i64));
             }
         }
         let window = s![geom.rows.clone(), geom.cols.clone()];
@@ -160,7 +146,7 @@ impl PatchSystem {
             geom,
             ny,
             nx,
-            a,
+            spots,
             corner,
             pix,
             ivar,
@@ -171,9 +157,11 @@ impl PatchSystem {
         self.corner.len()
     }
 
-    pub fn column(&self, j: usize) -> &[f64] {
-        let size = self.ny * self.nx;
-        &self.a[j * size..(j + 1) * size]
+    /// The spot of column `j`, `ny * nx`; only its part inside the box belongs to the patch.
+    pub fn column(&self, j: usize) -> &'a [f64] {
+        let nt = self.geom.nwavetot;
+        let f = self.geom.block_fibers[j / nt];
+        self.spots.spot(f, self.geom.wave0 + j % nt)
     }
 
     /// Calls `f(spot offset, box offset, length)` for every row of column `j`'s spot inside
