@@ -7,12 +7,10 @@
 //! With the core fibers ordered last, `C_bb` of the core only needs the trailing block of the
 //! Cholesky factor `L`: `(icov^-1)_core = L_22^-T L_22^-1`.
 
-use faer::diag::Diag;
 use faer::dyn_stack::{MemBuffer, MemStack};
 use faer::linalg::cholesky::llt::factor::{
     cholesky_in_place, cholesky_in_place_scratch, LltRegularization,
 };
-use faer::linalg::evd::{self_adjoint_evd, self_adjoint_evd_scratch, ComputeEigenvectors};
 use faer::linalg::matmul::matmul;
 use faer::linalg::triangular_inverse::invert_lower_triangular;
 use faer::linalg::triangular_solve::{
@@ -75,31 +73,11 @@ pub(super) fn cholesky_lower(a: &mut Mat<f64>) -> std::result::Result<(), usize>
 }
 
 /// Symmetric eigendecomposition `a = U diag(s) U^T`, eigenvalues ascending; only the lower
-/// triangle of `a` is read.
+/// triangle of `a` is read. Failure to converge leaves NaN, which the caller's finiteness
+/// check reports.
 pub(super) fn eigh(a: MatRef<'_, f64>) -> (Vec<f64>, Mat<f64>) {
     let n = a.nrows();
-    let mut s = Diag::<f64>::zeros(n);
-    let mut u = Mat::<f64>::zeros(n, n);
-    let mut mem = MemBuffer::new(self_adjoint_evd_scratch::<f64>(
-        n,
-        ComputeEigenvectors::Yes,
-        Par::Seq,
-        Default::default(),
-    ));
-    // Failure to converge leaves NaN, which the caller's finiteness check reports.
-    if self_adjoint_evd(
-        a,
-        s.as_mut(),
-        Some(u.as_mut()),
-        Par::Seq,
-        MemStack::new(&mut mem),
-        Default::default(),
-    )
-    .is_err()
-    {
-        return (vec![f64::NAN; n], u);
-    }
-    ((0..n).map(|i| s[i]).collect(), u)
+    super::eigen::eigh(a).unwrap_or_else(|| (vec![f64::NAN; n], Mat::zeros(n, n)))
 }
 
 /// `U diag(f(s)) U^T`.

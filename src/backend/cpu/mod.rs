@@ -21,6 +21,7 @@
 
 mod decorrelate;
 mod dense;
+mod eigen;
 mod schur;
 mod system;
 
@@ -396,7 +397,7 @@ fn solve_one(
 /// Step 6: the fraction of each core spot that falls on masked pixels.
 #[inline(always)]
 fn pixmask_fraction(
-    sys: &system::PatchSystem,
+    sys: &system::PatchSystem<'_>,
     result: &mut PatchResult,
     ncore: usize,
     nk: usize,
@@ -421,7 +422,7 @@ fn pixmask_fraction(
 /// Step 7: chi2pix from the deconvolved model over the whole patch.
 #[inline(always)]
 fn chi2pix(
-    sys: &system::PatchSystem,
+    sys: &system::PatchSystem<'_>,
     xflux: &[f64],
     options: &SolveOptions,
     result: &mut PatchResult,

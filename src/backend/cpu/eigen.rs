@@ -1,0 +1,289 @@
+//! The symmetric eigendecomposition of the decorrelation, `A = U diag(s) U^T`: faer's
+//! algorithm (Householder tridiagonalisation, implicit QR on the tridiagonal matrix with the
+//! rotations accumulated into `U`, the Householder sequence applied back), step for step and
+//! bit for bit, with a cheaper QR iteration. It is half of a patch solve.
+//!
+//! The QR sweeps are a chain of dependent divisions and square roots (one Givens rotation per
+//! step), each followed by the rotation of two columns of `U`. faer makes the rotation in a
+//! function of its own and dispatches each column update to SIMD code at run time; here the
+//! whole iteration is one function compiled for the machine's SIMD level, so the updates of
+//! `U` overlap the chain. The arithmetic is faer's: the same formulas for the rotation, the
+//! same fused multiply-adds for the update of `U` (those of faer's SIMD path), the same
+//! shifts and deflations. faer also tests every off-diagonal entry of the active block before
+//! every step with `|e_i| < eps hypot(d_i, d_i+1)`, a square root per entry; where `|e_i|` is
+//! clearly above `eps (|d_i| + |d_i+1|)`, which bounds the rounded right-hand side, the
+//! answer is known without it, and the test is evaluated as faer does only near the
+//! threshold. Every deflation thus happens at the same step as in faer.
+
+use faer::dyn_stack::{MemBuffer, MemStack};
+use faer::linalg::evd::tridiag::{tridiag_in_place, tridiag_in_place_scratch};
+use faer::linalg::evd::{self_adjoint_evd, self_adjoint_evd_scratch, ComputeEigenvectors};
+use faer::linalg::householder::{
+    apply_block_householder_sequence_on_the_left_in_place_scratch,
+    apply_block_householder_sequence_on_the_left_in_place_with_conj,
+};
+use faer::linalg::qr::no_pivoting::factor::recommended_block_size;
+use faer::reborrow::ReborrowMut;
+use faer::traits::math_utils::{eps, hypot, min_positive};
+use faer::{Conj, Mat, MatMut, MatRef, Par};
+
+/// Margin of the cheap deflation test: the rounded `eps hypot(a, b)` is below
+/// `eps (a + b) (1 + 5u)`, and `1e-14` covers that and the rounding of the bound itself.
+const BOUND_MARGIN: f64 = 1.0 + 1e-14;
+
+/// `a = U diag(s) U^T` from the lower triangle of `a`, eigenvalues ascending; `None` when the
+/// QR iteration does not converge.
+pub(super) fn eigh(a: MatRef<'_, f64>) -> Option<(Vec<f64>, Mat<f64>)> {
+    let n = a.nrows();
+    if n < 3 {
+        return faer_eigh(a);
+    }
+    let mut trid = Mat::<f64>::zeros(n, n);
+    trid.copy_from_triangular_lower(a);
+    let bs = recommended_block_size::<f64>(n, n);
+    let mut householder = Mat::<f64>::zeros(bs, n.saturating_sub(1));
+    let mut mem = MemBuffer::new(
+        tridiag_in_place_scratch::<f64>(n, Par::Seq, Default::default()).or(
+            apply_block_householder_sequence_on_the_left_in_place_scratch::<f64>(
+                n.saturating_sub(1),
+                bs,
+                n,
+            ),
+        ),
+    );
+    let stack = MemStack::new(&mut mem);
+    tridiag_in_place(
+        trid.as_mut(),
+        householder.as_mut(),
+        Par::Seq,
+        stack,
+        Default::default(),
+    );
+    let mut diag: Vec<f64> = (0..n).map(|i| trid[(i, i)]).collect();
+    let mut offdiag: Vec<f64> = (0..n)
+        .map(|i| if i + 1 < n { trid[(i + 1, i)] } else { 0.0 })
+        .collect();
+    let mut u = Mat::<f64>::zeros(n, n);
+    qr_algorithm(&mut diag, &mut offdiag, u.as_mut())?;
+    apply_block_householder_sequence_on_the_left_in_place_with_conj(
+        trid.as_ref().submatrix(1, 0, n - 1, n - 1),
+        householder.as_ref(),
+        Conj::No,
+        u.as_mut().subrows_mut(1, n - 1),
+        Par::Seq,
+        stack,
+    );
+    Some((diag, u))
+}
+
+/// faer's eigendecomposition itself, for orders below 3 (closed forms in faer).
+fn faer_eigh(a: MatRef<'_, f64>) -> Option<(Vec<f64>, Mat<f64>)> {
+    let n = a.nrows();
+    let mut s = faer::diag::Diag::<f64>::zeros(n);
+    let mut u = Mat::<f64>::zeros(n, n);
+    let mut mem = MemBuffer::new(self_adjoint_evd_scratch::<f64>(
+        n,
+        ComputeEigenvectors::Yes,
+        Par::Seq,
+        Default::default(),
+    ));
+    self_adjoint_evd(
+        a,
+        s.as_mut(),
+        Some(u.as_mut()),
+        Par::Seq,
+        MemStack::new(&mut mem),
+        Default::default(),
+    )
+    .ok()?;
+    Some(((0..n).map(|i| s[i]).collect(), u))
+}
+
+/// faer's `tridiag_evd::qr_algorithm` for matrices of order 3 and more, the eigenvectors of
+/// the tridiagonal matrix into `u`; `None` when it does not converge.
+fn qr_algorithm(diag: &mut [f64], offdiag: &mut [f64], u: MatMut<'_, f64>) -> Option<()> {
+    pulp::Arch::new().dispatch(Qr { diag, offdiag, u })
+}
+
+/// The arguments of [`qr_iteration`] as a SIMD operation.
+struct Qr<'a, 'b> {
+    diag: &'a mut [f64],
+    offdiag: &'a mut [f64],
+    u: MatMut<'b, f64>,
+}
+
+impl pulp::WithSimd for Qr<'_, '_> {
+    type Output = Option<()>;
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _simd: S) -> Option<()> {
+        qr_iteration(self.diag, self.offdiag, self.u)
+    }
+}
+
+#[inline(always)]
+fn qr_iteration(diag: &mut [f64], offdiag: &mut [f64], mut u: MatMut<'_, f64>) -> Option<()> {
+    let n = diag.len();
+    u.fill(0.0);
+    u.rb_mut().diagonal_mut().fill(1.0);
+    let max = diag
+        .iter()
+        .chain(offdiag.iter())
+        .fold(0.0f64, |m, &v| m.max(v.abs()));
+    if max == 0.0 {
+        return Some(());
+    }
+    let max_inv = max.recip();
+    diag.iter_mut().for_each(|x| *x *= max_inv);
+    offdiag.iter_mut().for_each(|x| *x *= max_inv);
+    let (eps, sml) = (eps::<f64>(), min_positive::<f64>());
+    let (mut start, mut end) = (0, n - 1);
+    let max_iters = 32usize.saturating_mul(n).saturating_mul(n);
+    let mut converged = false;
+    for iter in 0..max_iters {
+        for i in start..end {
+            if deflates(offdiag[i], diag[i], diag[i + 1], eps, sml) {
+                offdiag[i] = 0.0;
+            }
+        }
+        while end > 0 && offdiag[end - 1] == 0.0 {
+            end -= 1;
+        }
+        if end == 0 {
+            converged = true;
+            break;
+        }
+        if iter + 1 == max_iters {
+            break;
+        }
+        start = end - 1;
+        while start > 0 && offdiag[start - 1] != 0.0 {
+            start -= 1;
+        }
+        sweep(diag, offdiag, start, end, u.rb_mut());
+    }
+    if !converged {
+        return None;
+    }
+    sort(diag, u.rb_mut());
+    diag.iter_mut().for_each(|x| *x *= max);
+    Some(())
+}
+
+/// faer's deflation test `|e| < sml || |e| < eps hypot(a, b)`, without the square root
+/// where `|e|` is clearly above `eps (|a| + |b|)`, which bounds `hypot(a, b)`.
+#[inline(always)]
+fn deflates(e: f64, a: f64, b: f64, eps: f64, sml: f64) -> bool {
+    let ae = e.abs();
+    if ae >= sml && ae >= eps * (a.abs() + b.abs()) * BOUND_MARGIN {
+        return false;
+    }
+    ae < sml || ae < eps * hypot(&a, &b)
+}
+
+/// One implicit QR step with Wilkinson's shift on the unreduced block `start..=end`, as
+/// faer takes it.
+#[inline(always)]
+fn sweep(diag: &mut [f64], offdiag: &mut [f64], start: usize, end: usize, mut u: MatMut<'_, f64>) {
+    let td = (diag[end - 1] - diag[end]) * 0.5;
+    let e = offdiag[end - 1];
+    let mut mu = diag[end];
+    if td == 0.0 {
+        mu -= e.abs();
+    } else if e != 0.0 {
+        let e2 = e * e;
+        let h = hypot(&td, &e);
+        let h = if td > 0.0 { h } else { -h };
+        if e2 == 0.0 {
+            mu -= e / ((td + h) / e);
+        } else {
+            mu -= e2 / (td + h);
+        }
+    }
+    let mut x = diag[start] - mu;
+    let mut z = offdiag[start];
+    let mut k = start;
+    while k < end && z != 0.0 {
+        let (c, s) = make_givens(x, z);
+        let sdk = s * diag[k] + c * offdiag[k];
+        let dkp1 = s * offdiag[k] + c * diag[k + 1];
+        diag[k] = c * (c * diag[k] - s * offdiag[k]) - s * (c * offdiag[k] - s * diag[k + 1]);
+        diag[k + 1] = s * sdk + c * dkp1;
+        offdiag[k] = c * sdk - s * dkp1;
+        if k > start {
+            offdiag[k - 1] = c * offdiag[k - 1] - s * z;
+        }
+        x = offdiag[k];
+        if k < end - 1 {
+            z = -s * offdiag[k + 1];
+            offdiag[k + 1] *= c;
+        }
+        let (uk1, uk) = u.rb_mut().two_cols_mut(k + 1, k);
+        let (uk1, uk) = (uk1.try_as_col_major_mut(), uk.try_as_col_major_mut());
+        let (Some(uk1), Some(uk)) = (uk1, uk) else {
+            unreachable!("the columns of a new matrix are contiguous")
+        };
+        rotate(uk1.as_slice_mut(), uk.as_slice_mut(), c, s);
+        k += 1;
+    }
+}
+
+/// faer's `JacobiRotation::make_givens(p, q)`: `(c, s)` with `c p - s q = r`, `s p + c q = 0`.
+#[inline(always)]
+fn make_givens(p: f64, q: f64) -> (f64, f64) {
+    if q == 0.0 {
+        (if p < 0.0 { -1.0 } else { 1.0 }, 0.0)
+    } else if p == 0.0 {
+        (0.0, if q < 0.0 { 1.0 } else { -1.0 })
+    } else if p.abs() > q.abs() {
+        let t = q / p;
+        let mut u = hypot(&t, &1.0);
+        if p < 0.0 {
+            u = -u;
+        }
+        let c = 1.0 / u;
+        (c, -t * c)
+    } else {
+        let t = p / q;
+        let mut u = hypot(&t, &1.0);
+        if q < 0.0 {
+            u = -u;
+        }
+        let s = -(1.0 / u);
+        (-t * s, s)
+    }
+}
+
+/// Columns `k + 1` and `k` of `U` times the rotation, as faer's SIMD path computes it
+/// (`apply_on_the_right_in_place`): `x' = c x + s y`, `y' = c y - s x`, each a fused
+/// multiply-add onto the rounded product with `c`.
+#[inline(always)]
+fn rotate(x: &mut [f64], y: &mut [f64], c: f64, s: f64) {
+    if c == 1.0 && s == 0.0 {
+        return;
+    }
+    for (x, y) in x.iter_mut().zip(y.iter_mut()) {
+        let (xv, yv) = (*x, *y);
+        *x = s.mul_add(yv, xv * c);
+        *y = (-s).mul_add(xv, yv * c);
+    }
+}
+
+/// Eigenvalues ascending by selection, swapping the columns of `u` along, as faer does.
+fn sort(diag: &mut [f64], mut u: MatMut<'_, f64>) {
+    let n = diag.len();
+    for i in 0..n - 1 {
+        let mut idx = i;
+        let mut min = diag[i];
+        for k in i + 1..n {
+            if diag[k] < min {
+                idx = k;
+                min = diag[k];
+            }
+        }
+        if idx != i {
+            diag.swap(i, idx);
+            faer::perm::swap_cols_idx(u.rb_mut(), i, idx);
+        }
+    }
+}
