@@ -422,14 +422,44 @@ impl GaussHermitePsf {
             .zip(c.xc.par_chunks_mut(nwave).zip(c.yc.par_chunks_mut(nwave)))
             .enumerate()
             .for_each(|(i, (data, (xc, yc)))| {
-                let fiber = fibers.start + i;
-                let mut work = SpotWork::new(self);
-                for (iw, &w) in waves.iter().enumerate() {
-                    let (x, y) = work.params(self, fiber, w);
-                    work.eval(self, x, y, &mut data[iw * size..(iw + 1) * size]);
-                    (xc[iw], yc[iw]) = self.corner_of(x, y);
-                }
+                pulp::Arch::new().dispatch(FiberSpots {
+                    psf: self,
+                    fiber: fibers.start + i,
+                    waves,
+                    data,
+                    xc,
+                    yc,
+                })
             });
+    }
+}
+
+/// The spots of one fiber at every wavelength, as a SIMD operation: the products of
+/// [`SpotWork::eval`] then use the machine's widest vectors. They are plain products and
+/// sums in a fixed order, so the spots have the same bits under any instruction set.
+struct FiberSpots<'a> {
+    psf: &'a GaussHermitePsf,
+    fiber: usize,
+    waves: &'a [f64],
+    data: &'a mut [f64],
+    xc: &'a mut [i32],
+    yc: &'a mut [i32],
+}
+
+impl pulp::WithSimd for FiberSpots<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _simd: S) {
+        let psf = self.psf;
+        let (ny, nx) = psf.spot_shape();
+        let size = ny * nx;
+        let mut work = SpotWork::new(psf);
+        for (iw, &w) in self.waves.iter().enumerate() {
+            let (x, y) = work.params(psf, self.fiber, w);
+            work.eval(psf, x, y, &mut self.data[iw * size..(iw + 1) * size]);
+            (self.xc[iw], self.yc[iw]) = psf.corner_of(x, y);
+        }
     }
 }
 
@@ -476,6 +506,7 @@ impl SpotWork {
     /// Both products run along rows so that they vectorise; every value is still summed in
     /// the order of the Gauss-Hermite degree, from zero, as a scalar loop over the degree
     /// would, which keeps the spots' bits.
+    #[inline(always)]
     fn eval(&mut self, psf: &GaussHermitePsf, x: f64, y: f64, out: &mut [f64]) {
         let (ny, nx) = psf.spot_shape();
         let (ngx, ngy) = (psf.ghdegx + 1, psf.ghdegy + 1);
@@ -521,6 +552,7 @@ impl SpotWork {
 /// Degree 0 is the Gaussian's integral over the pixel (a difference of erf); for `k >= 1` the
 /// integral of `He_k(t) phi(t)` is `-He_{k-1}(t) phi(t)`, so the pixel value is the difference
 /// of that antiderivative at the pixel edges.
+#[inline(always)]
 pub fn pixel_gauss_hermite(
     center: f64,
     sigma: f64,
