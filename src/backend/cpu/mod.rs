@@ -203,15 +203,22 @@ struct Decorrelation {
 }
 
 /// Steps 2-4 up to the `Q_b`: the Schur-complement route where it applies, else the dense
-/// route; `None` when no pixel constrains the patch.
+/// route; `None` when no pixel constrains the patch. Where `ne` holds bounds of the far
+/// couplings only (`far_bounded`), `exact` gives the normal equations with the couplings
+/// themselves, for the bounds that do not show them negligible and for the dense route.
 fn decorrelation(
     ne: &NormalEquations,
     geom: &PatchGeometry,
     options: &SolveOptions,
     counts: &mut RouteCounts,
+    exact: &dyn Fn() -> NormalEquations,
 ) -> Option<Decorrelation> {
     let prior = prior(&ne.fluxweight, options.regularize)?;
     let coupling = ne.far_coupling(&prior);
+    if ne.far_bounded && coupling > FAR_COUPLING_LIMIT {
+        tracing::debug!("far fiber coupling bounded by {coupling:.1e}: exact couplings");
+        return decorrelation(&exact(), geom, options, counts, exact);
+    }
     if coupling <= FAR_COUPLING_LIMIT {
         if let Some(sweeps) = schur::solve(ne, &prior, geom) {
             let roots: Option<Vec<(Mat<f64>, Route)>> = sweeps
@@ -232,6 +239,13 @@ fn decorrelation(
         tracing::debug!("far fiber coupling {coupling:.1e}: dense route");
     }
     counts.dense += 1;
+    let exact_ne;
+    let ne = if ne.far_bounded {
+        exact_ne = exact();
+        &exact_ne
+    } else {
+        ne
+    };
     let solution = dense::solve(&ne.dense(), &ne.y, &ne.fluxweight, geom, options.regularize)?;
     Some(Decorrelation {
         xflux: solution.xflux,
@@ -332,8 +346,9 @@ fn solve_one(
     let mut result = PatchResult::empty(patch, ndiag, PatchStatus::Ok);
     pixmask_fraction(&sys, &mut result, ncore, nk, core_col);
 
-    let ne = sys.normal_equations();
-    let Some(solution) = decorrelation(&ne, geom, options, counts) else {
+    let ne = sys.normal_equations_bounded();
+    let Some(solution) = decorrelation(&ne, geom, options, counts, &|| sys.normal_equations())
+    else {
         result.status = PatchStatus::Masked;
         return result;
     };
@@ -481,6 +496,7 @@ mod tests {
             diag: vec![Mat::from_fn(nt, nt, band); 3],
             sub: vec![Mat::from_fn(nt, nt, coupling); 2],
             far: (0..nt).map(|w| (nt + w, 2 * nt + w, far)).collect(),
+            far_bounded: false,
             y: (0..m).map(|i| 1.0 + (i as f64 * 0.37).sin()).collect(),
             fluxweight: vec![1.0; m],
         };
@@ -508,7 +524,7 @@ mod tests {
     fn schur_route_matches_dense_route() {
         let (ne, geom) = system(12, 0.05, 0.0);
         let mut counts = RouteCounts::default();
-        let schur = decorrelation(&ne, &geom, &options(), &mut counts).unwrap();
+        let schur = decorrelation(&ne, &geom, &options(), &mut counts, &|| ne.clone()).unwrap();
         assert_eq!(counts.dense, 0);
         let dense = dense::solve(&ne.dense(), &ne.y, &ne.fluxweight, &geom, 0.0).unwrap();
         for (a, b) in schur.xflux.iter().zip(&dense.xflux) {
@@ -534,7 +550,7 @@ mod tests {
         for (far, dense) in [(1e-3, 1), (1e-15, 0)] {
             let (ne, geom) = system(6, 0.05, far);
             let mut counts = RouteCounts::default();
-            let d = decorrelation(&ne, &geom, &options(), &mut counts).unwrap();
+            let d = decorrelation(&ne, &geom, &options(), &mut counts, &|| ne.clone()).unwrap();
             assert_eq!(counts.dense, dense, "far coupling {far}");
             assert_eq!(d.status, PatchStatus::Ok);
         }
