@@ -83,11 +83,11 @@ pub(super) fn eigh(a: MatRef<'_, f64>) -> (Vec<f64>, Mat<f64>) {
 /// `U diag(f(s)) U^T`.
 pub(super) fn spectral(s: &[f64], u: &Mat<f64>, f: impl Fn(f64) -> f64) -> Mat<f64> {
     let n = s.len();
-    let mut us = u.clone();
+    let mut us = Mat::<f64>::zeros(n, n);
     for (j, &sj) in s.iter().enumerate() {
         let v = f(sj);
-        for i in 0..n {
-            us[(i, j)] *= v;
+        for (o, &x) in column_mut(&mut us, j).iter_mut().zip(column(u, j)) {
+            *o = x * v;
         }
     }
     let mut out = Mat::<f64>::zeros(n, n);
@@ -100,6 +100,17 @@ pub(super) fn spectral(s: &[f64], u: &Mat<f64>, f: impl Fn(f64) -> f64) -> Mat<f
         Par::Seq,
     );
     out
+}
+
+/// Column `j` of a matrix made by faer (contiguous columns), as a slice: loops over it
+/// vectorise, where indexing element by element checks bounds at every step.
+pub(super) fn column(a: &Mat<f64>, j: usize) -> &[f64] {
+    a.col_as_slice(j)
+}
+
+/// [`column`], mutable.
+pub(super) fn column_mut(a: &mut Mat<f64>, j: usize) -> &mut [f64] {
+    a.col_as_slice_mut(j)
 }
 
 /// Eigenvalues clipped from below at `EIGEN_CLIP` times the largest.

@@ -13,7 +13,7 @@ use faer::linalg::matmul::triangular::{matmul as tri_matmul, BlockStructure};
 use faer::linalg::triangular_solve::solve_lower_triangular_in_place;
 use faer::{Accum, Mat, Par};
 
-use super::dense::cholesky;
+use super::dense::{cholesky, column, column_mut};
 use super::system::NormalEquations;
 use crate::extract::PatchGeometry;
 
@@ -104,16 +104,32 @@ pub(super) fn solve(ne: &NormalEquations, prior: &[f64], geom: &PatchGeometry) -
     let mut schur = vec![Mat::<f64>::zeros(0, 0); geom.ncore()];
     for k in 0..nb {
         if let (Some(sl), Some(sr)) = (&left[k], &right[k]) {
-            schur[ne.order[k] - geom.npad] = Mat::from_fn(nt, nt, |i, j| {
-                let (i, j) = if i >= j { (i, j) } else { (j, i) };
-                sl[(i, j)] + sr[(i, j)] - a[k][(i, j)]
-            });
+            schur[ne.order[k] - geom.npad] = combine(sl, sr, &a[k]);
         }
     }
     Some(Sweeps {
         xflux: flux(ne, &l, &wt),
         schur,
     })
+}
+
+/// `S = Sigma + Sigma' - A` from the lower triangles, mirrored into a full symmetric matrix.
+fn combine(sl: &Mat<f64>, sr: &Mat<f64>, a: &Mat<f64>) -> Mat<f64> {
+    let nt = a.nrows();
+    let mut s = Mat::<f64>::zeros(nt, nt);
+    for j in 0..nt {
+        let out = &mut column_mut(&mut s, j)[j..];
+        let (l, r, a) = (&column(sl, j)[j..], &column(sr, j)[j..], &column(a, j)[j..]);
+        for (((o, &l), &r), &a) in out.iter_mut().zip(l).zip(r).zip(a) {
+            *o = l + r - a;
+        }
+    }
+    for j in 1..nt {
+        for i in 0..j {
+            s[(i, j)] = s[(j, i)];
+        }
+    }
+    s
 }
 
 /// `icov^-1 y` from the block factor: `L z = y` forward, `L^T x = z` backward.
