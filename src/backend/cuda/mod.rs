@@ -318,6 +318,97 @@ impl Backend for CudaBackend {
 }
 
 impl CudaBackend {
+    /// Solves the chunks in turn. Host tables of chunk i + 1 are prepared on a helper thread
+    /// while the device solves chunk i, and uploaded on the copy stream once chunk i's work
+    /// is queued; chunk i's results are unpacked while the device runs the first steps of
+    /// chunk i + 1. Three image buffers and two sets of device inputs and of host buffers of
+    /// the copies back take turns.
+    #[allow(clippy::too_many_arguments)]
+    fn solve_chunks(
+        &mut self,
+        input: &FrameInput<'_>,
+        sh: &Shape,
+        chunks: &[Vec<&Patch>],
+        ids: &[&[usize]],
+        pool: &mut Vec<staging::Staging<f32>>,
+        results: &mut [Option<PatchResult>],
+        timings: &mut GpuTimings,
+        progress: &Progress,
+    ) -> Result<()> {
+        while pool.len() < 3 {
+            pool.push(staging::Staging::new(self.dev.ctx.clone()));
+        }
+        let first = pool.pop().expect("three buffers");
+        let host = tables::prepare(input, &chunks[0], sh, first)?;
+        self.workspace.next.upload(&self.dev, input, &host)?;
+        let mut next = Some(host);
+        let mut pending: Option<solve::Pending<'_>> = None;
+        let gpu = Gpu {
+            dev: &self.dev,
+            k: &self.kernels,
+            sh,
+        };
+        for (ci, chunk) in chunks.iter().enumerate() {
+            let host = next.take().expect("prepared and uploaded the chunk before");
+            let _r = nvtx::LocalRange::new(nvtx::Str::from_str_lossy(&format!(
+                "chunk of {} patches",
+                chunk.len()
+            )));
+            std::mem::swap(&mut self.workspace.input, &mut self.workspace.next);
+            pending = std::thread::scope(|s| {
+                let helper = chunks.get(ci + 1).map(|c| {
+                    let (host_pool, buf) = (&self.host, pool.pop().expect("buffers take turns"));
+                    s.spawn(move || host_pool.install(|| tables::prepare(input, c, sh, buf)))
+                });
+                // the next chunk's inputs go up while the device solves this one
+                let (dev, next_ref) = (&self.dev, &mut next);
+                let upload_next = move |inputs: &mut workspace::Inputs| -> Result<()> {
+                    if let Some(h) = helper {
+                        let host = h
+                            .join()
+                            .map_err(|_| Error::Gpu("host preparation thread panicked".into()))??;
+                        inputs.upload(dev, input, &host)?;
+                        *next_ref = Some(host);
+                    }
+                    Ok(())
+                };
+                let chunk = solve::Chunk {
+                    patches: chunk,
+                    ids: ids[ci],
+                    slot: ci % 2,
+                };
+                let mut sink = solve::Sink {
+                    results: &mut *results,
+                    timings: &mut *timings,
+                    images: &mut *pool,
+                    progress,
+                };
+                solve::solve_chunk(
+                    gpu,
+                    &self.tuning,
+                    &mut self.workspace,
+                    input,
+                    chunk,
+                    host,
+                    pending.take(),
+                    upload_next,
+                    &mut sink,
+                )
+            })?;
+            timings.chunks += 1;
+        }
+        if let Some(p) = pending {
+            let mut sink = solve::Sink {
+                results,
+                timings,
+                images: pool,
+                progress,
+            };
+            solve::finish(gpu, &self.workspace, input, p, &mut sink)?;
+        }
+        Ok(())
+    }
+
     /// Solves the patches with the CPU reference: blocks of `sh.nt` bins are beyond what
     /// the device's shared memory allows its decorrelation kernels.
     fn extract_on_cpu(
@@ -376,77 +467,32 @@ impl CudaBackend {
             .map(|ids| ids.iter().map(|&i| &patches[i]).collect())
             .collect();
         let ids: Vec<&[usize]> = order.chunks(size).collect();
-        // The copies back of the first chunk come after its solve: time enough to pin their
-        // buffer (the model boxes, when asked, may need a larger one later).
+        // The copies back of the first chunks come after their solve: time enough to pin
+        // their buffers (the model boxes, when asked, may need larger ones later).
         let per = size * sh.ncore * sh.nws;
-        self.workspace
-            .back
-            .reserve(results::Back::len(per, sh.nd(), 0));
-        // Host tables of chunk i + 1 are prepared on a helper thread while the device solves
-        // chunk i, and uploaded on the copy stream once chunk i's work is queued; two image
-        // buffers and two sets of device inputs take turns.
+        for slot in 0..2 {
+            let ws = &mut self.workspace;
+            ws.back[slot].reserve(results::Back::len(per, sh.nd(), 0));
+            ws.verdicts[slot].reserve(2 * size * sh.ncore);
+        }
         let mut results: Vec<Option<PatchResult>> = vec![None; patches.len()];
         let mut pool = std::mem::take(&mut self.images);
-        while pool.len() < 2 {
-            pool.push(staging::Staging::new(self.dev.ctx.clone()));
+        let pending = self.solve_chunks(
+            &input,
+            &sh,
+            &chunks,
+            &ids,
+            &mut pool,
+            &mut results,
+            &mut timings,
+            progress,
+        );
+        if pending.is_err() {
+            // queued work may still read host buffers that go now
+            let _ = self.dev.sync_copies();
+            let _ = self.dev.sync("after a failed chunk");
         }
-        let first = pool.pop().expect("two buffers");
-        let host = tables::prepare(&input, &chunks[0], &sh, first)?;
-        self.workspace.next.upload(&self.dev, &input, &host)?;
-        let mut next = Some(host);
-        for (ci, chunk) in chunks.iter().enumerate() {
-            let host = next.take().expect("prepared and uploaded the chunk before");
-            let _r = nvtx::LocalRange::new(nvtx::Str::from_str_lossy(&format!(
-                "chunk of {} patches",
-                chunk.len()
-            )));
-            std::mem::swap(&mut self.workspace.input, &mut self.workspace.next);
-            let outcome = std::thread::scope(|s| {
-                let helper = chunks.get(ci + 1).map(|c| {
-                    let (input, sh, host) = (&input, &sh, &self.host);
-                    let buf = pool.pop().expect("two buffers take turns");
-                    s.spawn(move || host.install(|| tables::prepare(input, c, sh, buf)))
-                });
-                // the next chunk's inputs go up while the device solves this one
-                let (dev, input_ref, next_ref) = (&self.dev, &input, &mut next);
-                let upload_next = move |inputs: &mut workspace::Inputs| -> Result<()> {
-                    if let Some(h) = helper {
-                        let host = h
-                            .join()
-                            .map_err(|_| Error::Gpu("host preparation thread panicked".into()))??;
-                        inputs.upload(dev, input_ref, &host)?;
-                        *next_ref = Some(host);
-                    }
-                    Ok(())
-                };
-                let gpu = Gpu {
-                    dev: &self.dev,
-                    k: &self.kernels,
-                    sh: &sh,
-                };
-                solve::solve_chunk(
-                    gpu,
-                    &self.tuning,
-                    &mut self.workspace,
-                    &input,
-                    chunk,
-                    host,
-                    upload_next,
-                    &mut timings,
-                )
-            });
-            if outcome.is_err() {
-                // the next chunk's upload may still read its host buffer, which goes now
-                let _ = self.dev.sync_copies();
-            }
-            let (solved, buf) = outcome?;
-            pool.push(buf);
-            for (&i, r) in ids[ci].iter().zip(solved) {
-                results[i] = Some(r);
-            }
-            timings.chunks += 1;
-            progress.add(chunk.len());
-        }
+        pending?;
         // later frames transfer from pinned image buffers, pinned in the background
         for staging in &mut pool {
             staging.allow_pinning();

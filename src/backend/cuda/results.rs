@@ -105,7 +105,7 @@ fn patch_result(
     r
 }
 
-/// Fills `results` (by position in `chunk`) for every live patch the device solved.
+/// The results of the live patches the device solved, by position in `chunk`.
 pub(crate) fn unpack(
     sh: &Shape,
     chunk: &[&Patch],
@@ -113,12 +113,10 @@ pub(crate) fn unpack(
     back: &Back<'_>,
     fact: &Factorization,
     core_model: bool,
-    results: &mut [Option<PatchResult>],
-) {
+) -> Vec<(usize, PatchResult)> {
     // the pinned image in `host` is not shared between threads: take the tables alone
     let (live, boxoff) = (&host.live, &host.boxoff);
-    let solved: Vec<(usize, PatchResult)> = live
-        .par_iter()
+    live.par_iter()
         .enumerate()
         .filter(|(li, _)| !fact.to_cpu.contains(li))
         .map(|(li, (ci, geom, _))| {
@@ -135,22 +133,19 @@ pub(crate) fn unpack(
             );
             (*ci, r)
         })
-        .collect();
-    for (ci, r) in solved {
-        results[ci] = Some(r);
-    }
+        .collect()
 }
 
-/// Solves the live patches `to_cpu` with the CPU reference.
+/// Solves the live patches `to_cpu` with the CPU reference; results by position in `chunk`.
 pub(crate) fn cpu_fallback(
     input: &FrameInput<'_>,
     sh: &Shape,
     chunk: &[&Patch],
     host: &ChunkHost,
     to_cpu: &[usize],
-    results: &mut [Option<PatchResult>],
-) {
+) -> Vec<(usize, PatchResult)> {
     let mut host_spots: BTreeMap<usize, Spots> = BTreeMap::new();
+    let mut results = Vec::with_capacity(to_cpu.len());
     for &li in to_cpu {
         let (ci, _, slot) = &host.live[li];
         let patch = chunk[*ci];
@@ -163,12 +158,8 @@ pub(crate) fn cpu_fallback(
             patch.fibers,
             patch.waves
         );
-        results[*ci] = Some(cpu::solve_patch(
-            input.plan,
-            patch,
-            spots,
-            input.image,
-            input.options,
-        ));
+        let r = cpu::solve_patch(input.plan, patch, spots, input.image, input.options);
+        results.push((*ci, r));
     }
+    results
 }

@@ -12,7 +12,8 @@
 //! 5. decorrelation of each core block (`decorrelate`: polar, Jacobi for the blocks it gives
 //!    up on);
 //! 6. the model of each patch, chi2pix and the optional core model image;
-//! 7. copies out of the core arrays only, and the results on the host (`results`).
+//! 7. copies out of the core arrays only, and the results on the host (`results`), unpacked
+//!    while the device runs the next chunk's first steps.
 
 use std::time::Instant;
 
@@ -26,8 +27,8 @@ use super::tables::ChunkHost;
 use super::timings::{GpuTimings, PhaseClock};
 use super::tuning::{Solve, Tuning};
 use super::workspace::{Inputs, Region, Shape, Workspace};
-use crate::backend::FrameInput;
-use crate::error::{Error, Result};
+use crate::backend::{FrameInput, Progress};
+use crate::error::Result;
 use crate::extract::PatchResult;
 use crate::plan::Patch;
 
@@ -123,39 +124,36 @@ fn finalize(
 }
 
 /// Step 7 on the device: the core arrays (and the model boxes when asked) into the pinned
-/// buffer `ws.back`, and the decorrelation's verdicts (polar steps, Jacobi sweeps) into host
-/// vectors, valid once the stream has synchronised.
+/// buffer `ws.back[slot]`, and the decorrelation's verdicts (polar steps, then Jacobi sweeps)
+/// into `ws.verdicts[slot]`; valid once the device has passed the chunk's last mark.
 fn copy_out(
     g: Gpu<'_>,
     ws: &mut Workspace,
     host: &ChunkHost,
     model: bool,
-) -> Result<(Vec<i32>, Vec<i32>)> {
+    slot: usize,
+) -> Result<()> {
     let (dev, sh) = (g.dev, g.sh);
     let nblocks = host.live.len() * sh.ncore;
     let per = nblocks * sh.nws;
     let nback = Back::len(per, sh.nd(), if model { host.box_total } else { 0 });
-    {
-        let s = ws.back.get(nback);
-        let (a, rest) = s.split_at_mut(per);
-        dev.copy_from(a, ws.flux.get(), 0, "flux")?;
-        let (a, rest) = rest.split_at_mut(per);
-        dev.copy_from(a, ws.ivar_out.get(), 0, "ivar")?;
-        let (a, rest) = rest.split_at_mut(per);
-        dev.copy_from(a, ws.pixmask.get(), 0, "pixmask fraction")?;
-        let (a, rest) = rest.split_at_mut(per);
-        dev.copy_from(a, ws.chi2.get(), 0, "chi2pix")?;
-        let (a, rest) = rest.split_at_mut(per * sh.nd());
-        dev.copy_from(a, ws.res.get(), 0, "resolution")?;
-        if model {
-            dev.copy_from(rest, ws.model.get(), 0, "model")?;
-        }
+    let s = ws.back[slot].get(nback);
+    let (a, rest) = s.split_at_mut(per);
+    dev.copy_from(a, ws.flux.get(), 0, "flux")?;
+    let (a, rest) = rest.split_at_mut(per);
+    dev.copy_from(a, ws.ivar_out.get(), 0, "ivar")?;
+    let (a, rest) = rest.split_at_mut(per);
+    dev.copy_from(a, ws.pixmask.get(), 0, "pixmask fraction")?;
+    let (a, rest) = rest.split_at_mut(per);
+    dev.copy_from(a, ws.chi2.get(), 0, "chi2pix")?;
+    let (a, rest) = rest.split_at_mut(per * sh.nd());
+    dev.copy_from(a, ws.res.get(), 0, "resolution")?;
+    if model {
+        dev.copy_from(rest, ws.model.get(), 0, "model")?;
     }
-    let mut steps = vec![0i32; nblocks];
-    let mut sweeps = vec![0i32; nblocks];
-    dev.copy_from(&mut steps, ws.steps.get(), 0, "polar steps")?;
-    dev.copy_from(&mut sweeps, ws.sweeps.get(), 0, "Jacobi sweeps")?;
-    Ok((steps, sweeps))
+    let (steps, sweeps) = ws.verdicts[slot].get(2 * nblocks).split_at_mut(nblocks);
+    dev.copy_from(steps, ws.steps.get(), 0, "polar steps")?;
+    dev.copy_from(sweeps, ws.sweeps.get(), 0, "Jacobi sweeps")
 }
 
 /// The route of steps 2-3 for blocks of the shape `sh`: the Schur sweeps need their blocks
@@ -189,75 +187,113 @@ fn dense_steps(
     Ok(fact)
 }
 
-/// Solves one prepared chunk, whose inputs were uploaded into `ws.input`; results in the
-/// order of `chunk`, and the chunk's image buffer back for reuse. `upload_next` queues the
-/// next chunk's inputs into `ws.next` once the device has this chunk's work in hand.
+/// A chunk of patches: the patches, their positions in the call's results, and the slot of
+/// the host buffers its results come back to (chunks alternate between two).
+pub(crate) struct Chunk<'a> {
+    pub(crate) patches: &'a [&'a Patch],
+    pub(crate) ids: &'a [usize],
+    pub(crate) slot: usize,
+}
+
+/// Where finished chunks go: the call's results by patch, its timings, the image buffers free
+/// again, and the progress of the call.
+pub(crate) struct Sink<'s> {
+    pub(crate) results: &'s mut [Option<PatchResult>],
+    pub(crate) timings: &'s mut GpuTimings,
+    pub(crate) images: &'s mut Vec<Staging<f32>>,
+    pub(crate) progress: &'s Progress,
+}
+
+/// A chunk whose work is queued on the device, with what its results need once the device
+/// has passed its last mark.
+pub(crate) struct Pending<'a> {
+    chunk: Chunk<'a>,
+    host: ChunkHost,
+    fact: Factorization,
+    /// Device arrays that queued library calls still read.
+    keep: Keep,
+    clock: PhaseClock<'a>,
+}
+
+/// Queues the solve of one prepared chunk, whose inputs were uploaded into `ws.input`, and
+/// finishes the chunk before it (`previous`) while the device runs this one's first steps.
+/// `upload_next` queues the next chunk's inputs into `ws.next` once the device has this
+/// chunk's work in hand (and the chunk before, whose inputs `ws.next` held, is finished).
+/// Returns the chunk in flight, if it has live patches.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn solve_chunk(
-    g: Gpu<'_>,
+pub(crate) fn solve_chunk<'a>(
+    g: Gpu<'a>,
     tuning: &Tuning,
     ws: &mut Workspace,
     input: &FrameInput<'_>,
-    chunk: &[&Patch],
+    chunk: Chunk<'a>,
     mut host: ChunkHost,
+    previous: Option<Pending<'a>>,
     upload_next: impl FnOnce(&mut Inputs) -> Result<()>,
-    timings: &mut GpuTimings,
-) -> Result<(Vec<PatchResult>, Staging<f32>)> {
-    timings.add("host tables", host.prep_ms);
-    let mut results: Vec<Option<PatchResult>> = vec![None; chunk.len()];
+    sink: &mut Sink<'_>,
+) -> Result<Option<Pending<'a>>> {
+    sink.timings.add("host tables", host.prep_ms);
     for (i, r) in std::mem::take(&mut host.off) {
-        results[i] = Some(r);
+        sink.results[chunk.ids[i]] = Some(r);
     }
-    let n = host.live.len();
-    if n > 0 {
-        let live = Live {
-            input,
-            chunk,
-            host: &host,
-        };
-        solve_live(g, tuning, ws, live, upload_next, timings, &mut results)?;
-    } else {
+    if host.live.is_empty() {
+        if let Some(p) = previous {
+            finish(g, ws, input, p, sink)?;
+        }
         upload_next(&mut ws.next)?;
+        sink.images.push(host.image);
+        sink.progress.add(chunk.patches.len());
+        return Ok(None);
     }
-    let results = results
-        .into_iter()
-        .map(|r| r.ok_or_else(|| Error::Gpu("internal: a patch of the chunk has no result".into())))
-        .collect::<Result<Vec<_>>>()?;
-    Ok((results, host.image))
+    solve_live(
+        g,
+        tuning,
+        ws,
+        input,
+        chunk,
+        host,
+        previous,
+        upload_next,
+        sink,
+    )
+    .map(Some)
 }
 
-/// A chunk with live patches: the frame, the chunk's patches and its host tables.
-struct Live<'a, 'f> {
-    input: &'a FrameInput<'f>,
-    chunk: &'a [&'a Patch],
-    host: &'a ChunkHost,
-}
-
-/// The steps of [`solve_chunk`] for the live patches of a chunk.
-fn solve_live(
-    g: Gpu<'_>,
+/// The steps of [`solve_chunk`] for a chunk with live patches.
+#[allow(clippy::too_many_arguments)]
+fn solve_live<'a>(
+    g: Gpu<'a>,
     tuning: &Tuning,
     ws: &mut Workspace,
-    Live { input, chunk, host }: Live<'_, '_>,
+    input: &FrameInput<'_>,
+    chunk: Chunk<'a>,
+    host: ChunkHost,
+    previous: Option<Pending<'a>>,
     upload_next: impl FnOnce(&mut Inputs) -> Result<()>,
-    timings: &mut GpuTimings,
-    results: &mut [Option<PatchResult>],
-) -> Result<()> {
+    sink: &mut Sink<'_>,
+) -> Result<Pending<'a>> {
     let n = host.live.len();
     let region = Region {
         row0: host.region.0,
         col0: host.region.2,
         width: host.region.3 - host.region.2,
     };
-    let live: Vec<&Patch> = host.live.iter().map(|(ci, _, _)| chunk[*ci]).collect();
+    let live: Vec<&Patch> = host
+        .live
+        .iter()
+        .map(|(ci, _, _)| chunk.patches[*ci])
+        .collect();
     let mut clock = PhaseClock::new(g.dev);
     clock.mark("start")?;
-    copy_in(g, ws, host)?;
+    copy_in(g, ws, &host)?;
     clock.mark("copies in")?;
     launchers::spots(g, input.psf, ws, host.xy.len() / 2)?;
     clock.mark("spots")?;
     launchers::assemble(g, n, None, ws, region, input.options.regularize)?;
     clock.mark("assemble")?;
+    if let Some(p) = previous {
+        finish(g, ws, input, p, sink)?;
+    }
     let mut keep = Keep::new();
     let (fact, kind) = match route(tuning.solve, g.sh) {
         Solve::Schur => {
@@ -271,12 +307,12 @@ fn solve_live(
                 tuning.coupling_max,
             )?;
             clock.mark("sweeps")?;
-            timings.coupled += coupled.patches;
-            timings.max_coupling = timings.max_coupling.max(coupled.largest);
+            sink.timings.coupled += coupled.patches;
+            sink.timings.max_coupling = sink.timings.max_coupling.max(coupled.largest);
             (fact, BlockKind::Precision)
         }
         Solve::Dense => {
-            timings.dense_route = true;
+            sink.timings.dense_route = true;
             (
                 dense_steps(g, ws, &live, region, input, &mut clock, &mut keep)?,
                 BlockKind::Covariance,
@@ -285,32 +321,63 @@ fn solve_live(
     };
     decorrelate_chunk(g, tuning, ws, n, kind)?;
     clock.mark("decorrelate")?;
-    finalize(g, ws, host, region, input)?;
+    finalize(g, ws, &host, region, input)?;
     clock.mark("finalize")?;
-    let (steps, sweeps) = copy_out(g, ws, host, input.options.model)?;
+    copy_out(g, ws, &host, input.options.model, chunk.slot)?;
     clock.mark("copies out")?;
     upload_next(&mut ws.next)?;
-    g.dev.sync("chunk results")?;
-    drop(keep);
-    let counts = Counts::new(&steps, &sweeps);
-    clock.collect(timings)?;
-    timings.retried += fact.retried;
-    timings.cpu_fallback += fact.to_cpu.len();
-    timings.polar_blocks += counts.polar;
-    timings.polar_fallback += counts.fallback;
-    timings.max_polar_steps = timings.max_polar_steps.max(counts.max_steps);
-    timings.max_sweeps = timings.max_sweeps.max(counts.max_sweeps);
+    Ok(Pending {
+        chunk,
+        host,
+        fact,
+        keep,
+        clock,
+    })
+}
+
+/// Finishes a chunk once the device has passed its last mark: counters and phase times, then
+/// one result per patch (by the CPU reference for those the device handed over), and its
+/// image buffer back to the free ones.
+pub(crate) fn finish(
+    g: Gpu<'_>,
+    ws: &Workspace,
+    input: &FrameInput<'_>,
+    p: Pending<'_>,
+    sink: &mut Sink<'_>,
+) -> Result<()> {
+    p.clock.wait_last()?;
+    drop(p.keep);
+    let (sh, model) = (g.sh, input.options.model);
+    let nblocks = p.host.live.len() * sh.ncore;
+    let (steps, sweeps) = ws.verdicts[p.chunk.slot]
+        .current(2 * nblocks)
+        .split_at(nblocks);
+    let counts = Counts::new(steps, sweeps);
+    let t = &mut *sink.timings;
+    p.clock.collect(t)?;
+    t.retried += p.fact.retried;
+    t.cpu_fallback += p.fact.to_cpu.len();
+    t.polar_blocks += counts.polar;
+    t.polar_fallback += counts.fallback;
+    t.max_polar_steps = t.max_polar_steps.max(counts.max_steps);
+    t.max_sweeps = t.max_sweeps.max(counts.max_sweeps);
     if let Ok((free, total)) = g.dev.mem_info() {
-        timings.device_used_bytes = timings.device_used_bytes.max(total - free);
+        t.device_used_bytes = t.device_used_bytes.max(total - free);
     }
 
     let t_res = Instant::now();
-    let (sh, model) = (g.sh, input.options.model);
-    let per = n * sh.ncore * sh.nws;
-    let nback = Back::len(per, sh.nd(), if model { host.box_total } else { 0 });
-    let back = Back::split(ws.back.current(nback), per, sh.nd());
-    results::unpack(sh, chunk, host, &back, &fact, model, results);
-    results::cpu_fallback(input, sh, chunk, host, &fact.to_cpu, results);
-    timings.add("host results", t_res.elapsed().as_secs_f64() * 1e3);
+    let per = nblocks * sh.nws;
+    let nback = Back::len(per, sh.nd(), if model { p.host.box_total } else { 0 });
+    let back = Back::split(ws.back[p.chunk.slot].current(nback), per, sh.nd());
+    let (patches, host, fact) = (p.chunk.patches, &p.host, &p.fact);
+    let solved = results::unpack(sh, patches, host, &back, fact, model);
+    let fallback = results::cpu_fallback(input, sh, patches, host, &fact.to_cpu);
+    for (ci, r) in solved.into_iter().chain(fallback) {
+        sink.results[p.chunk.ids[ci]] = Some(r);
+    }
+    sink.timings
+        .add("host results", t_res.elapsed().as_secs_f64() * 1e3);
+    sink.images.push(p.host.image);
+    sink.progress.add(p.chunk.patches.len());
     Ok(())
 }

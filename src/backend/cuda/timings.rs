@@ -82,7 +82,18 @@ impl<'a> PhaseClock<'a> {
         Ok(())
     }
 
-    /// Adds the elapsed times to `t` (after the stream has been synchronised).
+    /// Waits until the device has passed the last mark.
+    pub(crate) fn wait_last(&self) -> Result<()> {
+        match self.marks.last() {
+            Some((name, ev)) => ev.synchronize().map_err(error::driver(format!(
+                "device {}: wait for the end of {name}",
+                self.dev.ordinal
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Adds the elapsed times to `t` (once the device has passed the last mark).
     pub(crate) fn collect(&self, t: &mut GpuTimings) -> Result<()> {
         for w in self.marks.windows(2) {
             let ms = w[0]

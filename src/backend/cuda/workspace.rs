@@ -121,7 +121,11 @@ pub(crate) struct Workspace {
     pub(crate) steps: Slot<i32>,
     pub(crate) model: Slot<f64>,
     pub(crate) chi2: Slot<f64>,
-    pub(crate) back: Staging<f64>,
+    /// Host buffers of the copies back (core arrays, model boxes), and of the decorrelation's
+    /// verdicts (polar steps, then Jacobi sweeps): two of each, so that one chunk's results are
+    /// unpacked while the next chunk's copies back are queued.
+    pub(crate) back: [Staging<f64>; 2],
+    pub(crate) verdicts: [Staging<i32>; 2],
 }
 
 impl Workspace {
@@ -152,7 +156,8 @@ impl Workspace {
             steps: Slot::new("polar steps"),
             model: Slot::new("patch models"),
             chi2: Slot::new("chi2pix"),
-            back: pinned_from_the_start(Staging::new(ctx)),
+            back: [(); 2].map(|()| pinned_from_the_start(Staging::new(ctx.clone()))),
+            verdicts: [(); 2].map(|()| pinned_from_the_start(Staging::new(ctx.clone()))),
         }
     }
 }
@@ -233,7 +238,7 @@ impl Inputs {
 /// call starts and first used after the first chunk's solve, by when the pinning is done
 /// (pinned, a full frame's copies back take 3 ms instead of 24-53 on an H100's host; the
 /// pinning does not hold up the kernels the way that of the larger image buffers does).
-fn pinned_from_the_start(mut back: Staging<f64>) -> Staging<f64> {
+fn pinned_from_the_start<T: Copy + Default + Send + 'static>(mut back: Staging<T>) -> Staging<T> {
     back.allow_pinning();
     back
 }
