@@ -55,6 +55,71 @@ impl Legendre {
     }
 }
 
+/// Wavelengths evaluated together by [`Legendre::eval_many`].
+const LANES: usize = 8;
+
+impl Legendre {
+    /// [`Legendre::eval`] of `fiber` at every wavelength of `waves`, into `out`, bit for bit:
+    /// each value takes the same operations in the same order, but `LANES` wavelengths go
+    /// through the recurrence together, so that their divisions are in flight at once (and
+    /// in SIMD registers) instead of one dependent division after another.
+    pub fn eval_many(&self, fiber: usize, waves: &[f64], out: &mut [f64]) {
+        pulp::Arch::new().dispatch(EvalMany {
+            series: self,
+            fiber,
+            waves,
+            out,
+        })
+    }
+}
+
+/// [`Legendre::eval_many`] as a SIMD operation.
+struct EvalMany<'a> {
+    series: &'a Legendre,
+    fiber: usize,
+    waves: &'a [f64],
+    out: &'a mut [f64],
+}
+
+impl pulp::WithSimd for EvalMany<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _simd: S) {
+        let l = self.series;
+        let c = &l.coeff[self.fiber * l.ncoef..(self.fiber + 1) * l.ncoef];
+        let scale = 2.0 / (l.wavemax - l.wavemin);
+        let mut waves = self.waves.chunks_exact(LANES);
+        let mut outs = self.out.chunks_exact_mut(LANES);
+        for (w, o) in (&mut waves).zip(&mut outs) {
+            let mut u = [0.0; LANES];
+            for (u, &w) in u.iter_mut().zip(w) {
+                *u = (w - l.wavemin) * scale - 1.0;
+            }
+            let (mut p0, mut p1) = ([1.0; LANES], u);
+            let mut sum = [c[0]; LANES];
+            if l.ncoef > 1 {
+                for (s, &u) in sum.iter_mut().zip(&u) {
+                    *s += c[1] * u;
+                }
+            }
+            for (k, &ck) in c.iter().enumerate().skip(2) {
+                let kf = k as f64;
+                for i in 0..LANES {
+                    let p2 = ((2.0 * kf - 1.0) * u[i] * p1[i] - (kf - 1.0) * p0[i]) / kf;
+                    sum[i] += ck * p2;
+                    p0[i] = p1[i];
+                    p1[i] = p2;
+                }
+            }
+            o.copy_from_slice(&sum);
+        }
+        for (&w, o) in waves.remainder().iter().zip(outs.into_remainder()) {
+            *o = l.eval(self.fiber, w);
+        }
+    }
+}
+
 /// Legendre polynomials `P_0..P_deg` at `u`.
 pub fn legendre_values(u: f64, deg: usize, out: &mut [f64]) {
     out[0] = 1.0;
@@ -350,6 +415,16 @@ impl GaussHermitePsf {
         (self.xtrace.eval(fiber, w), self.ytrace.eval(fiber, w))
     }
 
+    /// [`Self::xy`] of `fiber` at every wavelength of `waves`, as x and y columns (bit for
+    /// bit, several wavelengths at a time).
+    pub fn trace(&self, fiber: usize, waves: &[f64]) -> (Vec<f64>, Vec<f64>) {
+        let mut x = vec![0.0; waves.len()];
+        let mut y = vec![0.0; waves.len()];
+        self.xtrace.eval_many(fiber, waves, &mut x);
+        self.ytrace.eval_many(fiber, waves, &mut y);
+        (x, y)
+    }
+
     /// The spot parameters of fiber `fiber` at wavelength `w`.
     pub fn params(&self, fiber: usize, w: f64) -> SpotParams {
         let (x, y) = self.xy(fiber, w);
@@ -369,8 +444,8 @@ impl GaussHermitePsf {
         let mut xc = Vec::with_capacity(fibers.len() * waves.len());
         let mut yc = Vec::with_capacity(fibers.len() * waves.len());
         for fiber in fibers.clone() {
-            for &w in waves {
-                let (x, y) = self.xy(fiber, w);
+            let (xs, ys) = self.trace(fiber, waves);
+            for (&x, &y) in xs.iter().zip(&ys) {
                 let (cx, cy) = self.corner_of(x, y);
                 xc.push(cx);
                 yc.push(cy);
@@ -671,6 +746,23 @@ mod tests {
         assert!((l.eval(0, 6000.0) - (1.0 - 1.5)).abs() < 1e-14);
         // u = 1 at wavemax: 1 + 2 + 3
         assert!((l.eval(0, 7000.0) - 6.0).abs() < 1e-13);
+    }
+
+    #[test]
+    fn batched_traces_are_the_scalar_ones_bit_for_bit() {
+        let psf = GaussHermitePsf::read(&data("psf-r0-00067784.fits")).unwrap();
+        // a grid whose length is not a multiple of the lanes, and a single wavelength
+        let waves: Vec<f64> = (0..2331).map(|i| 5760.0 + 0.8 * i as f64).collect();
+        for fiber in [0, 251, 499] {
+            for grid in [&waves[..], &waves[7..8]] {
+                let (x, y) = psf.trace(fiber, grid);
+                for (i, &w) in grid.iter().enumerate() {
+                    let (ex, ey) = psf.xy(fiber, w);
+                    assert_eq!(x[i].to_bits(), ex.to_bits(), "x of fiber {fiber} at {w}");
+                    assert_eq!(y[i].to_bits(), ey.to_bits(), "y of fiber {fiber} at {w}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -50,8 +50,8 @@ fn fiber_trace(
     let mut xy = Vec::with_capacity(2 * waves.len());
     let mut xc = Vec::with_capacity(waves.len());
     let mut yc = Vec::with_capacity(waves.len());
-    for &w in waves {
-        let (x, y) = psf.xy(fiber, w);
+    let (xs, ys) = psf.trace(fiber, waves);
+    for (&x, &y) in xs.iter().zip(&ys) {
         let (cx, cy) = psf.corner_of(x, y);
         xy.extend_from_slice(&[x, y]);
         xc.push(cx);
