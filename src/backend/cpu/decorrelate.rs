@@ -9,13 +9,18 @@
 //! is the symmetric polar factor of `G^T` and `cond(G) = sqrt(cond(S))`. The
 //! eigendecomposition is about twice as fast, so it serves the well-conditioned blocks (all of
 //! them on an unmasked frame) and the polar route the others.
+//!
+//! Every route gives `Q = U diag(g) U^T` with `U` orthogonal, and `Q` is kept as those factors
+//! ([`Root`]): the outputs need `Q 1`, `Q xb` and the band of `Q` within the resolution's
+//! half-width of the diagonal, `O(n^2)` each, where forming `Q` takes a product of `n^3`.
 
 use faer::diag::Diag;
 use faer::dyn_stack::{MemBuffer, MemStack};
 use faer::linalg::svd::{svd, svd_scratch, ComputeSvdVectors};
 use faer::{Mat, Par};
 
-use super::dense::{cholesky, clip_eigenvalues, eigh, spectral, EIGEN_CLIP};
+use super::dense::{cholesky, clip_eigenvalues, column, eigh, EIGEN_CLIP};
+use super::system::dot;
 use crate::extract::PatchResult;
 
 /// The largest `cond(S)` that takes the eigendecomposition of `S`: its flux error, about
@@ -31,9 +36,94 @@ pub(super) enum Route {
     Polar,
 }
 
+/// A symmetric `Q = U diag(g) U^T`, kept as `U^T` and `g`.
+pub(super) struct Root {
+    /// `U^T`: column `r` is row `r` of `U`.
+    ut: Mat<f64>,
+    g: Vec<f64>,
+}
+
+impl Root {
+    /// `U diag(f(s)) U^T`.
+    fn new(s: &[f64], u: &Mat<f64>, f: impl Fn(f64) -> f64) -> Self {
+        Root {
+            ut: u.transpose().to_owned(),
+            g: s.iter().map(|&v| f(v)).collect(),
+        }
+    }
+
+    /// Order of `Q`.
+    fn n(&self) -> usize {
+        self.g.len()
+    }
+
+    /// `Q v = U (g * (U^T v))`.
+    fn apply(&self, v: &[f64]) -> Vec<f64> {
+        let n = self.n();
+        let mut a = vec![0.0; n];
+        for (r, &vr) in v.iter().enumerate() {
+            for (a, &x) in a.iter_mut().zip(column(&self.ut, r)) {
+                *a += x * vr;
+            }
+        }
+        for (a, &g) in a.iter_mut().zip(&self.g) {
+            *a *= g;
+        }
+        (0..n).map(|r| dot(column(&self.ut, r), &a)).collect()
+    }
+
+    /// `Q[r][c]`.
+    fn entry(&self, r: usize, c: usize) -> f64 {
+        dot3(column(&self.ut, r), &self.g, column(&self.ut, c))
+    }
+
+    /// The row sums `Q 1` and the decorrelated flux `(Q xb)_r / (Q 1)_r` of every row.
+    fn rows(&self, xb: &[f64]) -> (Vec<f64>, Vec<f64>) {
+        let rowsum = self.apply(&vec![1.0; self.n()]);
+        let flux = self
+            .apply(xb)
+            .iter()
+            .zip(&rowsum)
+            .map(|(q, norm)| q / norm)
+            .collect();
+        (rowsum, flux)
+    }
+
+    /// The decorrelated flux of every row of a fiber whose block of `xflux` is `xb`.
+    pub(super) fn flux(&self, xb: &[f64]) -> Vec<f64> {
+        self.rows(xb).1
+    }
+
+    /// `Q` itself.
+    #[cfg(test)]
+    pub(super) fn matrix(&self) -> Mat<f64> {
+        Mat::from_fn(self.n(), self.n(), |r, c| self.entry(r, c))
+    }
+}
+
+/// `sum a[k] b[k] c[k]` in a fixed order (eight interleaved partial sums, as
+/// [`super::system::dot`]).
+#[inline(always)]
+fn dot3(a: &[f64], b: &[f64], c: &[f64]) -> f64 {
+    let n = a.len().min(b.len()).min(c.len());
+    let (a, b, c) = (&a[..n], &b[..n], &c[..n]);
+    let mut acc = [0.0f64; 8];
+    let (ac, bc, cc) = (a.chunks_exact(8), b.chunks_exact(8), c.chunks_exact(8));
+    let (ar, br, cr) = (ac.remainder(), bc.remainder(), cc.remainder());
+    for ((x, y), z) in ac.zip(bc).zip(cc) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i] * z[i];
+        }
+    }
+    for (i, ((x, y), z)) in ar.iter().zip(br).zip(cr).enumerate() {
+        acc[i] += x * y * z;
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+}
+
 /// `Q = S^(1/2)` of a Schur complement; `None` when `S` is not numerically positive definite
 /// or so ill-conditioned that the dense route would clip its eigenvalues.
-pub(super) fn sqrt_of_schur(s: &Mat<f64>) -> Option<(Mat<f64>, Route)> {
+pub(super) fn sqrt_of_schur(s: &Mat<f64>) -> Option<(Root, Route)> {
     let n = s.nrows();
     let (lam, u) = eigh(s.as_ref());
     let (lo, hi) = (lam[0], lam[n - 1]);
@@ -41,7 +131,7 @@ pub(super) fn sqrt_of_schur(s: &Mat<f64>) -> Option<(Mat<f64>, Route)> {
         return None;
     }
     if hi <= EIGEN_MAX_COND * lo {
-        return Some((spectral(&lam, &u, f64::sqrt), Route::Eigen));
+        return Some((Root::new(&lam, &u, f64::sqrt), Route::Eigen));
     }
     let mut g = s.clone();
     cholesky(&mut g).ok()?;
@@ -66,15 +156,15 @@ pub(super) fn sqrt_of_schur(s: &Mat<f64>) -> Option<(Mat<f64>, Route)> {
     )
     .ok()?;
     let sigma: Vec<f64> = (0..n).map(|i| sigma[i]).collect();
-    Some((spectral(&sigma, &u, |v| v), Route::Polar))
+    Some((Root::new(&sigma, &u, |v| v), Route::Polar))
 }
 
 /// `Q = C^(-1/2)` of a covariance block, eigenvalues clipped from below at `EIGEN_CLIP` of the
 /// largest (the dense route).
-pub(super) fn inverse_sqrt_of_covariance(c: &Mat<f64>) -> Mat<f64> {
+pub(super) fn inverse_sqrt_of_covariance(c: &Mat<f64>) -> Root {
     let (mut s, u) = eigh(c.as_ref());
     clip_eigenvalues(&mut s);
-    spectral(&s, &u, |v| 1.0 / v.sqrt())
+    Root::new(&s, &u, |v| 1.0 / v.sqrt())
 }
 
 /// Where core fiber `c`'s outputs go and which of its `nt` bins are kept.
@@ -87,40 +177,31 @@ pub(super) struct CoreBins {
     pub ndiag: usize,
 }
 
-/// The decorrelated flux of bin `row` of a fiber: row `row` of `R = Q / rowsums` times the
-/// fiber's block `xb` of `xflux`, summed in the order [`fill_fiber`] uses.
-pub(super) fn row_flux(q: &Mat<f64>, xb: &[f64], row: usize) -> f64 {
-    let nt = q.nrows();
-    let norm: f64 = (0..nt).map(|k| q[(row, k)]).sum();
-    (0..nt).map(|k| q[(row, k)] * xb[k]).sum::<f64>() / norm
-}
-
 /// Fills flux, ivar and the resolution diagonals of core fiber `c` from its `Q` and its
 /// block `xb` of `xflux`.
 #[inline(always)]
 pub(super) fn fill_fiber(
     result: &mut PatchResult,
     c: usize,
-    q: &Mat<f64>,
+    q: &Root,
     xb: &[f64],
     bins: &CoreBins,
 ) {
-    let nt = q.nrows();
+    let nt = q.n();
     let CoreBins { p0, nk, ndiag } = *bins;
     let nd = 2 * ndiag + 1;
-    let rowsum: Vec<f64> = (0..nt).map(|r| (0..nt).map(|k| q[(r, k)]).sum()).collect();
+    let (rowsum, flux) = q.rows(xb);
     for j in 0..nk {
         let row = p0 + j;
         let norm = rowsum[row];
-        let flux: f64 = (0..nt).map(|k| q[(row, k)] * xb[k]).sum::<f64>() / norm;
-        result.flux[c * nk + j] = flux;
+        result.flux[c * nk + j] = flux[row];
         result.ivar[c * nk + j] = norm * norm;
         for k in 0..nd {
             // Rdiags[k][j] = R[j - ndiag + k][j]; R's rows are Q's rows over their sums.
             let r = (row + k) as i64 - ndiag as i64;
             if r >= 0 && (r as usize) < nt {
                 let r = r as usize;
-                result.resolution[(c * nd + k) * nk + j] = q[(r, row)] / rowsum[r];
+                result.resolution[(c * nd + k) * nk + j] = q.entry(r, row) / rowsum[r];
             }
         }
     }
@@ -162,7 +243,7 @@ mod tests {
     fn inverse_square_root_residual_is_small() {
         let n = 74;
         let c = block(n, &[]);
-        let q = inverse_sqrt_of_covariance(&c);
+        let q = inverse_sqrt_of_covariance(&c).matrix();
         let qcq = product(&product(&q, &c), &q);
         let (s, _) = eigh(c.as_ref());
         let cond = s[n - 1] / s[0];
@@ -185,6 +266,7 @@ mod tests {
         for (weak, route) in [(vec![], Route::Eigen), (vec![10, 11], Route::Polar)] {
             let s = block(n, &weak);
             let (q, got) = sqrt_of_schur(&s).unwrap();
+            let q = q.matrix();
             assert_eq!(got, route);
             let qq = product(&q, &q);
             let scale = (0..n).map(|i| s[(i, i)]).fold(0.0, f64::max);

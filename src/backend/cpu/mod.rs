@@ -28,7 +28,6 @@ mod system;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use faer::Mat;
 use rayon::prelude::*;
 
 use crate::backend::{Backend, FrameInput, Progress};
@@ -38,7 +37,7 @@ use crate::image::Image;
 use crate::plan::{Patch, Plan};
 use crate::psf::Spots;
 pub use decorrelate::EIGEN_MAX_COND;
-use decorrelate::{CoreBins, Route};
+use decorrelate::{CoreBins, Root, Route};
 pub use dense::{EIGEN_CLIP, RETRY_REGULARIZE};
 pub use system::{prior, NormalEquations};
 
@@ -198,7 +197,7 @@ pub fn normal_equations(
 /// The flux and the decorrelation matrices `Q_b` of the core fibers.
 struct Decorrelation {
     xflux: Vec<f64>,
-    q: Vec<Mat<f64>>,
+    q: Vec<Root>,
     status: PatchStatus,
 }
 
@@ -221,7 +220,7 @@ fn decorrelation(
     }
     if coupling <= FAR_COUPLING_LIMIT {
         if let Some(sweeps) = schur::solve(ne, &prior, geom) {
-            let roots: Option<Vec<(Mat<f64>, Route)>> = sweeps
+            let roots: Option<Vec<(Root, Route)>> = sweeps
                 .schur
                 .iter()
                 .map(decorrelate::sqrt_of_schur)
@@ -384,8 +383,9 @@ fn solve_one(
         let mut x = vec![0.0; sys.m()];
         for (c, q) in solution.q.iter().enumerate() {
             let xb = &xflux[(geom.npad + c) * nt..(geom.npad + c + 1) * nt];
+            let flux = q.flux(xb);
             for j in 0..nmodel {
-                x[core_col(c, j)] = decorrelate::row_flux(q, xb, p0 + j);
+                x[core_col(c, j)] = flux[p0 + j];
             }
         }
         let cols = (0..ncore).flat_map(|c| (0..nmodel).map(move |j| core_col(c, j)));
@@ -474,6 +474,7 @@ fn chi2pix(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use faer::Mat;
 
     /// Normal equations of 3 fibers x `nt` bins in the order (pad, core, core), along the CCD
     /// (core, pad, core): a banded SPD matrix with neighbour coupling `c` and a coupling
@@ -531,7 +532,10 @@ mod tests {
             assert!((a - b).abs() < 1e-12 * b.abs().max(1.0), "xflux {a} vs {b}");
         }
         for (q, c) in schur.q.iter().zip(&dense.blocks) {
-            let qd = decorrelate::inverse_sqrt_of_covariance(c);
+            let (q, qd) = (
+                q.matrix(),
+                decorrelate::inverse_sqrt_of_covariance(c).matrix(),
+            );
             for i in 0..q.nrows() {
                 for j in 0..q.ncols() {
                     assert!(
