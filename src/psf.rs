@@ -543,7 +543,6 @@ struct SpotWork {
     pghx: Vec<f64>,
     pghy: Vec<f64>,
     tmp: Vec<f64>,
-    herm: Vec<f64>,
     /// The widths and the Gauss-Hermite coefficients of the spot, as in [`SpotParams`].
     sigx: f64,
     sigy: f64,
@@ -557,7 +556,6 @@ impl SpotWork {
             pghx: vec![0.0; (psf.ghdegx + 1) * nx],
             pghy: vec![0.0; (psf.ghdegy + 1) * ny],
             tmp: vec![0.0; (psf.ghdegx + 1) * ny],
-            herm: vec![0.0; psf.ghdegx.max(psf.ghdegy) + 1],
             sigx: 0.0,
             sigy: 0.0,
             gh: vec![0.0; psf.gh.len()],
@@ -585,8 +583,8 @@ impl SpotWork {
     fn eval(&mut self, psf: &GaussHermitePsf, x: f64, y: f64, out: &mut [f64]) {
         let (ny, nx) = psf.spot_shape();
         let (ngx, ngy) = (psf.ghdegx + 1, psf.ghdegy + 1);
-        pixel_gauss_hermite(x, self.sigx, psf.ghdegx, nx, &mut self.herm, &mut self.pghx);
-        pixel_gauss_hermite(y, self.sigy, psf.ghdegy, ny, &mut self.herm, &mut self.pghy);
+        pixel_gauss_hermite(x, self.sigx, psf.ghdegx, nx, &mut self.pghx);
+        pixel_gauss_hermite(y, self.sigy, psf.ghdegy, ny, &mut self.pghy);
         // tmp[i][iy] = sum_j GH-i-j pGHy[j][iy]
         for (i, t) in self.tmp.chunks_exact_mut(ny).enumerate().take(ngx) {
             t.fill(0.0);
@@ -621,45 +619,221 @@ impl SpotWork {
     }
 }
 
+/// Pixel edges evaluated together by [`pixel_gauss_hermite`].
+const EDGE_LANES: usize = 8;
+
 /// Pixel-integrated Gauss-Hermite functions of degrees `0..=deg` over the `n` pixels of a spot
 /// centred at `center` with width `sigma`, written as `out[k * n + i]`.
 ///
 /// Degree 0 is the Gaussian's integral over the pixel (a difference of erf); for `k >= 1` the
 /// integral of `He_k(t) phi(t)` is `-He_{k-1}(t) phi(t)`, so the pixel value is the difference
-/// of that antiderivative at the pixel edges.
+/// of that antiderivative at the pixel edges. The edges go through [`gauss_edge`] eight at a
+/// time, branch-free, so that they vectorise; the erf at an edge is kept as a whole number
+/// and a remainder, so that the difference of two edges in the same tail is that of their
+/// `erfc`, without the cancellation of `erf(b) - erf(a)` near 1.
 #[inline(always)]
-pub fn pixel_gauss_hermite(
-    center: f64,
-    sigma: f64,
-    deg: usize,
-    n: usize,
-    herm: &mut [f64],
-    out: &mut [f64],
-) {
+pub fn pixel_gauss_hermite(center: f64, sigma: f64, deg: usize, n: usize, out: &mut [f64]) {
     let frac = (center + 0.5).rem_euclid(1.0) - 0.5;
     let half = (n / 2) as f64;
-    let inv_sqrt2 = std::f64::consts::FRAC_1_SQRT_2;
     let norm = 1.0 / (2.0 * std::f64::consts::PI).sqrt();
-    let mut prev_erf = 0.0;
+    let (mut prev_whole, mut prev_part) = (0.0, 0.0);
     let mut prev_gh = [0.0f64; 24];
-    for e in 0..=n {
-        let t = (e as f64 - half - 0.5 - frac) / sigma;
-        let erf = libm::erf(t * inv_sqrt2);
-        let phi = (-0.5 * t * t).exp() * norm;
-        hermite_values(t, deg, herm);
-        let mut gh = [0.0f64; 24];
-        for k in 0..deg {
-            gh[k] = herm[k] * phi;
+    for e0 in (0..=n).step_by(EDGE_LANES) {
+        let mut t = [0.0; EDGE_LANES];
+        for (l, t) in t.iter_mut().enumerate() {
+            *t = ((e0 + l) as f64 - half - 0.5 - frac) / sigma;
         }
-        if e > 0 {
-            let i = e - 1;
-            out[i] = 0.5 * (erf - prev_erf);
-            for k in 1..=deg {
-                out[k * n + i] = prev_gh[k - 1] - gh[k - 1];
+        let (mut whole, mut part, mut phi) =
+            ([0.0; EDGE_LANES], [0.0; EDGE_LANES], [0.0; EDGE_LANES]);
+        for l in 0..EDGE_LANES {
+            let g = gauss_edge(t[l]);
+            (whole[l], part[l], phi[l]) = (g.whole, g.part, g.gauss * norm);
+        }
+        // gh[k][l] = He_k(t_l) phi(t_l), the recurrence of `hermite_values`
+        let mut gh = [[0.0f64; EDGE_LANES]; 24];
+        let (mut h0, mut h1) = ([1.0; EDGE_LANES], t);
+        for k in 0..deg {
+            let h = if k == 0 { h0 } else { h1 };
+            for l in 0..EDGE_LANES {
+                gh[k][l] = h[l] * phi[l];
+            }
+            if k >= 1 {
+                let km = k as f64;
+                for l in 0..EDGE_LANES {
+                    let next = t[l] * h1[l] - km * h0[l];
+                    (h0[l], h1[l]) = (h1[l], next);
+                }
             }
         }
-        prev_erf = erf;
-        prev_gh = gh;
+        for l in 0..EDGE_LANES.min(n + 1 - e0) {
+            if e0 + l > 0 {
+                let i = e0 + l - 1;
+                out[i] = 0.5 * ((whole[l] - prev_whole) + (part[l] - prev_part));
+                for k in 1..=deg {
+                    out[k * n + i] = prev_gh[k - 1] - gh[k - 1][l];
+                }
+            }
+            (prev_whole, prev_part) = (whole[l], part[l]);
+            for k in 0..deg {
+                prev_gh[k] = gh[k][l];
+            }
+        }
+    }
+}
+
+/// The Gaussian at a pixel edge `t` (in units of its width): `exp(-t^2 / 2)` and
+/// `erf(t / sqrt 2) = whole + part`, with `whole` -1, 0 or 1.
+#[derive(Clone, Copy, Debug)]
+pub struct GaussEdge {
+    pub gauss: f64,
+    pub whole: f64,
+    pub part: f64,
+}
+
+/// [`GaussEdge`] at `t`, branch-free (every range is evaluated and one selected) so that a
+/// loop over edges vectorises, in pure Rust: the same values on every platform.
+///
+/// `erf` follows W. J. Cody's rational Chebyshev approximations (Math. Comp. 23, 1969; the
+/// coefficients of his CALERF): `erf(x) = x A(x^2) / B(x^2)` for `|x| <= 0.46875`, and
+/// `erfc(|x|) = exp(-x^2) C(|x|) / D(|x|)` up to 4, `exp(-x^2) (1/sqrt(pi) - P(z) / Q(z)) / |x|`
+/// with `z = 1 / x^2` beyond. Their `exp(-x^2)` is the Gaussian itself, which the pixel
+/// integrals need anyway ([`exp_nonpositive`] of `-t^2 / 2`), so an edge takes one
+/// exponential where `libm::erf` takes up to two of its own besides.
+#[inline(always)]
+#[allow(clippy::excessive_precision)] // Cody's coefficients as published
+pub fn gauss_edge(t: f64) -> GaussEdge {
+    const A: [f64; 5] = [
+        3.16112374387056560e00,
+        1.13864154151050156e02,
+        3.77485237685302021e02,
+        3.20937758913846947e03,
+        1.85777706184603153e-1,
+    ];
+    const B: [f64; 4] = [
+        2.36012909523441209e01,
+        2.44024637934444173e02,
+        1.28261652607737228e03,
+        2.84423683343917062e03,
+    ];
+    const C: [f64; 9] = [
+        5.64188496988670089e-1,
+        8.88314979438837594e00,
+        6.61191906371416295e01,
+        2.98635138197400131e02,
+        8.81952221241769090e02,
+        1.71204761263407058e03,
+        2.05107837782607147e03,
+        1.23033935479799725e03,
+        2.15311535474403846e-8,
+    ];
+    const D: [f64; 8] = [
+        1.57449261107098347e01,
+        1.17693950891312499e02,
+        5.37181101862009858e02,
+        1.62138957456669019e03,
+        3.29079923573345963e03,
+        4.36261909014324716e03,
+        3.43936767414372164e03,
+        1.23033935480374942e03,
+    ];
+    const P: [f64; 6] = [
+        3.05326634961232344e-1,
+        3.60344899949804439e-1,
+        1.25781726111229246e-1,
+        1.60837851487422766e-2,
+        6.58749161529837803e-4,
+        1.63153871373020978e-2,
+    ];
+    const Q: [f64; 5] = [
+        2.56852019228982242e00,
+        1.87295284992346047e00,
+        5.27905102951428412e-1,
+        6.05183413124413191e-2,
+        2.33520497626869185e-3,
+    ];
+    const FRAC_1_SQRT_PI: f64 = 0.564_189_583_547_756_3;
+    const THRESH: f64 = 0.46875;
+    let gauss = exp_nonpositive(-0.5 * t * t);
+    let x = t * std::f64::consts::FRAC_1_SQRT_2;
+    let y = x.abs();
+    // |x| <= 0.46875: erf itself
+    let z = y * y;
+    let (mut num, mut den) = (A[4] * z, z);
+    for i in 0..3 {
+        num = (num + A[i]) * z;
+        den = (den + B[i]) * z;
+    }
+    let small = x * (num + A[3]) / (den + B[3]);
+    // 0.46875 < |x| <= 4: erfc(|x|)
+    let (mut num, mut den) = (C[8] * y, y);
+    for i in 0..7 {
+        num = (num + C[i]) * y;
+        den = (den + D[i]) * y;
+    }
+    let middle = gauss * (num + C[7]) / (den + D[7]);
+    // |x| > 4: erfc(|x|) (`yl` keeps the unused lanes finite)
+    let yl = y.max(4.0);
+    let z = 1.0 / (yl * yl);
+    let (mut num, mut den) = (P[5] * z, z);
+    for i in 0..4 {
+        num = (num + P[i]) * z;
+        den = (den + Q[i]) * z;
+    }
+    let large = gauss * (FRAC_1_SQRT_PI - z * (num + P[4]) / (den + Q[4])) / yl;
+    let erfc = if y > 4.0 { large } else { middle };
+    let sign = if x < 0.0 { -1.0 } else { 1.0 };
+    let (whole, part) = if y <= THRESH {
+        (0.0, small)
+    } else {
+        (sign, -sign * erfc)
+    };
+    GaussEdge { gauss, whole, part }
+}
+
+/// `exp(y)` for `y <= 0`, branch-free and in pure Rust: `2^k exp(r)` with `k` the nearest
+/// integer to `y / ln 2`, `r = y - k ln 2` (within `ln 2 / 2`) and `exp(r)` its Taylor
+/// polynomial of degree 13 (truncation below 6e-18 relative), within an ulp or two of the
+/// exponential. Below -700 (`exp(y) < 1e-304`) it returns `exp(-700)`, and 0 below -745.
+#[inline(always)]
+pub fn exp_nonpositive(y: f64) -> f64 {
+    // ln 2 split as fdlibm does: the high part's last 32 bits are zero, so `k LN2_HI` is exact
+    const LN2_HI: f64 = 0.6931471803691238;
+    const LN2_LO: f64 = 1.9082149292705877e-10;
+    // 1.5 * 2^52: adding it rounds to an integer, which its low bits then hold
+    const ROUND: f64 = 6755399441055744.0;
+    const TAYLOR: [f64; 14] = [
+        1.0,
+        1.0,
+        1.0 / 2.0,
+        1.0 / 6.0,
+        1.0 / 24.0,
+        1.0 / 120.0,
+        1.0 / 720.0,
+        1.0 / 5040.0,
+        1.0 / 40320.0,
+        1.0 / 362880.0,
+        1.0 / 3628800.0,
+        1.0 / 39916800.0,
+        1.0 / 479001600.0,
+        1.0 / 6227020800.0,
+    ];
+    let tiny = y < -745.0;
+    let y = y.max(-700.0);
+    let kr = y.mul_add(std::f64::consts::LOG2_E, ROUND);
+    let k = kr - ROUND;
+    let r = (-k).mul_add(LN2_HI, y);
+    let r = (-k).mul_add(LN2_LO, r);
+    let mut p = TAYLOR[13];
+    for &c in TAYLOR[..13].iter().rev() {
+        p = p.mul_add(r, c);
+    }
+    // 2^k from its exponent bits (k >= -1010: a normal number)
+    let ki = kr.to_bits().wrapping_sub(ROUND.to_bits());
+    let scale = f64::from_bits(ki.wrapping_add(1023) << 52);
+    if tiny {
+        0.0
+    } else {
+        p * scale
     }
 }
 
@@ -800,12 +974,64 @@ mod tests {
         s * h / 3.0
     }
 
+    /// The branch-free exponential is within two ulps of the correctly rounded one.
+    #[test]
+    fn exponential_is_accurate() {
+        for i in 0..=200_000 {
+            let y = -745.0 * (i as f64 / 200_000.0).powi(2);
+            let (got, expect) = (exp_nonpositive(y), libm::exp(y));
+            if y >= -700.0 {
+                assert!(
+                    (got - expect).abs() <= 2.0 * f64::EPSILON * expect,
+                    "exp({y}) = {got:e} vs {expect:e}"
+                );
+            } else {
+                assert!(got <= 1e-304);
+            }
+        }
+        assert_eq!(exp_nonpositive(0.0), 1.0);
+        assert_eq!(exp_nonpositive(-800.0), 0.0);
+    }
+
+    /// erf at the edges agrees with libm's to a few units of 1e-16, and the remainder in the
+    /// tails is erfc to a relative accuracy that only the rounding of `t^2` limits.
+    #[test]
+    fn gaussian_edges_match_libm() {
+        for i in -40_000..=40_000 {
+            let t = i as f64 * 1e-3;
+            let x = t * std::f64::consts::FRAC_1_SQRT_2;
+            let g = gauss_edge(t);
+            let erf = libm::erf(x);
+            assert!(
+                (g.whole + g.part - erf).abs() <= 2.0 * f64::EPSILON,
+                "erf({x}): {} + {} vs {erf}",
+                g.whole,
+                g.part
+            );
+            let gauss = libm::exp(-0.5 * t * t);
+            assert!(
+                (g.gauss - gauss).abs() <= 2.0 * f64::EPSILON * gauss || g.gauss < 1e-303,
+                "gauss({t})"
+            );
+            // (beyond |x| = 26 the Gaussian is held at exp(-700))
+            if g.whole != 0.0 && x.abs() < 26.0 {
+                let erfc = libm::erfc(x.abs());
+                let tol = 8.0 * f64::EPSILON * (1.0 + x * x) * erfc;
+                assert!(
+                    (g.whole * -g.part - erfc).abs() <= tol,
+                    "erfc({}): {:e} vs {erfc:e}",
+                    x.abs(),
+                    -g.whole * g.part
+                );
+            }
+        }
+    }
+
     #[test]
     fn pixel_integrals_match_numerical_integration() {
         let (n, deg, sigma, center) = (11, 6, 1.1, 1234.37);
-        let mut herm = vec![0.0; deg + 1];
         let mut out = vec![0.0; (deg + 1) * n];
-        pixel_gauss_hermite(center, sigma, deg, n, &mut herm, &mut out);
+        pixel_gauss_hermite(center, sigma, deg, n, &mut out);
         let frac = (center + 0.5f64).rem_euclid(1.0) - 0.5;
         for k in 0..=deg {
             for i in 0..n {
