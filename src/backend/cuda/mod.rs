@@ -355,22 +355,19 @@ impl CudaBackend {
                 chunk.len()
             )));
             std::mem::swap(&mut self.workspace.input, &mut self.workspace.next);
-            pending = std::thread::scope(|s| {
+            (pending, next) = std::thread::scope(|s| {
                 let helper = chunks.get(ci + 1).map(|c| {
                     let (host_pool, buf) = (&self.host, pool.pop().expect("buffers take turns"));
                     s.spawn(move || host_pool.install(|| tables::prepare(input, c, sh, buf)))
                 });
-                // the next chunk's inputs go up while the device solves this one
-                let (dev, next_ref) = (&self.dev, &mut next);
-                let upload_next = move |inputs: &mut workspace::Inputs| -> Result<()> {
-                    if let Some(h) = helper {
-                        let host = h
-                            .join()
-                            .map_err(|_| Error::Gpu("host preparation thread panicked".into()))??;
-                        inputs.upload(dev, input, &host)?;
-                        *next_ref = Some(host);
-                    }
-                    Ok(())
+                let next = move || -> Result<Option<tables::ChunkHost>> {
+                    helper
+                        .map(|h| {
+                            h.join().map_err(|_| {
+                                Error::Gpu("host preparation thread panicked".into())
+                            })?
+                        })
+                        .transpose()
                 };
                 let chunk = solve::Chunk {
                     patches: chunk,
@@ -391,7 +388,7 @@ impl CudaBackend {
                     chunk,
                     host,
                     pending.take(),
-                    upload_next,
+                    next,
                     &mut sink,
                 )
             })?;
@@ -497,6 +494,7 @@ impl CudaBackend {
         for staging in &mut pool {
             staging.allow_pinning();
         }
+        self.workspace.back[1].allow_pinning();
         self.images = pool;
         self.dev.bind()?;
         timings.patches = patches.len();

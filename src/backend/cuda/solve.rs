@@ -26,7 +26,7 @@ use super::staging::Staging;
 use super::tables::ChunkHost;
 use super::timings::{GpuTimings, PhaseClock};
 use super::tuning::{Solve, Tuning};
-use super::workspace::{Inputs, Region, Shape, Workspace};
+use super::workspace::{Region, Shape, Workspace};
 use crate::backend::{FrameInput, Progress};
 use crate::error::Result;
 use crate::extract::PatchResult;
@@ -210,16 +210,19 @@ pub(crate) struct Pending<'a> {
     chunk: Chunk<'a>,
     host: ChunkHost,
     fact: Factorization,
+    /// The second-neighbour coupling on the Schur route, `None` on the dense route.
+    coupling: Option<schur::Coupling>,
     /// Device arrays that queued library calls still read.
     keep: Keep,
     clock: PhaseClock<'a>,
 }
 
-/// Queues the solve of one prepared chunk, whose inputs were uploaded into `ws.input`, and
-/// finishes the chunk before it (`previous`) while the device runs this one's first steps.
-/// `upload_next` queues the next chunk's inputs into `ws.next` once the device has this
-/// chunk's work in hand (and the chunk before, whose inputs `ws.next` held, is finished).
-/// Returns the chunk in flight, if it has live patches.
+/// Queues the solve of one prepared chunk, whose inputs were uploaded into `ws.input`. Once
+/// the device has the chunk's work in hand, `next` gives the next chunk's host tables
+/// (prepared on another thread meanwhile), the chunk before (`previous`) is finished while the
+/// device runs this one's last steps, and the next chunk's inputs are queued for upload into
+/// `ws.next`, which the chunk before held. Returns this chunk in flight, if it has live
+/// patches, and the next chunk's tables.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn solve_chunk<'a>(
     g: Gpu<'a>,
@@ -229,38 +232,31 @@ pub(crate) fn solve_chunk<'a>(
     chunk: Chunk<'a>,
     mut host: ChunkHost,
     previous: Option<Pending<'a>>,
-    upload_next: impl FnOnce(&mut Inputs) -> Result<()>,
+    next: impl FnOnce() -> Result<Option<ChunkHost>>,
     sink: &mut Sink<'_>,
-) -> Result<Option<Pending<'a>>> {
+) -> Result<(Option<Pending<'a>>, Option<ChunkHost>)> {
     sink.timings.add("host tables", host.prep_ms);
     for (i, r) in std::mem::take(&mut host.off) {
         sink.results[chunk.ids[i]] = Some(r);
     }
-    if host.live.is_empty() {
-        if let Some(p) = previous {
-            finish(g, ws, input, p, sink)?;
-        }
-        upload_next(&mut ws.next)?;
+    let pending = if host.live.is_empty() {
         sink.images.push(host.image);
         sink.progress.add(chunk.patches.len());
-        return Ok(None);
+        None
+    } else {
+        Some(solve_live(g, tuning, ws, input, chunk, host)?)
+    };
+    let next = next()?;
+    if let Some(p) = previous {
+        finish(g, ws, input, p, sink)?;
     }
-    solve_live(
-        g,
-        tuning,
-        ws,
-        input,
-        chunk,
-        host,
-        previous,
-        upload_next,
-        sink,
-    )
-    .map(Some)
+    if let Some(h) = &next {
+        ws.next.upload(g.dev, input, h)?;
+    }
+    Ok((pending, next))
 }
 
-/// The steps of [`solve_chunk`] for a chunk with live patches.
-#[allow(clippy::too_many_arguments)]
+/// The steps of [`solve_chunk`] for a chunk with live patches, queued on the device.
 fn solve_live<'a>(
     g: Gpu<'a>,
     tuning: &Tuning,
@@ -268,9 +264,6 @@ fn solve_live<'a>(
     input: &FrameInput<'_>,
     chunk: Chunk<'a>,
     host: ChunkHost,
-    previous: Option<Pending<'a>>,
-    upload_next: impl FnOnce(&mut Inputs) -> Result<()>,
-    sink: &mut Sink<'_>,
 ) -> Result<Pending<'a>> {
     let n = host.live.len();
     let region = Region {
@@ -291,11 +284,8 @@ fn solve_live<'a>(
     clock.mark("spots")?;
     launchers::assemble(g, n, None, ws, region, input.options.regularize)?;
     clock.mark("assemble")?;
-    if let Some(p) = previous {
-        finish(g, ws, input, p, sink)?;
-    }
     let mut keep = Keep::new();
-    let (fact, kind) = match route(tuning.solve, g.sh) {
+    let (fact, kind, coupling) = match route(tuning.solve, g.sh) {
         Solve::Schur => {
             schur::ensure(g, ws, n)?;
             let (fact, coupled) = schur::factorize(
@@ -307,17 +297,13 @@ fn solve_live<'a>(
                 tuning.coupling_max,
             )?;
             clock.mark("sweeps")?;
-            sink.timings.coupled += coupled.patches;
-            sink.timings.max_coupling = sink.timings.max_coupling.max(coupled.largest);
-            (fact, BlockKind::Precision)
+            (fact, BlockKind::Precision, Some(coupled))
         }
-        Solve::Dense => {
-            sink.timings.dense_route = true;
-            (
-                dense_steps(g, ws, &live, region, input, &mut clock, &mut keep)?,
-                BlockKind::Covariance,
-            )
-        }
+        Solve::Dense => (
+            dense_steps(g, ws, &live, region, input, &mut clock, &mut keep)?,
+            BlockKind::Covariance,
+            None,
+        ),
     };
     decorrelate_chunk(g, tuning, ws, n, kind)?;
     clock.mark("decorrelate")?;
@@ -325,11 +311,11 @@ fn solve_live<'a>(
     clock.mark("finalize")?;
     copy_out(g, ws, &host, input.options.model, chunk.slot)?;
     clock.mark("copies out")?;
-    upload_next(&mut ws.next)?;
     Ok(Pending {
         chunk,
         host,
         fact,
+        coupling,
         keep,
         clock,
     })
@@ -355,6 +341,13 @@ pub(crate) fn finish(
     let counts = Counts::new(steps, sweeps);
     let t = &mut *sink.timings;
     p.clock.collect(t)?;
+    match &p.coupling {
+        Some(c) => {
+            t.coupled += c.patches;
+            t.max_coupling = t.max_coupling.max(c.largest);
+        }
+        None => t.dense_route = true,
+    }
     t.retried += p.fact.retried;
     t.cpu_fallback += p.fact.to_cpu.len();
     t.polar_blocks += counts.polar;

@@ -156,7 +156,10 @@ impl Workspace {
             steps: Slot::new("polar steps"),
             model: Slot::new("patch models"),
             chi2: Slot::new("chi2pix"),
-            back: [(); 2].map(|()| pinned_from_the_start(Staging::new(ctx.clone()))),
+            back: [
+                pinned_from_the_start(Staging::new(ctx.clone())),
+                Staging::new(ctx.clone()),
+            ],
             verdicts: [(); 2].map(|()| pinned_from_the_start(Staging::new(ctx.clone()))),
         }
     }
@@ -234,10 +237,12 @@ impl Inputs {
     }
 }
 
-/// The buffer of the copies back may be pinned during the first frame: it is reserved when a
-/// call starts and first used after the first chunk's solve, by when the pinning is done
-/// (pinned, a full frame's copies back take 3 ms instead of 24-53 on an H100's host; the
-/// pinning does not hold up the kernels the way that of the larger image buffers does).
+/// The first buffer of the copies back may be pinned during the first frame: it is reserved
+/// when a call starts and first used after the first chunk's solve, by when the pinning is
+/// done (pinned, a full frame's copies back take 3 ms instead of 24-53 on an H100's host; the
+/// pinning of one buffer does not hold up the kernels the way that of the larger image buffers
+/// does). The second one is pinned from the second frame on, with the image buffers: until
+/// then the copies of every other chunk wait for the chunk to end, as all did before.
 fn pinned_from_the_start<T: Copy + Default + Send + 'static>(mut back: Staging<T>) -> Staging<T> {
     back.allow_pinning();
     back
