@@ -9,7 +9,8 @@
 //!
 //! All patches of a call are solved in chunks as large as the device memory budget allows
 //! (`SPEX_GPU_MEMORY_GB`, default 8 GB per backend), so that one batched factorisation covers
-//! thousands of patches; the host tables of the next chunk are built while the device works.
+//! thousands of patches; the host tables of the next chunk are built, and the results of the
+//! chunk before unpacked, while the device works.
 //! Device and pinned buffers are kept between calls (a process extracts frame after frame).
 //!
 //! The code is split by concern: `workspace` (buffers kept between calls and shapes),
