@@ -9,6 +9,7 @@
 //! fibers of 74 bins this is about a tenth of the work of a dense Cholesky factorisation plus
 //! the core block of the inverse.
 
+use faer::linalg::matmul::matmul;
 use faer::linalg::matmul::triangular::{matmul as tri_matmul, BlockStructure};
 use faer::linalg::triangular_solve::solve_lower_triangular_in_place;
 use faer::{Accum, Mat, Par};
@@ -25,26 +26,75 @@ pub(super) struct Sweeps {
     pub schur: Vec<Mat<f64>>,
 }
 
-/// `a -= w^T w` on the lower triangle.
-fn subtract_gram(a: &mut Mat<f64>, w: &Mat<f64>) {
-    tri_matmul(
-        a.as_mut(),
-        BlockStructure::TriangularLower,
-        Accum::Add,
-        w.transpose(),
-        BlockStructure::Rectangular,
-        w.as_ref(),
-        BlockStructure::Rectangular,
-        -1.0,
-        Par::Seq,
-    );
-}
+/// Columns of `W` taken together by [`eliminate`].
+const PANEL: usize = 16;
 
-/// `L^-1 b` for a lower-triangular `L` (upper triangle zero).
-fn solve_lower(l: &Mat<f64>, b: Mat<f64>) -> Mat<f64> {
-    let mut b = b;
-    solve_lower_triangular_in_place(l.as_ref(), b.as_mut(), Par::Seq);
-    b
+/// `W = L^-1 B` for a lower-triangular `L` (upper triangle zero), and `sigma -= W^T W` on the
+/// lower triangle; returns `W`.
+///
+/// `B` is a coupling of neighbouring fibers: bin `j` of one fiber overlaps only the bins of
+/// the other within a spot's height, so column `j` of `B` is zero above a row close to `j`,
+/// and so is column `j` of `W` (forward substitution of zeros). The columns go by panels of
+/// [`PANEL`], each solved below its first nonzero row only, and the products of `W^T W` skip
+/// those zero rows too.
+fn eliminate(l: &Mat<f64>, b: Mat<f64>, sigma: &mut Mat<f64>) -> Mat<f64> {
+    let (n, m) = (b.nrows(), b.ncols());
+    let mut w = b;
+    // first row of each panel that may be nonzero
+    let panels: Vec<(usize, usize, usize)> = (0..m)
+        .step_by(PANEL)
+        .map(|c0| {
+            let c1 = (c0 + PANEL).min(m);
+            let r0 = (c0..c1)
+                .map(|j| {
+                    super::dense::column(&w, j)
+                        .iter()
+                        .position(|&v| v != 0.0)
+                        .unwrap_or(n)
+                })
+                .min()
+                .unwrap_or(n);
+            (c0, c1, r0)
+        })
+        .collect();
+    for &(c0, c1, r0) in &panels {
+        if r0 < n {
+            solve_lower_triangular_in_place(
+                l.as_ref().submatrix(r0, r0, n - r0, n - r0),
+                w.as_mut().submatrix_mut(r0, c0, n - r0, c1 - c0),
+                Par::Seq,
+            );
+        }
+    }
+    for &(c0, c1, r0) in &panels {
+        if r0 >= n {
+            continue;
+        }
+        let rows = n - r0;
+        let wp = w.as_ref().submatrix(r0, c0, rows, c1 - c0);
+        if c0 > 0 {
+            matmul(
+                sigma.as_mut().submatrix_mut(c0, 0, c1 - c0, c0),
+                Accum::Add,
+                wp.transpose(),
+                w.as_ref().submatrix(r0, 0, rows, c0),
+                -1.0,
+                Par::Seq,
+            );
+        }
+        tri_matmul(
+            sigma.as_mut().submatrix_mut(c0, c0, c1 - c0, c1 - c0),
+            BlockStructure::TriangularLower,
+            Accum::Add,
+            wp.transpose(),
+            BlockStructure::Rectangular,
+            wp,
+            BlockStructure::Rectangular,
+            -1.0,
+            Par::Seq,
+        );
+    }
+    w
 }
 
 /// Runs both sweeps on the regularised blocks (`prior` added to the diagonal); `None` when a
@@ -73,8 +123,7 @@ pub(super) fn solve(ne: &NormalEquations, prior: &[f64], geom: &PatchGeometry) -
     for k in 0..nb {
         let mut sigma = a[k].clone();
         if k > 0 {
-            let w = solve_lower(&l[k - 1], ne.sub[k - 1].transpose().to_owned());
-            subtract_gram(&mut sigma, &w);
+            let w = eliminate(&l[k - 1], ne.sub[k - 1].transpose().to_owned(), &mut sigma);
             wt.push(w);
         }
         if is_core[k] {
@@ -96,9 +145,9 @@ pub(super) fn solve(ne: &NormalEquations, prior: &[f64], geom: &PatchGeometry) -
             break;
         }
         cholesky(&mut sigma).ok()?;
-        let w = solve_lower(&sigma, ne.sub[k - 1].to_owned());
+        let l = sigma;
         sigma = a[k - 1].clone();
-        subtract_gram(&mut sigma, &w);
+        eliminate(&l, ne.sub[k - 1].to_owned(), &mut sigma);
     }
 
     let mut schur = vec![Mat::<f64>::zeros(0, 0); geom.ncore()];
