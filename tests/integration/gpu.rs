@@ -243,6 +243,15 @@ fn every_route_matches_the_cpu_reference() {
             cuda::Route::Polar => assert!(t.polar_blocks > 0 && t.max_sweeps == 0),
             cuda::Route::Jacobi => assert!(t.polar_blocks == 0 && t.max_sweeps > 0),
         }
+        assert_eq!(t.dense_route, solve == cuda::Solve::Dense);
+        // in chunks of five: each chunk's results are unpacked while the next one runs
+        gpu.set_max_chunk(Some(5));
+        let chunked = gpu
+            .extract(input, &plan.patches, &Progress::silent())
+            .unwrap();
+        gpu.set_max_chunk(None);
+        assert!(gpu.timings().chunks > 2);
+        assert_agree(&chunked, &cpu);
     }
     gpu.set_solve(cuda::Solve::Schur);
     gpu.set_route(cuda::Route::Polar);
