@@ -457,13 +457,14 @@ impl CudaBackend {
             order.insert((p.bundle_start, p.index), i);
         }
         let order: Vec<usize> = order.into_values().collect();
-        let bounds = chunk_bounds(patches.len(), self.chunk_size(&sh));
-        let size = bounds.iter().map(|b| b.len()).max().unwrap_or(0);
-        let ids: Vec<&[usize]> = bounds.iter().map(|b| &order[b.clone()]).collect();
-        let chunks: Vec<Vec<&Patch>> = ids
-            .iter()
+        // equal chunks, each within the memory budget
+        let size = self.chunk_size(&sh);
+        let size = patches.len().div_ceil(patches.len().div_ceil(size));
+        let chunks: Vec<Vec<&Patch>> = order
+            .chunks(size)
             .map(|ids| ids.iter().map(|&i| &patches[i]).collect())
             .collect();
+        let ids: Vec<&[usize]> = order.chunks(size).collect();
         // The copies back of the first chunks come after their solve: time enough to pin
         // their buffers (the model boxes, when asked, may need larger ones later).
         let per = size * sh.ncore * sh.nws;
@@ -528,22 +529,6 @@ impl CudaBackend {
     }
 }
 
-/// The chunks of `n` patches, at most `max` each: equal ones, but for a first one a third as
-/// large when there are several, since its host tables are the only ones that no device work
-/// overlaps (the next chunk's tables are built while the device solves it).
-fn chunk_bounds(n: usize, max: usize) -> Vec<std::ops::Range<usize>> {
-    let max = max.max(1);
-    if n <= max {
-        return std::iter::once(0..n).collect();
-    }
-    let first = n.div_ceil(n.div_ceil(max)).div_ceil(3);
-    let rest = n - first;
-    let size = rest.div_ceil(rest.div_ceil(max));
-    std::iter::once(0..first)
-        .chain((first..n).step_by(size).map(|a| a..(a + size).min(n)))
-        .collect()
-}
-
 /// Number of CUDA devices this process sees (after `CUDA_VISIBLE_DEVICES`): the MPI layer maps
 /// ranks to them. An error when the CUDA libraries cannot be loaded.
 pub fn device_count() -> Result<usize> {
@@ -551,35 +536,4 @@ pub fn device_count() -> Result<usize> {
     let n = cudarc::driver::CudaContext::device_count()
         .map_err(error::driver("cannot count CUDA devices"))?;
     Ok(n.max(0) as usize)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::chunk_bounds;
-
-    #[test]
-    fn chunks_cover_the_patches_within_the_budget_with_a_small_first_one() {
-        assert_eq!(
-            chunk_bounds(7, 10),
-            std::iter::once(0..7).collect::<Vec<_>>()
-        );
-        assert_eq!(
-            chunk_bounds(0, 10),
-            std::iter::once(0..0).collect::<Vec<_>>()
-        );
-        for (n, max) in [(4700, 1567), (4700, 1600), (11, 2), (10, 1), (4700, 4699)] {
-            let b = chunk_bounds(n, max);
-            assert_eq!(b[0].start, 0);
-            assert_eq!(b.last().map(|r| r.end), Some(n));
-            assert!(b.windows(2).all(|w| w[0].end == w[1].start), "{b:?}");
-            assert!(b.iter().all(|r| !r.is_empty() && r.len() <= max), "{b:?}");
-            // the first a third of an equal share; the others equal, the last no longer
-            let equal = n.div_ceil(n.div_ceil(max));
-            assert_eq!(b[0].len(), equal.div_ceil(3), "{b:?}");
-            let (middle, last) = (&b[1..b.len() - 1], &b[b.len() - 1]);
-            assert!(middle.iter().all(|r| r.len() == b[1].len()), "{b:?}");
-            assert!(last.len() <= b[1].len(), "{b:?}");
-        }
-        assert_eq!(chunk_bounds(4700, 1567).len(), 4);
-    }
 }
