@@ -320,10 +320,10 @@ impl Backend for CudaBackend {
 
 impl CudaBackend {
     /// Solves the chunks in turn. Host tables of chunk i + 1 are prepared on a helper thread
-    /// while the device solves chunk i, and uploaded on the copy stream once chunk i's work
-    /// is queued; chunk i's results are unpacked while the device runs the first steps of
-    /// chunk i + 1. Three image buffers and two sets of device inputs and of host buffers of
-    /// the copies back take turns.
+    /// while the device solves chunk i; once chunk i's work is queued, the results of chunk
+    /// i - 1 are unpacked while the device runs it, and chunk i + 1 is uploaded on the copy
+    /// stream. Three image buffers and two sets of device inputs and of host buffers of the
+    /// copies back take turns.
     #[allow(clippy::too_many_arguments)]
     fn solve_chunks(
         &mut self,

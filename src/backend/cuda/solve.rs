@@ -13,7 +13,7 @@
 //!    up on);
 //! 6. the model of each patch, chi2pix and the optional core model image;
 //! 7. copies out of the core arrays only, and the results on the host (`results`), unpacked
-//!    while the device runs the next chunk's first steps.
+//!    once the next chunk's work is queued, while the device runs it.
 
 use std::time::Instant;
 
