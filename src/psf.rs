@@ -53,12 +53,7 @@ impl Legendre {
         }
         sum
     }
-}
 
-/// Wavelengths evaluated together by [`Legendre::eval_many`].
-const LANES: usize = 8;
-
-impl Legendre {
     /// [`Legendre::eval`] of `fiber` at every wavelength of `waves`, into `out`, bit for bit:
     /// each value takes the same operations in the same order, but `LANES` wavelengths go
     /// through the recurrence together, so that their divisions are in flight at once (and
@@ -72,6 +67,9 @@ impl Legendre {
         })
     }
 }
+
+/// Wavelengths evaluated together by [`Legendre::eval_many`].
+const LANES: usize = 8;
 
 /// [`Legendre::eval_many`] as a SIMD operation.
 struct EvalMany<'a> {
