@@ -39,12 +39,16 @@ pub(crate) fn decorrelate(
     qout: u64,
 ) -> Result<()> {
     let polar = tuning.route == Route::Polar && g.sh.nt.div_ceil(8) * 8 <= TILE_MAX_ORDER;
+    debug_assert!(
+        !scratch.factored || kind == BlockKind::Precision,
+        "only precision blocks come with their Cholesky factors"
+    );
     if polar {
         launchers::polar(
             g,
             input,
             kind == BlockKind::Covariance,
-            scratch.factored && kind == BlockKind::Precision,
+            scratch.factored,
             tuning.polar_tol,
             tuning.polar_max_steps,
             scratch.pbuf,
