@@ -84,27 +84,27 @@ __device__ double lower_norm2(const double* M, int ld, int n, double* v, double*
 // instead of 5.6e-11).
 #define SPEX_POLAR_RESCALE_MIN_L 1e-3
 
-// The first step's rescaling: with M = X^T X in `acc` (this warp's row tile; row r, columns
-// 8 J + 2 t + q), gamma = the largest absolute row sum of M is at least its largest eigenvalue
-// (Gershgorin), and at most 1 since X = A / ||A||_F. X / sqrt(gamma) then still has every
-// singular value at most 1, and the lower bound `l` grows by 1 / sqrt(gamma): the Frobenius
-// norm overestimates the 2-norm by up to sqrt(n), so this saves one or two steps. `acc`
-// becomes M / gamma; returns the factor 1 / sqrt(gamma) that the step's polynomial applies to
-// X, 1 when there is nothing to gain.
-__device__ __forceinline__ double rescale_first_step(double (&acc)[SPEX_TILES][2], int r, int t,
-                                                     int N, int n, double* red, double& l) {
-    double rs = 0.0;
+// The first step's rescaling: with M = X^T X in `acc` (this warp's row tile, in the
+// products' layout of tiles.cuh), gamma = the largest absolute row sum of M is at least its
+// largest eigenvalue (Gershgorin), and at most 1 since X = A / ||A||_F. X / sqrt(gamma) then
+// still has every singular value at most 1, and the lower bound `l` grows by 1 / sqrt(gamma):
+// the Frobenius norm overestimates the 2-norm by up to sqrt(n), so this saves one or two
+// steps. `acc` becomes M / gamma; returns the factor 1 / sqrt(gamma) that the step's
+// polynomial applies to X, 1 when there is nothing to gain.
+__device__ __forceinline__ double rescale_first_step(double (&acc)[SPEX_TILES][2], int N, int n,
+                                                     double* red, double& l) {
+    // a lane holds parts of two rows, acc_row(0) and acc_row(1); the lanes of one t share them
+    double rs[2] = {0.0, 0.0};
 #pragma unroll
     for (int J = 0; J < SPEX_TILES; ++J)
 #pragma unroll
-        for (int q = 0; q < 2; ++q) {
-            int c = 8 * J + 2 * t + q;
-            if (J < N / 8 && r < n && c < n) rs += fabs(acc[J][q]);
-        }
-    rs += __shfl_xor_sync(0xffffffffu, rs, 1);
-    rs += __shfl_xor_sync(0xffffffffu, rs, 2);
+        for (int q = 0; q < 2; ++q)
+            if (J < N / 8 && acc_row(q) < n && acc_col(J) < n) rs[q] += fabs(acc[J][q]);
+#pragma unroll
+    for (int q = 0; q < 2; ++q)
+        for (int o = 4; o < 32; o <<= 1) rs[q] += __shfl_xor_sync(0xffffffffu, rs[q], o);
     // a margin for the rounding of the product
-    double gamma = block_max(rs, red) * (1.0 + 1e-12);
+    double gamma = block_max(fmax(rs[0], rs[1]), red) * (1.0 + 1e-12);
     if (!(gamma > 0.0 && gamma < 1.0)) return 1.0;
     double inv = 1.0 / gamma;
 #pragma unroll
@@ -192,16 +192,14 @@ extern "C" __global__ void SPEX_MAX_REGS(96) polar_f64(
         // X^T X in registers (this warp's row tile), its distance to I, then M into T
         tile_row_tn(X, X, ld, N, acc);
         SPEX_PHASE(3);
-        int lane = tid & 31, g = lane >> 2, t = lane & 3, r = 8 * (tid >> 5) + g;
         double xs = 1.0;
-        if (it == 1 && l >= SPEX_POLAR_RESCALE_MIN_L)
-            xs = rescale_first_step(acc, r, t, N, n, red, l);
+        if (it == 1 && l >= SPEX_POLAR_RESCALE_MIN_L) xs = rescale_first_step(acc, N, n, red, l);
         double e = 0.0;
 #pragma unroll
         for (int J = 0; J < SPEX_TILES; ++J)
 #pragma unroll
             for (int q = 0; q < 2; ++q) {
-                int c = 8 * J + 2 * t + q;
+                int r = acc_row(q), c = acc_col(J);
                 if (J < N / 8 && r < n && c < n) {
                     double d = acc[J][q] - (r == c ? 1.0 : 0.0);
                     e += d * d;
@@ -227,7 +225,7 @@ extern "C" __global__ void SPEX_MAX_REGS(96) polar_f64(
         for (int J = 0; J < SPEX_TILES; ++J)
 #pragma unroll
             for (int q = 0; q < 2; ++q) {
-                int c = 8 * J + 2 * t + q;
+                int r = acc_row(q), c = acc_col(J);
                 acc[J][q] = (r < n && c < n) ? c3 * acc[J][q] + (r == c ? c1 : 0.0) : 0.0;
             }
         store_rows(T, ld, N, acc);
@@ -263,15 +261,12 @@ extern "C" __global__ void SPEX_MAX_REGS(96) polar_f64(
     __syncthreads();
     tile_row_tn(X, T, ld, N, acc);
     __syncwarp();
-    {
-        int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, I = threadIdx.x >> 5;
 #pragma unroll
-        for (int J = 0; J < SPEX_TILES; ++J)
-            if (J < N / 8) {
-                X[(8 * J + 2 * t) * ld + 8 * I + g] = acc[J][0];
-                X[(8 * J + 2 * t + 1) * ld + 8 * I + g] = acc[J][1];
-            }
-    }
+    for (int J = 0; J < SPEX_TILES; ++J)
+        if (J < N / 8) {
+            X[acc_col(J) * ld + acc_row(0)] = acc[J][0];
+            X[acc_col(J) * ld + acc_row(1)] = acc[J][1];
+        }
     __syncthreads();
     for_each_element(n, n, [&](int i, int j) { T[i * ld + j] = 0.5 * (X[i * ld + j] + X[j * ld + i]); });
     __syncthreads();

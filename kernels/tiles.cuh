@@ -1,9 +1,13 @@
 // Small dense matrices in shared memory, as 8 x 8 tiles: products on FP64 tensor cores
-// (mma.m8n8k4, sm_80 and later; shuffles elsewhere), and a blocked Cholesky factorisation,
-// triangular solves and inversion with one block barrier per 8-wide panel or none. One warp
-// per row tile: a block of N / 8 warps works on N x N matrices (N a multiple of 8, at most
-// 8 SPEX_TILES) with leading dimension ld = N + 4, which makes the fragment loads free of
-// bank conflicts.
+// (mma.m16n8k4 on sm_90, two mma.m8n8k4 on sm_80, shuffles elsewhere), and a blocked Cholesky
+// factorisation, triangular solves and inversion with one block barrier per 8-wide panel or
+// none. One warp per row tile: a block of N / 8 warps works on N x N matrices (N a multiple of
+// 8, at most 8 SPEX_TILES) with leading dimension ld = N + 4, which makes the fragment loads
+// free of bank conflicts.
+//
+// sm_90 runs m8n8k4 at half the rate of its m16n8k* shapes (33 against 67 TFLOP/s on an
+// H100), so every product here goes through m16n8k4: two 8 x 8 tiles that share one operand
+// in one instruction.
 
 #pragma once
 
@@ -53,46 +57,76 @@ __device__ __forceinline__ void mma8x8x4(double& c0, double& c1, double a, doubl
 #endif
 }
 
-// Row tile I (= this warp) of Y^T B: acc[J] = sum_k Y[k][8I + g] B[k][8J + 2t + {0, 1}].
+// Two 8 x 8 products with one right operand: (c0, c1) += a0 b and (c2, c3) += a1 b, each in
+// mma8x8x4's layout (a0 and a1 as its a); on sm_90 one m16n8k4 whose upper half is the first
+// and lower half the second.
+__device__ __forceinline__ void mma16x8x4(double& c0, double& c1, double& c2, double& c3, double a0,
+                                          double a1, double b) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile(
+        "mma.sync.aligned.m16n8k4.row.col.f64.f64.f64.f64 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
+        "{%0, %1, %2, %3};\n"
+        : "+d"(c0), "+d"(c1), "+d"(c2), "+d"(c3)
+        : "d"(a0), "d"(a1), "d"(b));
+#else
+    mma8x8x4(c0, c1, a0, b);
+    mma8x8x4(c2, c3, a1, b);
+#endif
+}
+
+// The products below leave row tile I (= this warp) of C in registers, transposed: lane
+// (g, t) = (l / 4, l % 4) holds C[8I + 2t + q][8J + g] in acc[J][q]. They compute C^T = B^T Y
+// (or B^T Y^T), so that two column tiles J, J + 1 of C share the warp's operand and take one
+// m16n8k4. These give an element's row and column.
+__device__ __forceinline__ int acc_row(int q) {
+    int lane = threadIdx.x & 31;
+    return 8 * (threadIdx.x >> 5) + 2 * (lane & 3) + q;
+}
+__device__ __forceinline__ int acc_col(int J) { return 8 * J + ((threadIdx.x & 31) >> 2); }
+
+// acc[J], acc[J + 1] += B[k0 + t][8J + g (+ 8)] b over the four k of one step: the column
+// tiles J < nt of one product step, b being this lane's element of the warp's operand.
+__device__ __forceinline__ void tile_row_step(const double* B, int ld, int nt, int k0, double b,
+                                              double (&acc)[SPEX_TILES][2]) {
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const double* row = B + (k0 + t) * ld + g;
+#pragma unroll
+    for (int J = 0; J < SPEX_TILES; J += 2)
+        if (J < nt) {
+            double a0 = row[8 * J], a1 = J + 1 < nt ? row[8 * J + 8] : 0.0;
+            mma16x8x4(acc[J][0], acc[J][1], acc[J + 1][0], acc[J + 1][1], a0, a1, b);
+        }
+}
+
+// Row tile I of Y^T B: acc[J][q] = sum_k Y[k][8I + 2t + q] B[k][8J + g].
 __device__ __forceinline__ void tile_row_tn(const double* Y, const double* B, int ld, int N,
                                             double (&acc)[SPEX_TILES][2]) {
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, I = threadIdx.x >> 5;
     int nt = N / 8;
 #pragma unroll
     for (int J = 0; J < SPEX_TILES; ++J) acc[J][0] = acc[J][1] = 0.0;
-    for (int k0 = 0; k0 < N; k0 += 4) {
-        double a = Y[(k0 + t) * ld + 8 * I + g];
-#pragma unroll
-        for (int J = 0; J < SPEX_TILES; ++J)
-            if (J < nt) mma8x8x4(acc[J][0], acc[J][1], a, B[(k0 + t) * ld + 8 * J + g]);
-    }
+    for (int k0 = 0; k0 < N; k0 += 4) tile_row_step(B, ld, nt, k0, Y[(k0 + t) * ld + 8 * I + g], acc);
 }
 
-// Row tile I of Y B: acc[J] = sum_k Y[8I + g][k] B[k][8J + 2t + {0, 1}].
+// Row tile I of Y B: acc[J][q] = sum_k Y[8I + 2t + q][k] B[k][8J + g].
 __device__ __forceinline__ void tile_row_nn(const double* Y, const double* B, int ld, int N,
                                             double (&acc)[SPEX_TILES][2]) {
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, I = threadIdx.x >> 5;
     int nt = N / 8;
 #pragma unroll
     for (int J = 0; J < SPEX_TILES; ++J) acc[J][0] = acc[J][1] = 0.0;
-    for (int k0 = 0; k0 < N; k0 += 4) {
-        double a = Y[(8 * I + g) * ld + k0 + t];
-#pragma unroll
-        for (int J = 0; J < SPEX_TILES; ++J)
-            if (J < nt) mma8x8x4(acc[J][0], acc[J][1], a, B[(k0 + t) * ld + 8 * J + g]);
-    }
+    for (int k0 = 0; k0 < N; k0 += 4) tile_row_step(B, ld, nt, k0, Y[(8 * I + g) * ld + k0 + t], acc);
 }
 
-// Stores row tile I of a product into D (D[8I + g][8J + 2t + {0, 1}]).
+// Stores row tile I of a product into D (D[acc_row(q)][acc_col(J)] = acc[J][q]).
 __device__ __forceinline__ void store_rows(double* D, int ld, int N,
                                            const double (&acc)[SPEX_TILES][2]) {
-    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, I = threadIdx.x >> 5;
     int nt = N / 8;
 #pragma unroll
     for (int J = 0; J < SPEX_TILES; ++J)
         if (J < nt) {
-            double2 v = make_double2(acc[J][0], acc[J][1]);
-            *reinterpret_cast<double2*>(D + (8 * I + g) * ld + 8 * J + 2 * t) = v;
+            D[acc_row(0) * ld + acc_col(J)] = acc[J][0];
+            D[acc_row(1) * ld + acc_col(J)] = acc[J][1];
         }
 }
 
@@ -262,17 +296,28 @@ __device__ void solve_column_tile(const double* L, double* X, int ld, int n, int
         Xp[0] = c0;
         Xp[1] = c1;
         __syncwarp();
-        for (int I = p + 1; I < nt; ++I) {
+        // tiles I and I + 1 share X_pJ: one m16n8k4 per step for both
+        for (int I = p + 1; I < nt; I += 2) {
+            bool pair = I + 1 < nt;
             double* Xi = X + (8 * I + g) * ld + 8 * J + 2 * t;
-            double e0 = Xi[0], e1 = Xi[1];
+            double e0 = Xi[0], e1 = Xi[1], f0 = 0.0, f1 = 0.0;
+            if (pair) {
+                f0 = Xi[8 * ld];
+                f1 = Xi[8 * ld + 1];
+            }
 #pragma unroll
             for (int k0 = 0; k0 < 8; k0 += 4) {
-                double a = L[(8 * I + g) * ld + 8 * p + k0 + t];
+                const double* Li = L + (8 * I + g) * ld + 8 * p + k0 + t;
+                double a0 = Li[0], a1 = pair ? Li[8 * ld] : 0.0;
                 double b = X[(8 * p + k0 + t) * ld + 8 * J + g];
-                mma8x8x4(e0, e1, -a, b);
+                mma16x8x4(e0, e1, f0, f1, -a0, -a1, b);
             }
             Xi[0] = e0;
             Xi[1] = e1;
+            if (pair) {
+                Xi[8 * ld] = f0;
+                Xi[8 * ld + 1] = f1;
+            }
         }
         __syncwarp();
     }

@@ -272,32 +272,37 @@ static int compare(const char* pa, const char* pb) {
 }
 
 
-// Throughput of the FP64 tensor-core shapes: every warp runs `iters` rounds of 8 independent
-// accumulations (m8n8k4, sm_80's shape, or m16n8k8 and m16n8k16, sm_90's), so that the pipe
-// rather than latency decides.
-__global__ void mma_rate_kernel(int shape, int iters, double* out) {
-    double a[8], b[4], c[8][4];
+// Throughput of the FP64 tensor-core shapes: every warp runs `iters` rounds of four
+// independent accumulations, so that the pipe rather than latency decides. SHAPE: 0 m8n8k4
+// (sm_80's shape), 1 m16n8k4, 2 m16n8k8, 3 m16n8k16 (sm_90's).
+template <int SHAPE>
+__global__ void mma_rate_kernel(int iters, double* out) {
+    double a[8], b[4], c[4][4] = {};
     for (int i = 0; i < 8; ++i) a[i] = 1.0 + 1e-3 * (threadIdx.x + i);
     for (int i = 0; i < 4; ++i) b[i] = 1.0 - 1e-3 * i;
-    for (int i = 0; i < 8; ++i)
-        for (int q = 0; q < 4; ++q) c[i][q] = 0.0;
     for (int it = 0; it < iters; ++it) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
+        for (int j = 0; j < 4; ++j) {
 #if __CUDA_ARCH__ >= 900
-            if (shape == 0) {
-                mma8x8x4(c[i][0], c[i][1], a[i], b[0]);
-            } else if (shape == 1) {
+            if (SHAPE == 0) {
+                mma8x8x4(c[j][0], c[j][1], a[0], b[0]);
+            } else if (SHAPE == 1) {
+                asm volatile(
+                    "mma.sync.aligned.m16n8k4.row.col.f64.f64.f64.f64 {%0,%1,%2,%3}, "
+                    "{%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+                    : "+d"(c[j][0]), "+d"(c[j][1]), "+d"(c[j][2]), "+d"(c[j][3])
+                    : "d"(a[0]), "d"(a[1]), "d"(b[0]));
+            } else if (SHAPE == 2) {
                 asm volatile(
                     "mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64 {%0,%1,%2,%3}, "
                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                    : "+d"(c[i][0]), "+d"(c[i][1]), "+d"(c[i][2]), "+d"(c[i][3])
+                    : "+d"(c[j][0]), "+d"(c[j][1]), "+d"(c[j][2]), "+d"(c[j][3])
                     : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(b[0]), "d"(b[1]));
             } else {
                 asm volatile(
                     "mma.sync.aligned.m16n8k16.row.col.f64.f64.f64.f64 {%0,%1,%2,%3}, "
                     "{%4,%5,%6,%7,%8,%9,%10,%11}, {%12,%13,%14,%15}, {%0,%1,%2,%3};\n"
-                    : "+d"(c[i][0]), "+d"(c[i][1]), "+d"(c[i][2]), "+d"(c[i][3])
+                    : "+d"(c[j][0]), "+d"(c[j][1]), "+d"(c[j][2]), "+d"(c[j][3])
                     : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(a[4]), "d"(a[5]),
                       "d"(a[6]), "d"(a[7]), "d"(b[0]), "d"(b[1]), "d"(b[2]), "d"(b[3]));
             }
@@ -305,21 +310,23 @@ __global__ void mma_rate_kernel(int shape, int iters, double* out) {
         }
     }
     double s = 0.0;
-    for (int i = 0; i < 8; ++i)
-        for (int q = 0; q < 4; ++q) s += c[i][q];
+    for (int j = 0; j < 4; ++j)
+        for (int q = 0; q < 4; ++q) s += c[j][q];
     out[blockIdx.x * blockDim.x + threadIdx.x] = s;
 }
 
 static int mma_rate() {
     int sms = 0;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    const int threads = 256, iters = 2000;
-    double* out = device_alloc<double>((size_t)sms * 8 * threads);
-    const char* names[] = {"m8n8k4", "m16n8k8", "m16n8k16"};
-    const double flops[] = {2.0 * 8 * 8 * 4, 2.0 * 16 * 8 * 8, 2.0 * 16 * 8 * 16};
-    for (int shape = 0; shape < 3; ++shape) {
-        double ms = median_ms(5, [&] { mma_rate_kernel<<<sms * 8, threads>>>(shape, iters, out); });
-        double total = flops[shape] * 8.0 * iters * (threads / 32) * sms * 8;
+    const int threads = 256, iters = 2000, blocks = sms * 8;
+    double* out = device_alloc<double>((size_t)blocks * threads);
+    const char* names[] = {"m8n8k4", "m16n8k4", "m16n8k8", "m16n8k16"};
+    const double flops[] = {2.0 * 8 * 8 * 4, 2.0 * 16 * 8 * 4, 2.0 * 16 * 8 * 8, 2.0 * 16 * 8 * 16};
+    void (*kernels[])(int, double*) = {mma_rate_kernel<0>, mma_rate_kernel<1>, mma_rate_kernel<2>,
+                                       mma_rate_kernel<3>};
+    for (int shape = 0; shape < 4; ++shape) {
+        double ms = median_ms(5, [&] { kernels[shape]<<<blocks, threads>>>(iters, out); });
+        double total = flops[shape] * 4.0 * iters * (threads / 32) * blocks;
         std::printf("%-9s %7.2f ms  %6.1f TFLOP/s\n", names[shape], ms, total / ms / 1e9);
     }
     return 0;
