@@ -46,10 +46,12 @@ __device__ __forceinline__ double overlap_sum(const double* w, const double* b, 
 }
 
 // One block per (column j1, patch): writes the entries j2 >= j1 of row j1 of icov (= column
-// j1, in the stored triangle), staged in shared memory for coalesced stores. Blocks of the
-// last columns have less to do; their overlap screen starts at the warp group holding j1.
+// j1, in the stored triangle). Blocks of the last columns have less to do; their overlap
+// screen starts at the warp group holding j1. One barrier in all: the block is short, and its
+// warps used to spend a third of their time waiting at the barriers of three block sums and
+// of a row staged in shared memory.
 //
-// Shared memory (dynamic): w1[ny nx] (weighted spot), row[m] (entries j1.. only), red[32].
+// Shared memory (dynamic): w1[ny nx] (weighted spot), red[3 x warps].
 //
 // Blocks of 128 threads, 16 per SM: the kernel waits on memory and on its reductions, and
 // needs every warp an SM can hold. That caps it at 32 registers (a few words spill); left to
@@ -67,8 +69,7 @@ extern "C" __global__ void __launch_bounds__(128, 16) assemble_f64(
     extern __shared__ double sm[];
     int size = nx * ny;
     double* w1 = sm;
-    double* row = w1 + size;
-    double* red = row + m;
+    double* red = w1 + size;
 
     int j1 = blockIdx.x;
     int p = patch_of(patch_ids, blockIdx.y);
@@ -104,10 +105,26 @@ extern "C" __global__ void __launch_bounds__(128, 16) assemble_f64(
         }
         w1[s] = w;
     }
-    sy = block_sum(sy, red);
-    sw = block_sum(sw, red);
-    smask = block_sum(smask, red);  // also orders the writes of w1 before the reads below
+    // the three sums: warp partials, then thread 0 adds them up after the barrier, which also
+    // orders the writes of w1 before the reads below
+    int lane = threadIdx.x % SPEX_WARP, warp = threadIdx.x / SPEX_WARP;
+    int nwarp = blockDim.x / SPEX_WARP;
+    sy = warp_sum(sy);
+    sw = warp_sum(sw);
+    smask = warp_sum(smask);
+    if (lane == 0) {
+        red[warp] = sy;
+        red[nwarp + warp] = sw;
+        red[2 * nwarp + warp] = smask;
+    }
+    __syncthreads();
     if (threadIdx.x == 0) {
+        sy = sw = smask = 0.0;
+        for (int w = 0; w < nwarp; ++w) {
+            sy += red[w];
+            sw += red[nwarp + w];
+            smask += red[2 * nwarp + w];
+        }
         y[(size_t)p * m + j1] = sy;
         fw[(size_t)p * m + j1] = sw;
         int blk = j1 / nwavetot, w = j1 % nwavetot;
@@ -118,10 +135,9 @@ extern "C" __global__ void __launch_bounds__(128, 16) assemble_f64(
     }
 
     // Each warp screens 32 columns at once (a ballot of the overlapping ones), then computes
-    // the overlaps two columns at a time. Only the columns j2 >= j1 are stored:
-    // the scan starts at the group holding j1 and lanes below j1 stay out of the ballot.
-    int lane = threadIdx.x % SPEX_WARP, warp = threadIdx.x / SPEX_WARP;
-    int nwarp = blockDim.x / SPEX_WARP;
+    // the overlaps two columns at a time, each stored by the lane that holds it. Only the
+    // columns j2 >= j1 are stored: the scan starts at the group holding j1 and lanes below j1
+    // stay out of the ballot.
     int g0 = j1 / SPEX_WARP * SPEX_WARP;
     for (int g = g0 + warp * SPEX_WARP; g < m; g += nwarp * SPEX_WARP) {
         int j2 = g + lane;
@@ -134,7 +150,7 @@ extern "C" __global__ void __launch_bounds__(128, 16) assemble_f64(
             dy = corners[2 * sid2 + 1] - y1;
             hit = dx < nx && dx > -nx && dy < ny && dy > -ny;
         }
-        if (mine && !hit) row[j2] = 0.0;
+        if (mine && !hit) icol[j2] = 0.0;
         unsigned mask = __ballot_sync(0xffffffffu, hit);
         // Two overlaps at a time, one per half-warp: half the reduction steps per overlap.
         int half = lane / SPEX_HALF, hl = lane % SPEX_HALF;
@@ -155,12 +171,12 @@ extern "C" __global__ void __launch_bounds__(128, 16) assemble_f64(
                 sum = overlap_sum(w1, a2, ddy * nx + ddx, nx, ylo, yhi, xlo, xhi, hl);
             }
             for (int o = SPEX_HALF / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-            if (hl == 0 && b >= 0) row[g + b] = sum;
+            if (hl == 0 && b >= 0) {
+                icol[g + b] = sum;
+                if (g + b == j1) diag0[(size_t)p * m + j1] = sum;
+            }
         }
     }
-    __syncthreads();
-    for (int j2 = j1 + threadIdx.x; j2 < m; j2 += blockDim.x) icol[j2] = row[j2];
-    if (threadIdx.x == 0) diag0[(size_t)p * m + j1] = row[j1];
 }
 
 // Step 2 of the solve, one block per patch: icov += diag(alpha^2 + 1e-15) from the

@@ -100,7 +100,8 @@ pub(crate) fn assemble(
         (m as u32, n as u32, 1),
         // the kernel's launch bounds
         128,
-        (size + m + 32) * 8,
+        // the weighted spot, then the warps' partial sums
+        (size + 3 * 128 / 32) * 8,
         Args::new()
             .ptr(ws.spots.get().ptr)
             .ptr(ws.input.corners.get().ptr)
