@@ -350,68 +350,6 @@ __device__ void lower_inverse(const double* T, double* X, int ld, int n) {
     __syncthreads();
 }
 
-// v <- L^-T L^-1 v (n entries) for the lower L of cholesky_in_place, by the whole block: panel
-// by panel, warp 0 solves the 8 x 8 diagonal system (every lane for itself; lanes < 8 store
-// it), then every thread updates one row of v beyond the panel (below it going down, above it
-// going up); two barriers per panel. Reads L and v only inside n. The caller orders the writes
-// of L and v before the call; the result is in v for every thread on return.
-__device__ void cholesky_solve_vector(const double* L, double* v, int ld, int n) {
-    int tid = threadIdx.x, nth = blockDim.x, lane = tid & 31;
-    int nt = (n + 7) / 8;
-    for (int dir = 0; dir < 2; ++dir) {
-        for (int q = 0; q < nt; ++q) {
-            int p = dir == 0 ? q : nt - 1 - q, r0 = 8 * p;
-            if (tid < 32) {
-                const double* Lp = L + r0 * ld + r0;
-                double x[8], inv[8];
-#pragma unroll
-                for (int r = 0; r < 8; ++r) {
-                    bool on = r0 + r < n;
-                    x[r] = on ? v[r0 + r] : 0.0;
-                    inv[r] = on ? 1.0 / Lp[r * ld + r] : 0.0;
-                }
-                if (dir == 0) {
-#pragma unroll
-                    for (int r = 0; r < 8; ++r) {
-                        double s = x[r];
-#pragma unroll
-                        for (int k = 0; k < r; ++k) s -= Lp[r * ld + k] * x[k];
-                        x[r] = s * inv[r];
-                    }
-                } else {
-#pragma unroll
-                    for (int r = 7; r >= 0; --r) {
-                        double s = x[r];
-#pragma unroll
-                        for (int k = r + 1; k < 8; ++k) s -= Lp[k * ld + r] * x[k];
-                        x[r] = s * inv[r];
-                    }
-                }
-                __syncwarp();
-#pragma unroll
-                for (int r = 0; r < 8; ++r)
-                    if (r == lane && r0 + r < n) v[r0 + r] = x[r];
-            }
-            __syncthreads();
-            int kmax = min(8, n - r0);
-            if (dir == 0) {
-                for (int i = r0 + 8 + tid; i < n; i += nth) {
-                    double s = v[i];
-                    for (int k = 0; k < kmax; ++k) s -= L[i * ld + r0 + k] * v[r0 + k];
-                    v[i] = s;
-                }
-            } else {
-                for (int i = tid; i < r0; i += nth) {
-                    double s = v[i];
-                    for (int k = 0; k < kmax; ++k) s -= L[(r0 + k) * ld + i] * v[r0 + k];
-                    v[i] = s;
-                }
-            }
-            __syncthreads();
-        }
-    }
-}
-
 // Calls f(i, j) for every element of a rows x cols block, a warp per row and a lane per
 // column: no integer division per element, and consecutive lanes at consecutive addresses.
 template <typename F>
@@ -419,6 +357,66 @@ __device__ __forceinline__ void for_each_element(int rows, int cols, F f) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
     for (int i = warp; i < rows; i += nwarp)
         for (int j = lane; j < cols; j += 32) f(i, j);
+}
+
+// Entries of a vector per lane when one warp holds it whole (N <= 8 SPEX_TILES).
+#define SPEX_VEC_PER_LANE ((8 * SPEX_TILES + 31) / 32)
+
+// v <- L^-T L^-1 v (n entries) for the lower L of cholesky_in_place, which also becomes the
+// upper triangle of the block (mirrored, so that both substitutions read rows of it). The
+// block mirrors L, then warp 0 substitutes alone: lane l holds v[l + 32 q] in registers, and
+// each column costs one shuffle, which hands its solved entry to every lane, and one update
+// per lane, without barriers (by panels, with two barriers each, the solve took 40% of the
+// Schur combine). The caller orders the writes of L and v before the call; the result is in
+// v for every thread on return.
+__device__ void cholesky_solve_vector(double* L, double* v, int ld, int n) {
+    for_each_element(n, n, [&](int i, int j) {
+        if (j > i) L[i * ld + j] = L[j * ld + i];
+    });
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        int lane = threadIdx.x;
+        double x[SPEX_VEC_PER_LANE], inv[SPEX_VEC_PER_LANE];
+#pragma unroll
+        for (int q = 0; q < SPEX_VEC_PER_LANE; ++q) {
+            int i = lane + 32 * q;
+            x[q] = i < n ? v[i] : 0.0;
+            inv[q] = i < n ? 1.0 / L[i * ld + i] : 0.0;
+        }
+        // L y = v: y_j to every lane, which subtracts L_ij y_j (row j of the mirror, i > j)
+#pragma unroll
+        for (int q = 0; q < SPEX_VEC_PER_LANE; ++q)
+            for (int jj = 0; jj < 32 && 32 * q + jj < n; ++jj) {
+                int j = 32 * q + jj;
+                double yj = __shfl_sync(0xffffffffu, x[q] * inv[q], jj);
+                if (lane == jj) x[q] = yj;
+                const double* row = L + j * ld;
+#pragma unroll
+                for (int r = q; r < SPEX_VEC_PER_LANE; ++r) {
+                    int i = lane + 32 * r;
+                    if (i > j && i < n) x[r] -= row[i] * yj;
+                }
+            }
+        // L^T x = y: x_j to every lane, which subtracts L_ji x_j (row j of L, i < j)
+#pragma unroll
+        for (int q = SPEX_VEC_PER_LANE - 1; q >= 0; --q)
+            for (int jj = 31; jj >= 0; --jj) {
+                int j = 32 * q + jj;
+                if (j >= n) continue;
+                double xj = __shfl_sync(0xffffffffu, x[q] * inv[q], jj);
+                if (lane == jj) x[q] = xj;
+                const double* row = L + j * ld;
+#pragma unroll
+                for (int r = 0; r <= q; ++r) {
+                    int i = lane + 32 * r;
+                    if (i < j) x[r] -= row[i] * xj;
+                }
+            }
+#pragma unroll
+        for (int q = 0; q < SPEX_VEC_PER_LANE; ++q)
+            if (lane + 32 * q < n) v[lane + 32 * q] = x[q];
+    }
+    __syncthreads();
 }
 
 // Loads of a block from global memory in flight per thread before the first is stored.
