@@ -6,8 +6,10 @@
 // free of bank conflicts.
 //
 // sm_90 runs m8n8k4 at half the rate of its m16n8k* shapes (33 against 67 TFLOP/s on an
-// H100), so every product here goes through m16n8k4: two 8 x 8 tiles that share one operand
-// in one instruction.
+// H100), so the products and the triangular solves' updates go through m16n8k4: two 8 x 8
+// tiles that share one operand in one instruction. The Cholesky factorisation's updates stay
+// on m8n8k4: its panel sweeps, not its updates, take its time, and m16n8k4 needs more
+// registers than the Schur combine's cap leaves.
 
 #pragma once
 
