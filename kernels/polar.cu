@@ -124,7 +124,7 @@ __device__ __forceinline__ double rescale_first_step(double (&acc)[SPEX_TILES][2
 // `pbuf`: n x n doubles per block of scratch. `qout`, when not null, receives Q.
 //
 // Shared memory (dynamic): X[N ld], T[N ld], rowsum[n], v[n], red[32]. Registers: at most
-// 96 (~30 words spill), so that two blocks share an SM as their shared memory allows; left
+// 96 (~13 words spill), so that two blocks share an SM as their shared memory allows; left
 // to the compiler it takes 133, one block fits, and a full frame's decorrelation takes 48 ms
 // instead of 41 on an H100.
 extern "C" __global__ void SPEX_MAX_REGS(96) polar_f64(

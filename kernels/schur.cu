@@ -71,8 +71,8 @@ __device__ void subtract_from_diagonal_block(const double* icov, size_t p, int m
 // red[32], ord[nb]; N = n + 1 rounded up to 8, ld = N + 4; 4 N threads.
 //
 // Registers: at most 96, so that two blocks of 320 threads (n <= 79) share an SM as their
-// shared memory allows (left to the compiler, it takes ~128 and spills nothing; capped, it
-// spills ~11 loop-invariant words).
+// shared memory allows (left to the compiler, it takes ~128; capped, it spills nothing, and
+// spilled ~11 words before the products went to m16n8k4).
 extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __restrict__ icov,
                                            const double* __restrict__ y,
                                            const int* __restrict__ patch_ids,
@@ -203,7 +203,7 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
 //
 // Shared memory (dynamic): T[N ld] (only its n x n block is written before the factorisation,
 // which reads nothing else), v[n]; N = n rounded up to 8, ld = N + 4; 4 N threads.
-// Registers: at most 48 (some 140 bytes spill), so that four blocks share an SM as their
+// Registers: at most 48 (some 66 bytes spill), so that four blocks share an SM as their
 // shared memory allows, instead of three at 64 (the combine takes 0.7 ms less per frame on an
 // H100).
 extern "C" __global__ void SPEX_MAX_REGS(48) schur_combine_f64(

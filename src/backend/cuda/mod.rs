@@ -476,7 +476,7 @@ impl CudaBackend {
         }
         let mut results: Vec<Option<PatchResult>> = vec![None; patches.len()];
         let mut pool = std::mem::take(&mut self.images);
-        let pending = self.solve_chunks(
+        let solved = self.solve_chunks(
             &input,
             &sh,
             &chunks,
@@ -486,12 +486,12 @@ impl CudaBackend {
             &mut timings,
             progress,
         );
-        if pending.is_err() {
+        if solved.is_err() {
             // queued work may still read host buffers that go now
             let _ = self.dev.sync_copies();
             let _ = self.dev.sync("after a failed chunk");
         }
-        pending?;
+        solved?;
         // later frames transfer from pinned image buffers, pinned in the background
         for staging in &mut pool {
             staging.allow_pinning();
