@@ -73,6 +73,7 @@ extern "C" __global__ void __launch_bounds__(128, 16) assemble_f64(
 
     int j1 = blockIdx.x;
     int p = patch_of(patch_ids, blockIdx.y);
+    if (p < 0) return;
     const int* cs = colspot + (size_t)p * m;
     double* icol = icov + ((size_t)p * m + j1) * m;
     int sid1 = cs[j1];
@@ -190,6 +191,7 @@ extern "C" __global__ void regularize_f64(double* __restrict__ icov, const doubl
                                           int* __restrict__ masked) {
     __shared__ double red[32];
     int p = patch_of(patch_ids, blockIdx.x);
+    if (p < 0) return;
     const double* f = fw + (size_t)p * m;
     double mx = 0.0;
     for (int j = threadIdx.x; j < m; j += blockDim.x) mx = fmax(mx, f[j]);

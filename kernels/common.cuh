@@ -67,6 +67,8 @@ __device__ __forceinline__ double warp_sum(double v) {
 }
 
 // The patch a block works on: an entry of `patch_ids` when given, else the block's own index.
+// A list built on the device (the retry's) is padded with -1: blocks given -1 have nothing to
+// do and return at once.
 __device__ __forceinline__ int patch_of(const int* patch_ids, int i) {
     return patch_ids ? patch_ids[i] : i;
 }

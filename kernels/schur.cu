@@ -89,7 +89,9 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
     int* ord = (int*)(red + 32);
     int tid = threadIdx.x, nth = blockDim.x;
     int dir = blockIdx.y;
-    size_t p = patch_of(patch_ids, blockIdx.x);
+    int pid = patch_of(patch_ids, blockIdx.x);
+    if (pid < 0) return;
+    size_t p = pid;
     const double* yp = y + p * m;
     // ord[k]: the block at position k along the CCD (a stable sort by first spot index)
     if (tid < nb) {
@@ -218,7 +220,9 @@ extern "C" __global__ void SPEX_MAX_REGS(48) schur_combine_f64(
     double* v = T + N * ld;
     int tid = threadIdx.x, nth = blockDim.x;
     int b = blockIdx.x;
-    size_t p = patch_of(patch_ids, blockIdx.y);
+    int pid = patch_of(patch_ids, blockIdx.y);
+    if (pid < 0) return;
+    size_t p = pid;
     const double* ul = U + ((p * 2 + 0) * nb + b) * n * n;
     const double* ur = U + ((p * 2 + 1) * nb + b) * n * n;
     int c = b - (nb - ncore);
@@ -246,4 +250,41 @@ extern "C" __global__ void SPEX_MAX_REGS(48) schur_combine_f64(
     cholesky_solve_vector(T, v, ld, n);
     for (int i = tid; i < n; i += nth) x[p * m + (size_t)b * n + i] = v[i];
     SPEX_PHASE(34);
+}
+
+// The retry list of a chunk (DESIGN step 2), drawn up on the device so that the host need not
+// wait for the sweeps' verdicts: the first `capacity` patches, in order, whose sweeps failed
+// (`info`) and that have weight (`masked` 0) go to `ids`, padded with -1, and their verdicts
+// are cleared for the second sweep; every patch's first verdict is kept in `first`. Failures
+// beyond the capacity keep their verdict, which sends them to the CPU reference. One block of
+// whole warps.
+extern "C" __global__ void schur_retry_list(int* __restrict__ info, const int* __restrict__ masked,
+                                            int n, int capacity, int* __restrict__ first,
+                                            int* __restrict__ ids) {
+    __shared__ int counts[32];
+    __shared__ int base;
+    int tid = threadIdx.x, lane = tid % SPEX_WARP, warp = tid / SPEX_WARP;
+    int nwarp = blockDim.x / SPEX_WARP;
+    if (tid == 0) base = 0;
+    __syncthreads();
+    for (int start = 0; start < n; start += blockDim.x) {
+        int p = start + tid;
+        int v = p < n ? info[p] : 0;
+        bool failed = p < n && v != 0 && masked[p] == 0;
+        if (p < n) first[p] = v;
+        unsigned ballot = __ballot_sync(0xffffffffu, failed);
+        if (lane == 0) counts[warp] = __popc(ballot);
+        __syncthreads();
+        int pos = base + __popc(ballot & ((1u << lane) - 1u));
+        for (int w = 0; w < warp; ++w) pos += counts[w];
+        if (failed && pos < capacity) {
+            ids[pos] = p;
+            info[p] = 0;
+        }
+        __syncthreads();
+        if (tid == 0)
+            for (int w = 0; w < nwarp; ++w) base += counts[w];
+        __syncthreads();
+    }
+    for (int i = base + tid; i < capacity; i += blockDim.x) ids[i] = -1;
 }

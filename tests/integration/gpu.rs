@@ -537,7 +537,18 @@ fn regularised_retry_matches_the_cpu_on_both_routes() {
         assert_eq!(tm.cpu_fallback, 0);
         assert_agree(&g, &cpu);
     }
+    // The Schur route retries on the device only as many patches per chunk as its list
+    // holds; with room for none, the failures go to the CPU reference, with the same results.
     gpu.set_solve(cuda::Solve::Schur);
+    gpu.set_retry_capacity(0);
+    let g = gpu
+        .extract(input, &plan.patches, &Progress::silent())
+        .unwrap();
+    let tm = gpu.timings().clone();
+    gpu.set_retry_capacity(32);
+    assert_eq!(tm.retried, regularized);
+    assert_eq!(tm.cpu_fallback, regularized);
+    assert_agree(&g, &cpu);
 }
 
 /// A random symmetric positive definite matrix with eigenvalues spread over `decades`.

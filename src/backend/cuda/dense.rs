@@ -89,73 +89,96 @@ pub(crate) fn factorize(
         masked,
         regularize,
     };
-    retry_failures(g, ws, region, first, |failed, _ids| {
+    retry_failures(g, ws, region, first, |failed| {
         let info2 = potrf(dev, g.sh, ws.icov.get(), failed)?;
         Ok(info2.iter().map(|&v| v == 0).collect())
     })
 }
 
-/// The first factorisation of a chunk's live patches, by either route.
-pub(crate) struct Attempt<'a> {
-    pub patches: &'a [&'a Patch],
+/// The first factorisation of a chunk's live patches.
+struct Attempt<'a> {
+    patches: &'a [&'a Patch],
     /// Nonzero where the factorisation failed.
-    pub info: &'a [i32],
+    info: &'a [i32],
     /// Nonzero where a patch has no weight at all (its failure does not count).
-    pub masked: Vec<i32>,
-    pub regularize: f64,
+    masked: Vec<i32>,
+    regularize: f64,
 }
 
-/// DESIGN step 2's retry, the same on both routes: the patches whose first factorisation
-/// failed are assembled again with regularize 1e-4 and `retry` factorises them once more
-/// (given their indices and their list on the device; it returns, for each, whether it
-/// succeeded). A second failure, or a first one already under that regularisation, goes to
-/// the CPU reference.
-pub(crate) fn retry_failures(
-    g: Gpu<'_>,
-    ws: &Workspace,
-    region: Region,
-    first: Attempt<'_>,
-    retry: impl FnOnce(&[usize], &DevBuf<i32>) -> Result<Vec<bool>>,
-) -> Result<Factorization> {
-    let n = first.patches.len();
-    let failed: Vec<usize> = (0..n)
-        .filter(|&i| first.info[i] != 0 && first.masked[i] == 0)
-        .collect();
-    for &i in &failed {
-        tracing::debug!(
-            "patch fibers {:?} bins {:?}: icov not positive definite (info {}), retrying with regularize {RETRY_REGULARIZE}",
-            first.patches[i].fibers,
-            first.patches[i].waves,
-            first.info[i]
-        );
-    }
-    let mut status = vec![PatchStatus::Ok; n];
-    let mut to_cpu = Vec::new();
-    if !failed.is_empty() && first.regularize == RETRY_REGULARIZE {
-        to_cpu = failed.clone();
-    } else if !failed.is_empty() {
-        // The list stays alive until the retry has synchronised.
-        let ids = reassemble_regularized(g, ws, region, &failed)?;
-        for (&i, ok) in failed.iter().zip(retry(&failed, &ids)?) {
-            if ok {
+impl Factorization {
+    /// DESIGN step 2's outcome, the same on both routes, from each patch's verdicts (nonzero
+    /// where a factorisation failed): those of the first factorisation (`first`) and, for the
+    /// patches that failed it, of the retry with regularize 1e-4 (`last`; a patch that was not
+    /// retried keeps its first verdict there). A failure of a patch without any weight
+    /// (`masked`) does not count; a patch that failed twice goes to the CPU reference.
+    pub(crate) fn from_verdicts(
+        patches: &[&Patch],
+        first: &[i32],
+        last: &[i32],
+        masked: Vec<i32>,
+    ) -> Self {
+        let n = patches.len();
+        let mut status = vec![PatchStatus::Ok; n];
+        let mut to_cpu = Vec::new();
+        let mut retried = 0;
+        for i in (0..n).filter(|&i| first[i] != 0 && masked[i] == 0) {
+            tracing::debug!(
+                "patch fibers {:?} bins {:?}: icov not positive definite (info {}), retried with regularize {RETRY_REGULARIZE}",
+                patches[i].fibers,
+                patches[i].waves,
+                first[i]
+            );
+            retried += 1;
+            if last[i] == 0 {
                 status[i] = PatchStatus::Regularized;
             } else {
                 to_cpu.push(i);
             }
         }
+        Factorization {
+            status,
+            masked,
+            to_cpu,
+            retried,
+        }
     }
-    Ok(Factorization {
-        status,
-        masked: first.masked,
-        to_cpu,
-        retried: failed.len(),
-    })
+}
+
+/// DESIGN step 2's retry on the dense route: the patches whose first factorisation failed are
+/// assembled again with regularize 1e-4 and `retry` factorises them once more (given their
+/// indices; it returns, for each, whether it succeeded). A first failure already under that
+/// regularisation is not retried.
+fn retry_failures(
+    g: Gpu<'_>,
+    ws: &Workspace,
+    region: Region,
+    first: Attempt<'_>,
+    retry: impl FnOnce(&[usize]) -> Result<Vec<bool>>,
+) -> Result<Factorization> {
+    let n = first.patches.len();
+    let failed: Vec<usize> = (0..n)
+        .filter(|&i| first.info[i] != 0 && first.masked[i] == 0)
+        .collect();
+    let mut last = first.info.to_vec();
+    if !failed.is_empty() && first.regularize != RETRY_REGULARIZE {
+        // The list stays alive until the retry has synchronised.
+        let _ids = reassemble_regularized(g, ws, region, &failed)?;
+        for (&i, ok) in failed.iter().zip(retry(&failed)?) {
+            last[i] = i32::from(!ok);
+        }
+    }
+    Ok(Factorization::from_verdicts(
+        first.patches,
+        first.info,
+        &last,
+        first.masked,
+    ))
 }
 
 /// Assembles the patches `failed` of the chunk again with regularize 1e-4, for a second
-/// factorisation (either route); returns their list on the device. The assembly rewrites the
-/// whole stored triangle of those patches, where a failed potrf left part of a factor.
-pub(crate) fn reassemble_regularized(
+/// factorisation; returns their list on the device. The assembly rewrites the whole stored
+/// triangle of those patches, where a failed potrf left part of a factor.
+fn reassemble_regularized(
     g: Gpu<'_>,
     ws: &Workspace,
     region: Region,

@@ -38,7 +38,7 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
     (
         "schur.cu",
         include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/schur.cu")),
-        &["schur_sweep_f64", "schur_combine_f64"],
+        &["schur_sweep_f64", "schur_combine_f64", "schur_retry_list"],
     ),
     (
         "polar.cu",

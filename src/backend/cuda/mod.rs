@@ -194,6 +194,12 @@ impl CudaBackend {
         self.tuning.coupling_max = max;
     }
 
+    /// Sets how many failed patches of a chunk the Schur route retries on the device; the
+    /// others go to the CPU reference (for tests of that fallback; the default is 32).
+    pub fn set_retry_capacity(&mut self, patches: usize) {
+        self.tuning.retry_capacity = patches;
+    }
+
     /// Limits the number of patches solved together (for tests of the chunking; the default
     /// follows the memory budget).
     pub fn set_max_chunk(&mut self, patches: Option<usize>) {

@@ -5,7 +5,9 @@
 //!
 //! Failures follow DESIGN step 2 as on the dense route: a patch whose icov is not positive
 //! definite is re-assembled with regularize 1e-4 and swept again, and a second failure goes to
-//! the CPU reference. A patch whose second-neighbour coupling (dropped by the sweeps) exceeds
+//! the CPU reference. Unlike the dense route's, this retry is decided on the device, so that
+//! the host queues a chunk's steps without waiting for any of them; the verdicts come back
+//! with the results. A patch whose second-neighbour coupling (dropped by the sweeps) exceeds
 //! the tuning's bound also goes to the CPU reference, which solves it densely. The sweeps walk
 //! the blocks in fiber order along the CCD (from the column table), not in storage order
 //! (padding fibers first): in storage order a padding fiber and its core neighbour sit two
@@ -15,11 +17,12 @@
 //! dense route's cuSOLVER lower triangle): a block in the other triangle is read as its stored
 //! transpose, row-wise for coalesced loads, and transposed in shared memory.
 
-use super::dense::{retry_failures, Attempt, Factorization};
-use super::device::DevBuf;
+use super::dense::Factorization;
+use super::device::{DevBuf, Device};
 use super::kernels::{launch, Args};
-use super::launchers::Gpu;
+use super::launchers::{self, Gpu};
 use super::workspace::{Region, Workspace};
+use crate::backend::cpu::RETRY_REGULARIZE;
 use crate::error::Result;
 use crate::plan::Patch;
 
@@ -74,8 +77,8 @@ fn sweep(g: Gpu<'_>, ws: &Workspace, count: usize, ids: Option<&DevBuf<i32>>) ->
     )
 }
 
-/// Allocates the sweeps' buffers for `n` patches.
-pub(crate) fn ensure(g: Gpu<'_>, ws: &mut Workspace, n: usize) -> Result<()> {
+/// Allocates the sweeps' buffers for `n` patches, and the retry list for up to `capacity`.
+pub(crate) fn ensure(g: Gpu<'_>, ws: &mut Workspace, n: usize, capacity: usize) -> Result<()> {
     let sh = g.sh;
     let (nt, nb) = (sh.nt, sh.nblock);
     ws.su.ensure(g.dev, n * 2 * nb * nt * nt)?;
@@ -84,8 +87,90 @@ pub(crate) fn ensure(g: Gpu<'_>, ws: &mut Workspace, n: usize) -> Result<()> {
     // the combine's Cholesky factors of the core blocks, which the polar route starts from
     ws.pbuf.ensure(g.dev, n * sh.ncore * nt * nt)?;
     ws.info.ensure(g.dev, n)?;
+    ws.first_info.ensure(g.dev, n)?;
+    ws.retry_ids.ensure(g.dev, capacity.max(1))?;
     ws.coupling.ensure(g.dev, n)?;
     Ok(())
+}
+
+/// The patches of a chunk the device retries at most: the retry's kernels are queued before
+/// the verdicts are known, over a list of this length drawn up on the device (blocks past its
+/// end return at once). Failures are rare, none on the test frames; those past the capacity go
+/// to the CPU reference.
+pub(crate) fn retry_capacity(tuning: usize, n: usize, regularize: f64) -> usize {
+    if regularize == RETRY_REGULARIZE {
+        0
+    } else {
+        tuning.min(n)
+    }
+}
+
+/// Queues the sweeps of the chunk's `n` live patches and DESIGN step 2's retry of their
+/// failures, without waiting for a verdict: the device lists up to `capacity` failed patches,
+/// assembles them again with regularize 1e-4 and sweeps them once more. Their verdicts come
+/// back with the chunk's results ([`DeviceVerdicts`], [`outcome`]).
+pub(crate) fn factorize(
+    g: Gpu<'_>,
+    ws: &Workspace,
+    n: usize,
+    region: Region,
+    capacity: usize,
+) -> Result<()> {
+    g.dev.zero_prefix(ws.info.get(), n)?;
+    sweep(g, ws, n, None)?;
+    launch(
+        g.dev,
+        &g.k.schur_retry_list,
+        "schur_retry_list",
+        (1, 1, 1),
+        1024,
+        0,
+        Args::new()
+            .ptr(ws.info.get().ptr)
+            .ptr(ws.masked.get().ptr)
+            .i32(n as i32)
+            .i32(capacity as i32)
+            .ptr(ws.first_info.get().ptr)
+            .ptr(ws.retry_ids.get().ptr),
+    )?;
+    if capacity > 0 {
+        let ids = ws.retry_ids.get();
+        launchers::assemble(g, capacity, Some(ids), ws, region, RETRY_REGULARIZE)?;
+        sweep(g, ws, capacity, Some(ids))?;
+    }
+    Ok(())
+}
+
+/// Values per live patch in the host buffer of the sweeps' verdicts: the first verdict, the
+/// last, the masked flag.
+pub(crate) const VERDICTS_PER_PATCH: usize = 3;
+
+/// The device arrays of the sweeps' verdicts, in the order of their host buffer, and the
+/// second-neighbour coupling.
+pub(crate) struct DeviceVerdicts<'a> {
+    pub first: &'a DevBuf<i32>,
+    pub last: &'a DevBuf<i32>,
+    pub masked: &'a DevBuf<i32>,
+    pub coupling: &'a DevBuf<f64>,
+}
+
+impl DeviceVerdicts<'_> {
+    /// Queues the copies of the verdicts of `n` patches into `verdicts`
+    /// ([`VERDICTS_PER_PATCH`] `n` values) and of their coupling into `coupling`.
+    pub(crate) fn copy(
+        &self,
+        dev: &Device,
+        verdicts: &mut [i32],
+        coupling: &mut [f64],
+    ) -> Result<()> {
+        let n = coupling.len();
+        let (first, rest) = verdicts.split_at_mut(n);
+        let (last, masked) = rest.split_at_mut(n);
+        dev.copy_from(first, self.first, 0, "first sweep verdicts")?;
+        dev.copy_from(last, self.last, 0, "sweep verdicts")?;
+        dev.copy_from(masked, self.masked, 0, "masked flags")?;
+        dev.copy_from(coupling, self.coupling, 0, "second-neighbour coupling")
+    }
 }
 
 /// Second-neighbour coupling of a chunk: patches over the bound, and the largest of all.
@@ -94,45 +179,27 @@ pub(crate) struct Coupling {
     pub largest: f64,
 }
 
-/// The sweeps of the `patches` (the chunk's live ones), with the retry of failures and the
-/// coupling check; patches beyond `coupling_max` go to the CPU reference.
-pub(crate) fn factorize(
-    g: Gpu<'_>,
-    ws: &Workspace,
+/// The outcome of the sweeps of a chunk's live `patches` from the verdicts copied back
+/// ([`DeviceVerdicts`]) once the device is done with the chunk: DESIGN step 2 as on the dense
+/// route, then the coupling check, which sends the patches beyond `coupling_max` to the CPU
+/// reference as well.
+pub(crate) fn outcome(
     patches: &[&Patch],
-    region: Region,
-    regularize: f64,
+    verdicts: &[i32],
+    coupling: &[f64],
+    capacity: usize,
     coupling_max: f64,
-) -> Result<(Factorization, Coupling)> {
-    let (dev, n) = (g.dev, patches.len());
-    dev.zero_prefix(ws.info.get(), n)?;
-    sweep(g, ws, n, None)?;
-    let mut info = vec![0i32; n];
-    let mut masked = vec![0i32; n];
-    let mut coupling = vec![0f64; n];
-    dev.copy_from(&mut info, ws.info.get(), 0, "sweep verdicts")?;
-    dev.copy_from(&mut masked, ws.masked.get(), 0, "masked flags")?;
-    dev.copy_from(
-        &mut coupling,
-        ws.coupling.get(),
-        0,
-        "second-neighbour coupling",
-    )?;
-    dev.sync("Schur sweeps")?;
-    let first = Attempt {
-        patches,
-        info: &info,
-        masked,
-        regularize,
-    };
-    let mut fact = retry_failures(g, ws, region, first, |failed, ids| {
-        let mut again = vec![0i32; n];
-        dev.zero_prefix(ws.info.get(), n)?;
-        sweep(g, ws, failed.len(), Some(ids))?;
-        dev.copy_from(&mut again, ws.info.get(), 0, "sweep verdicts")?;
-        dev.sync("Schur sweeps of the retried patches")?;
-        Ok(failed.iter().map(|&i| again[i] == 0).collect())
-    })?;
+) -> (Factorization, Coupling) {
+    let n = patches.len();
+    let (first, rest) = verdicts.split_at(n);
+    let (last, masked) = rest.split_at(n);
+    let mut fact = Factorization::from_verdicts(patches, first, last, masked.to_vec());
+    if capacity > 0 && fact.retried > capacity {
+        tracing::warn!(
+            "{} patches of a chunk were not positive definite; the device retried {capacity} of them, the CPU reference solves the others",
+            fact.retried
+        );
+    }
     let (masked, to_cpu) = (&fact.masked, &fact.to_cpu);
     let coupled: Vec<usize> = (0..n)
         .filter(|&i| masked[i] == 0 && !to_cpu.contains(&i) && !(coupling[i] <= coupling_max))
@@ -150,11 +217,11 @@ pub(crate) fn factorize(
         .map(|i| coupling[i])
         .fold(0f64, f64::max);
     fact.to_cpu.extend(&coupled);
-    Ok((
+    (
         fact,
         Coupling {
             patches: coupled.len(),
             largest,
         },
-    ))
+    )
 }

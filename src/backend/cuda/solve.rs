@@ -124,17 +124,20 @@ fn finalize(
 }
 
 /// Step 7 on the device: the core arrays (and the model boxes when asked) into the pinned
-/// buffer `ws.back[slot]`, and the decorrelation's verdicts (polar steps, then Jacobi sweeps)
-/// into `ws.verdicts[slot]`; valid once the device has passed the chunk's last mark.
+/// buffer `ws.back[slot]`, and the verdicts (polar steps, Jacobi sweeps, then on the Schur
+/// route those of the sweeps and the coupling) into `ws.verdicts[slot]` and
+/// `ws.coupling_back[slot]`; valid once the device has passed the chunk's last mark.
 fn copy_out(
     g: Gpu<'_>,
     ws: &mut Workspace,
     host: &ChunkHost,
     model: bool,
     slot: usize,
+    steps: &Steps,
 ) -> Result<()> {
     let (dev, sh) = (g.dev, g.sh);
-    let nblocks = host.live.len() * sh.ncore;
+    let n = host.live.len();
+    let nblocks = n * sh.ncore;
     let per = nblocks * sh.nws;
     let nback = Back::len(per, sh.nd(), if model { host.box_total } else { 0 });
     let s = ws.back[slot].get(nback);
@@ -151,9 +154,22 @@ fn copy_out(
     if model {
         dev.copy_from(rest, ws.model.get(), 0, "model")?;
     }
-    let (steps, sweeps) = ws.verdicts[slot].get(2 * nblocks).split_at_mut(nblocks);
-    dev.copy_from(steps, ws.steps.get(), 0, "polar steps")?;
-    dev.copy_from(sweeps, ws.sweeps.get(), 0, "Jacobi sweeps")
+    let nsweep = steps.verdicts_per_patch() * n;
+    let v = ws.verdicts[slot].get(2 * nblocks + nsweep);
+    let (polar, rest) = v.split_at_mut(nblocks);
+    let (jacobi, sweeps) = rest.split_at_mut(nblocks);
+    dev.copy_from(polar, ws.steps.get(), 0, "polar steps")?;
+    dev.copy_from(jacobi, ws.sweeps.get(), 0, "Jacobi sweeps")?;
+    if let Steps::Schur { .. } = steps {
+        let from = schur::DeviceVerdicts {
+            first: ws.first_info.get(),
+            last: ws.info.get(),
+            masked: ws.masked.get(),
+            coupling: ws.coupling.get(),
+        };
+        from.copy(dev, sweeps, ws.coupling_back[slot].get(n))?;
+    }
+    Ok(())
 }
 
 /// The route of steps 2-3 for blocks of the shape `sh`: the Schur sweeps need their blocks
@@ -204,14 +220,33 @@ pub(crate) struct Sink<'s> {
     pub(crate) progress: &'s Progress,
 }
 
+/// How steps 2-3 of a chunk went: known at once on the dense route, whose library calls the
+/// host waits for; on the Schur route decided on the device and read once the chunk is done.
+pub(crate) enum Steps {
+    Dense(Factorization),
+    Schur {
+        /// Failed patches the device retried at most.
+        capacity: usize,
+        coupling_max: f64,
+    },
+}
+
+impl Steps {
+    /// Values per live patch copied back after the decorrelation's verdicts.
+    fn verdicts_per_patch(&self) -> usize {
+        match self {
+            Steps::Dense(_) => 0,
+            Steps::Schur { .. } => schur::VERDICTS_PER_PATCH,
+        }
+    }
+}
+
 /// A chunk whose work is queued on the device, with what its results need once the device
 /// has passed its last mark.
 pub(crate) struct Pending<'a> {
     chunk: Chunk<'a>,
     host: ChunkHost,
-    fact: Factorization,
-    /// The second-neighbour coupling on the Schur route, `None` on the dense route.
-    coupling: Option<schur::Coupling>,
+    steps: Steps,
     /// Device arrays that queued library calls still read.
     keep: Keep,
     clock: PhaseClock<'a>,
@@ -256,6 +291,14 @@ pub(crate) fn solve_chunk<'a>(
     Ok((pending, next))
 }
 
+/// The live patches of a chunk, in the order of the device's batch.
+fn live_patches<'a>(chunk: &Chunk<'a>, host: &ChunkHost) -> Vec<&'a Patch> {
+    host.live
+        .iter()
+        .map(|(ci, _, _)| chunk.patches[*ci])
+        .collect()
+}
+
 /// The steps of [`solve_chunk`] for a chunk with live patches, queued on the device.
 fn solve_live<'a>(
     g: Gpu<'a>,
@@ -271,11 +314,7 @@ fn solve_live<'a>(
         col0: host.region.2,
         width: host.region.3 - host.region.2,
     };
-    let live: Vec<&Patch> = host
-        .live
-        .iter()
-        .map(|(ci, _, _)| chunk.patches[*ci])
-        .collect();
+    let live = live_patches(&chunk, &host);
     let mut clock = PhaseClock::new(g.dev);
     clock.mark("start")?;
     copy_in(g, ws, &host)?;
@@ -285,37 +324,36 @@ fn solve_live<'a>(
     launchers::assemble(g, n, None, ws, region, input.options.regularize)?;
     clock.mark("assemble")?;
     let mut keep = Keep::new();
-    let (fact, kind, coupling) = match route(tuning.solve, g.sh) {
+    let (steps, kind) = match route(tuning.solve, g.sh) {
         Solve::Schur => {
-            schur::ensure(g, ws, n)?;
-            let (fact, coupled) = schur::factorize(
-                g,
-                ws,
-                &live,
-                region,
-                input.options.regularize,
-                tuning.coupling_max,
-            )?;
+            let regularize = input.options.regularize;
+            let capacity = schur::retry_capacity(tuning.retry_capacity, n, regularize);
+            schur::ensure(g, ws, n, capacity)?;
+            schur::factorize(g, ws, n, region, capacity)?;
             clock.mark("sweeps")?;
-            (fact, BlockKind::Precision, Some(coupled))
+            let steps = Steps::Schur {
+                capacity,
+                coupling_max: tuning.coupling_max,
+            };
+            (steps, BlockKind::Precision)
         }
         Solve::Dense => (
-            dense_steps(g, ws, &live, region, input, &mut clock, &mut keep)?,
+            Steps::Dense(dense_steps(
+                g, ws, &live, region, input, &mut clock, &mut keep,
+            )?),
             BlockKind::Covariance,
-            None,
         ),
     };
     decorrelate_chunk(g, tuning, ws, n, kind)?;
     clock.mark("decorrelate")?;
     finalize(g, ws, &host, region, input)?;
     clock.mark("finalize")?;
-    copy_out(g, ws, &host, input.options.model, chunk.slot)?;
+    copy_out(g, ws, &host, input.options.model, chunk.slot, &steps)?;
     clock.mark("copies out")?;
     Ok(Pending {
         chunk,
         host,
-        fact,
-        coupling,
+        steps,
         keep,
         clock,
     })
@@ -334,22 +372,34 @@ pub(crate) fn finish(
     p.clock.wait_last()?;
     drop(p.keep);
     let (sh, model) = (g.sh, input.options.model);
-    let nblocks = p.host.live.len() * sh.ncore;
-    let (steps, sweeps) = ws.verdicts[p.chunk.slot]
-        .current(2 * nblocks)
-        .split_at(nblocks);
-    let counts = Counts::new(steps, sweeps);
+    let n = p.host.live.len();
+    let nblocks = n * sh.ncore;
+    let verdicts =
+        ws.verdicts[p.chunk.slot].current(2 * nblocks + p.steps.verdicts_per_patch() * n);
+    let (polar, rest) = verdicts.split_at(nblocks);
+    let (jacobi, sweeps) = rest.split_at(nblocks);
+    let counts = Counts::new(polar, jacobi);
     let t = &mut *sink.timings;
     p.clock.collect(t)?;
-    match &p.coupling {
-        Some(c) => {
+    let fact = match p.steps {
+        Steps::Schur {
+            capacity,
+            coupling_max,
+        } => {
+            let live = live_patches(&p.chunk, &p.host);
+            let coupling = ws.coupling_back[p.chunk.slot].current(n);
+            let (fact, c) = schur::outcome(&live, sweeps, coupling, capacity, coupling_max);
             t.coupled += c.patches;
             t.max_coupling = t.max_coupling.max(c.largest);
+            fact
         }
-        None => t.dense_route = true,
-    }
-    t.retried += p.fact.retried;
-    t.cpu_fallback += p.fact.to_cpu.len();
+        Steps::Dense(fact) => {
+            t.dense_route = true;
+            fact
+        }
+    };
+    t.retried += fact.retried;
+    t.cpu_fallback += fact.to_cpu.len();
     t.polar_blocks += counts.polar;
     t.polar_fallback += counts.fallback;
     t.max_polar_steps = t.max_polar_steps.max(counts.max_steps);
@@ -362,7 +412,7 @@ pub(crate) fn finish(
     let per = nblocks * sh.nws;
     let nback = Back::len(per, sh.nd(), if model { p.host.box_total } else { 0 });
     let back = Back::split(ws.back[p.chunk.slot].current(nback), per, sh.nd());
-    let (patches, host, fact) = (p.chunk.patches, &p.host, &p.fact);
+    let (patches, host, fact) = (p.chunk.patches, &p.host, &fact);
     let solved = results::unpack(sh, patches, host, &back, fact, model);
     let fallback = results::cpu_fallback(input, sh, patches, host, &fact.to_cpu);
     for (ci, r) in solved.into_iter().chain(fallback) {

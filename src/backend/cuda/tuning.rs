@@ -30,12 +30,16 @@ pub enum Solve {
 /// The backend's tuning, read once per backend from the environment (for measurements rather
 /// than production): `SPEX_GPU_SOLVE` (`schur`, the default, or `dense`), `SPEX_GPU_COUPLING_MAX` (largest
 /// relative second-neighbour coupling the Schur route accepts, default 1e-12),
+/// `SPEX_GPU_RETRY_CAPACITY` (patches per chunk the Schur route retries on the device, default
+/// 32),
 /// `SPEX_GPU_DECORRELATE` (`polar` or `jacobi`), `SPEX_GPU_JACOBI_THREADS` (threads per Jacobi
 /// block, default 512) and `SPEX_GPU_JACOBI_TOL` (rotation threshold, default 1e-14).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Tuning {
     pub solve: Solve,
     pub coupling_max: f64,
+    /// Patches of a chunk whose failed sweeps the device retries (`schur::retry_capacity`).
+    pub retry_capacity: usize,
     pub route: Route,
     /// The polar iteration stops one step after `||X^T X - I||_F` falls under this: that step
     /// squares it, to rounding.
@@ -81,6 +85,7 @@ impl Tuning {
         Ok(Tuning {
             solve,
             coupling_max: var("SPEX_GPU_COUPLING_MAX", 1e-12)?,
+            retry_capacity: var("SPEX_GPU_RETRY_CAPACITY", 32)?,
             route,
             polar_tol: 1e-10,
             polar_max_steps: 40,

@@ -117,15 +117,19 @@ pub(crate) struct Workspace {
     pub(crate) sv: Slot<f64>,
     pub(crate) sblocks: Slot<f64>,
     pub(crate) info: Slot<i32>,
+    pub(crate) first_info: Slot<i32>,
+    pub(crate) retry_ids: Slot<i32>,
     pub(crate) coupling: Slot<f64>,
     pub(crate) steps: Slot<i32>,
     pub(crate) model: Slot<f64>,
     pub(crate) chi2: Slot<f64>,
-    /// Host buffers of the copies back (core arrays, model boxes), and of the decorrelation's
-    /// verdicts (polar steps, then Jacobi sweeps): two of each, so that one chunk's results are
-    /// unpacked while the next chunk's copies back are queued.
+    /// Host buffers of the copies back (core arrays, model boxes), of the verdicts (polar
+    /// steps, Jacobi sweeps, then on the Schur route those of the sweeps) and of the
+    /// second-neighbour coupling: two of each, so that one chunk's results are unpacked while
+    /// the next chunk's copies back are queued.
     pub(crate) back: [Staging<f64>; 2],
     pub(crate) verdicts: [Staging<i32>; 2],
+    pub(crate) coupling_back: [Staging<f64>; 2],
 }
 
 impl Workspace {
@@ -152,6 +156,8 @@ impl Workspace {
             sv: Slot::new("Schur sweep right-hand sides"),
             sblocks: Slot::new("Schur complements"),
             info: Slot::new("sweep verdicts"),
+            first_info: Slot::new("first sweep verdicts"),
+            retry_ids: Slot::new("retry list"),
             coupling: Slot::new("second-neighbour coupling"),
             steps: Slot::new("polar steps"),
             model: Slot::new("patch models"),
@@ -161,6 +167,7 @@ impl Workspace {
                 Staging::new(ctx.clone()),
             ],
             verdicts: [(); 2].map(|()| pinned_from_the_start(Staging::new(ctx.clone()))),
+            coupling_back: [(); 2].map(|()| pinned_from_the_start(Staging::new(ctx.clone()))),
         }
     }
 }
