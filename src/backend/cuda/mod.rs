@@ -327,10 +327,10 @@ impl Backend for CudaBackend {
 
 impl CudaBackend {
     /// Solves the chunks in turn. Host tables of chunk i + 1 are prepared on a helper thread
-    /// while the device solves chunk i; once chunk i's work is queued, the results of chunk
-    /// i - 1 are unpacked while the device runs it, and chunk i + 1 is uploaded on the copy
-    /// stream. Three image buffers and two sets of device inputs and of host buffers of the
-    /// copies back take turns.
+    /// while the device solves chunk i; once chunk i's kernels are queued, the results of
+    /// chunk i - 1 are unpacked while the device runs them, then chunk i's copies back are
+    /// queued into the host buffers chunk i - 1 has left, and chunk i + 1 is uploaded on the
+    /// copy stream. Three image buffers and two sets of device inputs take turns.
     #[allow(clippy::too_many_arguments)]
     fn solve_chunks(
         &mut self,
@@ -380,7 +380,6 @@ impl CudaBackend {
                 let chunk = solve::Chunk {
                     patches: chunk,
                     ids: ids[ci],
-                    slot: ci % 2,
                 };
                 let mut sink = solve::Sink {
                     results: &mut *results,
@@ -475,11 +474,11 @@ impl CudaBackend {
         // The copies back of the first chunks come after their solve: time enough to pin
         // their buffers (the model boxes, when asked, may need larger ones later).
         let per = size * sh.ncore * sh.nws;
-        for slot in 0..2 {
-            let ws = &mut self.workspace;
-            ws.back[slot].reserve(results::Back::len(per, sh.nd(), 0));
-            ws.verdicts[slot].reserve(2 * size * sh.ncore);
-        }
+        let ws = &mut self.workspace;
+        ws.back.reserve(results::Back::len(per, sh.nd(), 0));
+        ws.verdicts
+            .reserve((2 * sh.ncore + schur::VERDICTS_PER_PATCH) * size);
+        ws.coupling_back.reserve(size);
         let mut results: Vec<Option<PatchResult>> = vec![None; patches.len()];
         let mut pool = std::mem::take(&mut self.images);
         let solved = self.solve_chunks(
@@ -502,7 +501,6 @@ impl CudaBackend {
         for staging in &mut pool {
             staging.allow_pinning();
         }
-        self.workspace.back[1].allow_pinning();
         self.images = pool;
         self.dev.bind()?;
         timings.patches = patches.len();

@@ -12,8 +12,9 @@
 //! 5. decorrelation of each core block (`decorrelate`: polar, Jacobi for the blocks it gives
 //!    up on);
 //! 6. the model of each patch, chi2pix and the optional core model image;
-//! 7. copies out of the core arrays only, and the results on the host (`results`), unpacked
-//!    once the next chunk's work is queued, while the device runs it.
+//! 7. copies out of the core arrays only, queued once the chunk before has been unpacked from
+//!    the host buffers (while the device runs this chunk's kernels), and the results on the
+//!    host (`results`), unpacked once the next chunk's kernels are queued.
 
 use std::time::Instant;
 
@@ -124,15 +125,14 @@ fn finalize(
 }
 
 /// Step 7 on the device: the core arrays (and the model boxes when asked) into the pinned
-/// buffer `ws.back[slot]`, and the verdicts (polar steps, Jacobi sweeps, then on the Schur
-/// route those of the sweeps and the coupling) into `ws.verdicts[slot]` and
-/// `ws.coupling_back[slot]`; valid once the device has passed the chunk's last mark.
+/// buffer `ws.back`, and the verdicts (polar steps, Jacobi sweeps, then on the Schur route
+/// those of the sweeps and the coupling) into `ws.verdicts` and `ws.coupling_back`; valid
+/// once the device has passed the chunk's last mark.
 fn copy_out(
     g: Gpu<'_>,
     ws: &mut Workspace,
     host: &ChunkHost,
     model: bool,
-    slot: usize,
     steps: &Steps,
 ) -> Result<()> {
     let (dev, sh) = (g.dev, g.sh);
@@ -140,7 +140,7 @@ fn copy_out(
     let nblocks = n * sh.ncore;
     let per = nblocks * sh.nws;
     let nback = Back::len(per, sh.nd(), if model { host.box_total } else { 0 });
-    let s = ws.back[slot].get(nback);
+    let s = ws.back.get(nback);
     let (a, rest) = s.split_at_mut(per);
     dev.copy_from(a, ws.flux.get(), 0, "flux")?;
     let (a, rest) = rest.split_at_mut(per);
@@ -155,7 +155,7 @@ fn copy_out(
         dev.copy_from(rest, ws.model.get(), 0, "model")?;
     }
     let nsweep = steps.verdicts_per_patch() * n;
-    let v = ws.verdicts[slot].get(2 * nblocks + nsweep);
+    let v = ws.verdicts.get(2 * nblocks + nsweep);
     let (polar, rest) = v.split_at_mut(nblocks);
     let (jacobi, sweeps) = rest.split_at_mut(nblocks);
     dev.copy_from(polar, ws.steps.get(), 0, "polar steps")?;
@@ -167,7 +167,7 @@ fn copy_out(
             masked: ws.masked.get(),
             coupling: ws.coupling.get(),
         };
-        from.copy(dev, sweeps, ws.coupling_back[slot].get(n))?;
+        from.copy(dev, sweeps, ws.coupling_back.get(n))?;
     }
     Ok(())
 }
@@ -203,12 +203,10 @@ fn dense_steps(
     Ok(fact)
 }
 
-/// A chunk of patches: the patches, their positions in the call's results, and the slot of
-/// the host buffers its results come back to (chunks alternate between two).
+/// A chunk of patches: the patches and their positions in the call's results.
 pub(crate) struct Chunk<'a> {
     pub(crate) patches: &'a [&'a Patch],
     pub(crate) ids: &'a [usize],
-    pub(crate) slot: usize,
 }
 
 /// Where finished chunks go: the call's results by patch, its timings, the image buffers free
@@ -253,11 +251,12 @@ pub(crate) struct Pending<'a> {
 }
 
 /// Queues the solve of one prepared chunk, whose inputs were uploaded into `ws.input`. Once
-/// the device has the chunk's work in hand, `next` gives the next chunk's host tables
+/// the device has the chunk's kernels in hand, `next` gives the next chunk's host tables
 /// (prepared on another thread meanwhile), the chunk before (`previous`) is finished while the
-/// device runs this one's last steps, and the next chunk's inputs are queued for upload into
-/// `ws.next`, which the chunk before held. Returns this chunk in flight, if it has live
-/// patches, and the next chunk's tables.
+/// device runs this one, this chunk's copies back are queued into the host buffers the chunk
+/// before has left, and the next chunk's inputs are queued for upload into `ws.next`, which
+/// the chunk before held. Returns this chunk in flight, if it has live patches, and the next
+/// chunk's tables.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn solve_chunk<'a>(
     g: Gpu<'a>,
@@ -274,7 +273,7 @@ pub(crate) fn solve_chunk<'a>(
     for (i, r) in std::mem::take(&mut host.off) {
         sink.results[chunk.ids[i]] = Some(r);
     }
-    let pending = if host.live.is_empty() {
+    let mut pending = if host.live.is_empty() {
         sink.images.push(host.image);
         sink.progress.add(chunk.patches.len());
         None
@@ -284,6 +283,10 @@ pub(crate) fn solve_chunk<'a>(
     let next = next()?;
     if let Some(p) = previous {
         finish(g, ws, input, p, sink)?;
+    }
+    if let Some(p) = &mut pending {
+        copy_out(g, ws, &p.host, input.options.model, &p.steps)?;
+        p.clock.mark("copies out")?;
     }
     if let Some(h) = &next {
         ws.next.upload(g.dev, input, h)?;
@@ -299,7 +302,8 @@ fn live_patches<'a>(chunk: &Chunk<'a>, host: &ChunkHost) -> Vec<&'a Patch> {
         .collect()
 }
 
-/// The steps of [`solve_chunk`] for a chunk with live patches, queued on the device.
+/// The steps of [`solve_chunk`] for a chunk with live patches up to its copies back, queued
+/// on the device.
 fn solve_live<'a>(
     g: Gpu<'a>,
     tuning: &Tuning,
@@ -348,8 +352,6 @@ fn solve_live<'a>(
     clock.mark("decorrelate")?;
     finalize(g, ws, &host, region, input)?;
     clock.mark("finalize")?;
-    copy_out(g, ws, &host, input.options.model, chunk.slot, &steps)?;
-    clock.mark("copies out")?;
     Ok(Pending {
         chunk,
         host,
@@ -374,8 +376,9 @@ pub(crate) fn finish(
     let (sh, model) = (g.sh, input.options.model);
     let n = p.host.live.len();
     let nblocks = n * sh.ncore;
-    let verdicts =
-        ws.verdicts[p.chunk.slot].current(2 * nblocks + p.steps.verdicts_per_patch() * n);
+    let verdicts = ws
+        .verdicts
+        .current(2 * nblocks + p.steps.verdicts_per_patch() * n);
     let (polar, rest) = verdicts.split_at(nblocks);
     let (jacobi, sweeps) = rest.split_at(nblocks);
     let counts = Counts::new(polar, jacobi);
@@ -387,7 +390,7 @@ pub(crate) fn finish(
             coupling_max,
         } => {
             let live = live_patches(&p.chunk, &p.host);
-            let coupling = ws.coupling_back[p.chunk.slot].current(n);
+            let coupling = ws.coupling_back.current(n);
             let (fact, c) = schur::outcome(&live, sweeps, coupling, capacity, coupling_max);
             t.coupled += c.patches;
             t.max_coupling = t.max_coupling.max(c.largest);
@@ -411,7 +414,7 @@ pub(crate) fn finish(
     let t_res = Instant::now();
     let per = nblocks * sh.nws;
     let nback = Back::len(per, sh.nd(), if model { p.host.box_total } else { 0 });
-    let back = Back::split(ws.back[p.chunk.slot].current(nback), per, sh.nd());
+    let back = Back::split(ws.back.current(nback), per, sh.nd());
     let (patches, host, fact) = (p.chunk.patches, &p.host, &fact);
     let solved = results::unpack(sh, patches, host, &back, fact, model);
     let fallback = results::cpu_fallback(input, sh, patches, host, &fact.to_cpu);

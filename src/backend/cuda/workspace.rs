@@ -125,11 +125,12 @@ pub(crate) struct Workspace {
     pub(crate) chi2: Slot<f64>,
     /// Host buffers of the copies back (core arrays, model boxes), of the verdicts (polar
     /// steps, Jacobi sweeps, then on the Schur route those of the sweeps) and of the
-    /// second-neighbour coupling: two of each, so that one chunk's results are unpacked while
-    /// the next chunk's copies back are queued.
-    pub(crate) back: [Staging<f64>; 2],
-    pub(crate) verdicts: [Staging<i32>; 2],
-    pub(crate) coupling_back: [Staging<f64>; 2],
+    /// second-neighbour coupling. One of each: a chunk's copies back are queued once the
+    /// chunk before has been unpacked from them, while the device still runs the chunk's
+    /// kernels.
+    pub(crate) back: Staging<f64>,
+    pub(crate) verdicts: Staging<i32>,
+    pub(crate) coupling_back: Staging<f64>,
 }
 
 impl Workspace {
@@ -162,12 +163,9 @@ impl Workspace {
             steps: Slot::new("polar steps"),
             model: Slot::new("patch models"),
             chi2: Slot::new("chi2pix"),
-            back: [
-                pinned_from_the_start(Staging::new(ctx.clone())),
-                Staging::new(ctx.clone()),
-            ],
-            verdicts: [(); 2].map(|()| pinned_from_the_start(Staging::new(ctx.clone()))),
-            coupling_back: [(); 2].map(|()| pinned_from_the_start(Staging::new(ctx.clone()))),
+            back: pinned_from_the_start(Staging::new(ctx.clone())),
+            verdicts: pinned_from_the_start(Staging::new(ctx.clone())),
+            coupling_back: pinned_from_the_start(Staging::new(ctx.clone())),
         }
     }
 }
@@ -244,12 +242,12 @@ impl Inputs {
     }
 }
 
-/// The first buffer of the copies back may be pinned during the first frame: it is reserved
+/// The buffers of the copies back may be pinned during the first frame: they are reserved
 /// when a call starts and first used after the first chunk's solve, by when the pinning is
 /// done (pinned, a full frame's copies back take 3 ms instead of 24-53 on an H100's host; the
-/// pinning of one buffer does not hold up the kernels the way that of the larger image buffers
-/// does). The second one is pinned from the second frame on, with the image buffers: until
-/// then the copies of every other chunk wait for the chunk to end, as all did before.
+/// pinning of these buffers does not hold up the kernels the way that of the larger image
+/// buffers does). A copy into pageable memory would return only once the device is done with
+/// the chunk, so that the host could not unpack the chunk before meanwhile.
 fn pinned_from_the_start<T: Copy + Default + Send + 'static>(mut back: Staging<T>) -> Staging<T> {
     back.allow_pinning();
     back
