@@ -59,6 +59,7 @@ use crate::plan::Patch;
 use device::Device;
 use kernels::Kernels;
 use launchers::{CoreIn, CoreOut, Gpu};
+use timings::PhaseClock;
 use tuning::Tuning;
 use workspace::Shape;
 
@@ -346,6 +347,10 @@ impl CudaBackend {
         while pool.len() < 3 {
             pool.push(staging::Staging::new(self.dev.ctx.clone()));
         }
+        // the device's idle time counts from here: the first chunk's tables and upload
+        let mut called = PhaseClock::new(&self.dev);
+        called.mark("call")?;
+        let mut last_mark = called.idle_since(None, timings)?;
         let first = pool.pop().expect("three buffers");
         let host = tables::prepare(input, &chunks[0], sh, first)?;
         self.workspace.next.upload(&self.dev, input, &host)?;
@@ -383,6 +388,7 @@ impl CudaBackend {
                 };
                 let mut sink = solve::Sink {
                     results: &mut *results,
+                    last_mark: &mut last_mark,
                     timings: &mut *timings,
                     images: &mut *pool,
                     progress,
@@ -404,6 +410,7 @@ impl CudaBackend {
         if let Some(p) = pending {
             let mut sink = solve::Sink {
                 results,
+                last_mark: &mut last_mark,
                 timings,
                 images: pool,
                 progress,

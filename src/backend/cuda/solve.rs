@@ -18,6 +18,8 @@
 
 use std::time::Instant;
 
+use cudarc::driver::CudaEvent;
+
 use super::decorrelate::{self, BlockKind, Counts, Scratch};
 use super::dense::{self, Factorization, Keep};
 use super::launchers::{self, CoreIn, CoreOut, Gpu, TILE_MAX_ORDER};
@@ -213,6 +215,8 @@ pub(crate) struct Chunk<'a> {
 /// again, and the progress of the call.
 pub(crate) struct Sink<'s> {
     pub(crate) results: &'s mut [Option<PatchResult>],
+    /// The last mark of the chunk finished before, for the device's idle time between chunks.
+    pub(crate) last_mark: &'s mut Option<CudaEvent>,
     pub(crate) timings: &'s mut GpuTimings,
     pub(crate) images: &'s mut Vec<Staging<f32>>,
     pub(crate) progress: &'s Progress,
@@ -251,11 +255,11 @@ pub(crate) struct Pending<'a> {
 }
 
 /// Queues the solve of one prepared chunk, whose inputs were uploaded into `ws.input`. Once
-/// the device has the chunk's kernels in hand, `next` gives the next chunk's host tables
-/// (prepared on another thread meanwhile), the chunk before (`previous`) is finished while the
-/// device runs this one, this chunk's copies back are queued into the host buffers the chunk
-/// before has left, and the next chunk's inputs are queued for upload into `ws.next`, which
-/// the chunk before held. Returns this chunk in flight, if it has live patches, and the next
+/// the device has the chunk's kernels in hand, the chunk before (`previous`) is finished while
+/// the device runs this one, this chunk's copies back are queued into the host buffers the
+/// chunk before has left, `next` gives the next chunk's host tables (prepared on another
+/// thread meanwhile) and its inputs are queued for upload into `ws.next`, which the chunk
+/// before held. Returns this chunk in flight, if it has live patches, and the next
 /// chunk's tables.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn solve_chunk<'a>(
@@ -280,7 +284,7 @@ pub(crate) fn solve_chunk<'a>(
     } else {
         Some(solve_live(g, tuning, ws, input, chunk, host)?)
     };
-    let next = next()?;
+    let t_queued = Instant::now();
     if let Some(p) = previous {
         finish(g, ws, input, p, sink)?;
     }
@@ -288,9 +292,18 @@ pub(crate) fn solve_chunk<'a>(
         copy_out(g, ws, &p.host, input.options.model, &p.steps)?;
         p.clock.mark("copies out")?;
     }
+    let t_finished = Instant::now();
+    let next = next()?;
+    let t_tables = Instant::now();
     if let Some(h) = &next {
         ws.next.upload(g.dev, input, h)?;
     }
+    tracing::debug!(
+        "chunk queued; host finished the chunk before in {:.1} ms, then waited {:.1} ms for the next chunk's tables and queued its upload in {:.1} ms",
+        (t_finished - t_queued).as_secs_f64() * 1e3,
+        (t_tables - t_finished).as_secs_f64() * 1e3,
+        t_tables.elapsed().as_secs_f64() * 1e3
+    );
     Ok((pending, next))
 }
 
@@ -384,6 +397,7 @@ pub(crate) fn finish(
     let counts = Counts::new(polar, jacobi);
     let t = &mut *sink.timings;
     p.clock.collect(t)?;
+    *sink.last_mark = p.clock.idle_since(sink.last_mark.take(), t)?;
     let fact = match p.steps {
         Steps::Schur {
             capacity,

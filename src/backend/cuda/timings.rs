@@ -93,6 +93,24 @@ impl<'a> PhaseClock<'a> {
         }
     }
 
+    /// Adds to `t`, as "device idle", the time between `before` (the last mark of the chunk
+    /// before, or one set when the call started) and this chunk's first mark: time the device
+    /// waited for the host (once the device has passed both). Returns this chunk's last mark,
+    /// for the next chunk.
+    pub(crate) fn idle_since(
+        mut self,
+        before: Option<CudaEvent>,
+        t: &mut GpuTimings,
+    ) -> Result<Option<CudaEvent>> {
+        if let (Some(b), Some((_, first))) = (&before, self.marks.first()) {
+            let ms = b
+                .elapsed_ms(first)
+                .map_err(error::driver("cuEventElapsedTime"))?;
+            t.add("device idle", ms as f64);
+        }
+        Ok(self.marks.pop().map(|(_, ev)| ev))
+    }
+
     /// Adds the elapsed times to `t` (once the device has passed the last mark).
     pub(crate) fn collect(&self, t: &mut GpuTimings) -> Result<()> {
         for w in self.marks.windows(2) {
