@@ -347,7 +347,7 @@ impl CudaBackend {
         while pool.len() < 3 {
             pool.push(staging::Staging::new(self.dev.ctx.clone()));
         }
-        // the device's idle time counts from here: the first chunk's tables and upload
+        // the stream's idle time counts from here: the first chunk's tables and upload
         let mut called = PhaseClock::new(&self.dev);
         called.mark("call")?;
         let mut last_mark = called.idle_since(None, timings)?;

@@ -93,10 +93,11 @@ impl<'a> PhaseClock<'a> {
         }
     }
 
-    /// Adds to `t`, as "device idle", the time between `before` (the last mark of the chunk
-    /// before, or one set when the call started) and this chunk's first mark: time the device
-    /// waited for the host (once the device has passed both). Returns this chunk's last mark,
-    /// for the next chunk.
+    /// Adds to `t`, as "stream idle", the time between `before` (the last mark of the chunk
+    /// before, or one set when the call started) and this chunk's first mark: time the call's
+    /// stream had nothing queued, waiting for the host (once the device has passed both; with
+    /// frames in flight, other frames' streams may use the device meanwhile). Returns this
+    /// chunk's last mark, for the next chunk.
     pub(crate) fn idle_since(
         mut self,
         before: Option<CudaEvent>,
@@ -106,7 +107,7 @@ impl<'a> PhaseClock<'a> {
             let ms = b
                 .elapsed_ms(first)
                 .map_err(error::driver("cuEventElapsedTime"))?;
-            t.add("device idle", ms as f64);
+            t.add("stream idle", ms as f64);
         }
         Ok(self.marks.pop().map(|(_, ev)| ev))
     }
