@@ -10,7 +10,9 @@
 //! All patches of a call are solved in chunks as large as the device memory budget allows
 //! (`SPEX_GPU_MEMORY_GB`, default 4 GB per backend), so that one batched factorisation covers
 //! thousands of patches; the host tables of the next chunk are built, and the results of the
-//! chunk before unpacked, while the device works.
+//! chunk before unpacked, while the device works. On the default (Schur) route the host queues
+//! a chunk's steps without waiting for any of them: even the retry of failed factorisations is
+//! decided on the device.
 //! Device and pinned buffers are kept between calls (a process extracts frame after frame).
 //!
 //! The code is split by concern: `workspace` (buffers kept between calls and shapes),
@@ -23,8 +25,8 @@
 //!
 //! Tuning variables, for measurements rather than production, are read once when a backend is
 //! created: `SPEX_GPU_CHUNK` (most patches per chunk) and those of `tuning` (`SPEX_GPU_SOLVE`,
-//! `SPEX_GPU_COUPLING_MAX`, `SPEX_GPU_DECORRELATE`, `SPEX_GPU_JACOBI_THREADS`,
-//! `SPEX_GPU_JACOBI_TOL`).
+//! `SPEX_GPU_COUPLING_MAX`, `SPEX_GPU_RETRY_CAPACITY`, `SPEX_GPU_DECORRELATE`,
+//! `SPEX_GPU_JACOBI_THREADS`, `SPEX_GPU_JACOBI_TOL`).
 
 mod decorrelate;
 mod dense;
