@@ -65,7 +65,8 @@ __device__ void subtract_from_diagonal_block(const double* icov, size_t p, int m
 // One block per (patch, direction): blockIdx.y = 0 sweeps from the left, 1 from the right, over
 // the nb fiber blocks of order n in fiber order (`colspot`, m per patch). `info[p]` is set to 1 when a Sigma is not positive definite;
 // direction 0 also writes `coupling[p]`, the largest |A_ij| / sqrt(A_ii A_jj) over blocks two
-// or more fibers apart.
+// or more fibers apart, skipping the pairs of blocks whose spots (nx columns wide, corners
+// `corners[2 sid]`) cannot overlap.
 //
 // Shared memory (dynamic): S[N ld] (Sigma, then W W^T), W[N ld] ([W; z^T]^T), r[n],
 // red[32], ord[nb]; N = n + 1 rounded up to 8, ld = N + 4; 4 N threads.
@@ -76,7 +77,8 @@ __device__ void subtract_from_diagonal_block(const double* icov, size_t p, int m
 extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __restrict__ icov,
                                            const double* __restrict__ y,
                                            const int* __restrict__ patch_ids,
-                                           const int* __restrict__ colspot, int m, int n,
+                                           const int* __restrict__ colspot,
+                                           const int* __restrict__ corners, int nx, int m, int n,
                                            int nb, double* __restrict__ U, double* __restrict__ u,
                                            int* __restrict__ info, double* __restrict__ coupling) {
     extern __shared__ double sm[];
@@ -106,14 +108,37 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
     __syncthreads();
 
     if (dir == 0 && nb > 2) {
-        // 1 / sqrt of icov's diagonal in W (free until the sweep starts)
+        // 1 / sqrt of icov's diagonal in W (free until the sweep starts), then the CCD columns
+        // of each block's spot corners, lowest and highest: two blocks whose corners are nx
+        // or more columns apart have no overlapping spots, and the assembly left their
+        // entries zero (an empty block has none: its range is empty)
+        int* xr = (int*)(W + nb * n);
+        int lane = tid & 31, warp = tid >> 5, nwarp = nth >> 5;
         for (int i = tid; i < nb * n; i += nth)
             W[i] = rsqrt(fmax(icov[(p * m + (size_t)(m - nb * n + i)) * m + m - nb * n + i], 1e-300));
+        for (int b = warp; b < nb; b += nwarp) {
+            int lo = 1 << 28, hi = -(1 << 28);
+            for (int w = lane; w < n; w += 32) {
+                int sid = colspot[p * m + (size_t)b * n + w];
+                if (sid >= 0) {
+                    lo = min(lo, corners[2 * sid]);
+                    hi = max(hi, corners[2 * sid]);
+                }
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+                hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+            }
+            if (lane == 0) {
+                xr[2 * b] = lo;
+                xr[2 * b + 1] = hi;
+            }
+        }
         __syncthreads();
         // each pair of blocks through its stored side (lo, hi): the same entries, transposed;
-        // a warp per row of a pair, a lane per column, several rows' loads in flight
+        // a warp per row of a pair, a lane per column, several rows' loads in flight; pairs
+        // without overlapping spots are skipped
         double worst = 0.0;
-        int lane = tid & 31, warp = tid >> 5, nwarp = nth >> 5;
         int npair = (nb - 2) * (nb - 1) / 2;
 #pragma unroll 4
         for (int row = warp; row < npair * n; row += nwarp) {
@@ -121,6 +146,7 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
             while (pair >= nb - 2 - k) pair -= nb - 2 - k++;
             int l = k + 2 + pair;
             int lo = min(ord[k], ord[l]), hi = max(ord[k], ord[l]);
+            if (xr[2 * hi] - xr[2 * lo + 1] >= nx || xr[2 * lo] - xr[2 * hi + 1] >= nx) continue;
             const double* a = icov + (p * m + (size_t)lo * n + i) * m + (size_t)hi * n;
             double wi = W[lo * n + i];
             for (int j = lane; j < n; j += 32) worst = fmax(worst, fabs(a[j]) * wi * W[hi * n + j]);

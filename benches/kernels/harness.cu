@@ -42,9 +42,21 @@ struct Shape {
     int m() const { return nb * n; }
 };
 
+// Spots of 11 x 17 pixels.
+const int SPOT_NX = 17, SPOT_NY = 11;
+
+// Centre of the spot of column j (fiber j / n, bin j % n) and its lower-left corner.
+static void spot_place(const Shape& sh, int j, double& xc, double& yc, int& cx, int& cy) {
+    int f = j / sh.n, w = j % sh.n;
+    xc = 7.3 * f + 15.0 + 0.2 * std::sin(0.1 * w + f);
+    yc = 1.37 * w + 12.0;
+    cx = (int)std::floor(xc - SPOT_NX / 2 + 0.5);
+    cy = (int)std::floor(yc - SPOT_NY / 2 + 0.5);
+}
+
 // One synthetic patch: icov (m x m, both triangles) and y.
 static void make_patch(unsigned seed, const Shape& sh, double* icov, double* y) {
-    const int nx = 17, ny = 11, m = sh.m();
+    const int nx = SPOT_NX, ny = SPOT_NY, m = sh.m();
     std::mt19937_64 rng(seed);
     std::uniform_real_distribution<double> uni(0.0, 1.0);
     int width = (int)(7.3 * sh.nb) + 40, height = (int)(1.37 * sh.n) + 30;
@@ -58,10 +70,8 @@ static void make_patch(unsigned seed, const Shape& sh, double* icov, double* y) 
     for (int f = 0; f < sh.nb; ++f)
         for (int w = 0; w < sh.n; ++w) {
             int j = f * sh.n + w;
-            double xc = 7.3 * f + 15.0 + 0.2 * std::sin(0.1 * w + f), yc = 1.37 * w + 12.0;
-            double sx = 1.0 + 0.05 * f, sy = 1.1;
-            cx[j] = (int)std::floor(xc - nx / 2 + 0.5);
-            cy[j] = (int)std::floor(yc - ny / 2 + 0.5);
+            double xc, yc, sx = 1.0 + 0.05 * f, sy = 1.1;
+            spot_place(sh, j, xc, yc, cx[j], cy[j]);
             double sum = 0.0;
             double* a = &spot[(size_t)j * nx * ny];
             for (int iy = 0; iy < ny; ++iy)
@@ -138,7 +148,7 @@ static double median_ms(int repeats, F body) {
 // Device buffers of one run.
 struct Buffers {
     double *icov, *y, *U, *u, *sblocks, *x, *coupling, *pbuf, *flux, *ivar, *res, *fluxcol;
-    int *colspot, *info, *steps, *nkeep;
+    int *colspot, *corners, *info, *steps, *nkeep;
 };
 
 static Buffers allocate(const Shape& sh, int patches) {
@@ -157,6 +167,7 @@ static Buffers allocate(const Shape& sh, int patches) {
     b.res = device_alloc<double>(nblk * sh.nws * (2 * sh.ndiag + 1));
     b.fluxcol = device_alloc<double>(P * m);
     b.colspot = device_alloc<int>(P * m);
+    b.corners = device_alloc<int>(2 * m);
     b.info = device_alloc<int>(P);
     b.steps = device_alloc<int>(nblk);
     b.nkeep = device_alloc<int>(P);
@@ -178,6 +189,13 @@ static void fill(const Shape& sh, int patches, const Buffers& b) {
     std::vector<int> colspot(patches * m), nkeep(patches, sh.nws);
     for (size_t k = 0; k < colspot.size(); ++k) colspot[k] = (int)(k % m);
     CK(cudaMemcpy(b.colspot, colspot.data(), colspot.size() * 4, cudaMemcpyHostToDevice));
+    // spot ids are columns; every patch has the same spot places
+    std::vector<int> corners(2 * m);
+    for (size_t j = 0; j < m; ++j) {
+        double xc, yc;
+        spot_place(sh, (int)j, xc, yc, corners[2 * j], corners[2 * j + 1]);
+    }
+    CK(cudaMemcpy(b.corners, corners.data(), corners.size() * 4, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(b.nkeep, nkeep.data(), nkeep.size() * 4, cudaMemcpyHostToDevice));
 }
 
@@ -207,7 +225,8 @@ struct Launches {
     void sweep() const {
         CK(cudaMemset(b.info, 0, patches * 4));
         schur_sweep_f64<<<dim3(patches, 2, 1), 4 * big(), sweep_smem()>>>(
-            b.icov, b.y, nullptr, b.colspot, sh.m(), sh.n, sh.nb, b.U, b.u, b.info, b.coupling);
+            b.icov, b.y, nullptr, b.colspot, b.corners, SPOT_NX, sh.m(), sh.n, sh.nb, b.U, b.u,
+            b.info, b.coupling);
     }
     void combine() const {
         schur_combine_f64<<<dim3(sh.nb, patches, 1), 4 * tiles(), combine_smem()>>>(

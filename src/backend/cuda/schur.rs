@@ -45,6 +45,8 @@ fn sweep(g: Gpu<'_>, ws: &Workspace, count: usize, ids: Option<&DevBuf<i32>>) ->
             .ptr(ws.y.get().ptr)
             .ptr(ids_ptr)
             .ptr(ws.input.colspot.get().ptr)
+            .ptr(ws.input.corners.get().ptr)
+            .i32(sh.nx as i32)
             .i32(m as i32)
             .i32(n as i32)
             .i32(nb as i32)
