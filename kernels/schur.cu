@@ -62,6 +62,33 @@ __device__ void subtract_from_diagonal_block(const double* icov, size_t p, int m
     });
 }
 
+// Block (lo, hi), lo < hi, of patch p's icov (n x n, as stored) into D (leading dimension
+// ld), without waiting for it: asynchronous copies on sm_80 and later, which `copy_wait`
+// completes for the calling thread (a barrier then shows D to the block); plain ones before.
+__device__ __forceinline__ void copy_block_async(const double* icov, size_t p, int m, int n,
+                                                 int lo, int hi, double* D, int ld) {
+    const double* src = icov_block(icov, p, m, n, lo, hi);
+    for_each_element(n, n, [&](int a, int c) {
+#if __CUDA_ARCH__ >= 800
+        unsigned dst = (unsigned)__cvta_generic_to_shared(D + a * ld + c);
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst),
+                     "l"(src + (size_t)a * m + c));
+#else
+        D[a * ld + c] = src[(size_t)a * m + c];
+#endif
+    });
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+// Waits for the calling thread's copies of copy_block_async.
+__device__ __forceinline__ void copy_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;\n" ::);
+#endif
+}
+
 // One block per (patch, direction): blockIdx.y = 0 sweeps from the left, 1 from the right, over
 // the nb fiber blocks of order n in fiber order (`colspot`, m per patch). `info[p]` is set to 1 when a Sigma is not positive definite;
 // direction 0 also writes `coupling[p]`, the largest |A_ij| / sqrt(A_ii A_jj) over blocks two
@@ -158,6 +185,11 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
     }
     SPEX_PHASE(16);
     int k = dir == 0 ? 0 : nb - 1, bk = ord[k];
+    // the first coupling block on its way into W while the first Sigma is set up and factorised
+    if (nb > 1) {
+        int b1 = ord[dir == 0 ? k + 1 : k - 1];
+        copy_block_async(icov, p, m, n, min(bk, b1), max(bk, b1), W, ld);
+    }
     for_each_element(N, ld, [&](int i, int j) {
         if (i >= n || j >= n) S[i * ld + j] = 0.0;
     });
@@ -174,28 +206,28 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
     for (int s = 0; s + 1 < nb; ++s) {
         int kn = dir == 0 ? k + 1 : k - 1, bn = ord[kn];
         if (!cholesky_in_place(S, ld, n)) {
+            copy_wait();
             if (tid == 0) info[p] = 1;
             return;
         }
         SPEX_PHASE(18);
         // V = [A_{kn,k}; r^T]^T in W (n rows, n + 1 columns; icov is symmetric, so row j of V
-        // is row j of A_{k,kn}), then V <- L^-1 V, so that V^T = [W; z^T]. A_{k,kn} is read
-        // from its stored side (lo, hi) row-wise: as it is when bk < bn, else transposed.
+        // is row j of A_{k,kn}), then V <- L^-1 V, so that V^T = [W; z^T]. A_{k,kn} came from
+        // its stored side (lo, hi) as it is (copy_block_async, queued a step earlier), which is
+        // V when bk < bn and its transpose otherwise.
+        copy_wait();
+        __syncthreads();
+        if (bk > bn)
+            for_each_element(n, n, [&](int a, int c) {
+                if (a >= c) return;
+                double t = W[a * ld + c];
+                W[a * ld + c] = W[c * ld + a];
+                W[c * ld + a] = t;
+            });
         for_each_element(N, ld, [&](int j, int i) {
             if (j < n && i < n) return;
             W[j * ld + i] = (j < n && i == n) ? r[j] : 0.0;
         });
-        {
-            int lo = min(bk, bn), hi = max(bk, bn);
-            const double* src = icov_block(icov, p, m, n, lo, hi);
-            for_each_element(n, n, [&](int a, int c) {
-                double v = src[(size_t)a * m + c];
-                if (bk < bn)
-                    W[a * ld + c] = v;
-                else
-                    W[c * ld + a] = v;
-            });
-        }
         __syncthreads();
         SPEX_PHASE(19);
         lower_solve(S, W, ld, n, n + 1);
@@ -204,6 +236,12 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
         tile_row_tn(W, W, ld, N, acc);
         store_rows(S, ld, N, acc);
         __syncthreads();
+        // W is free: the next step's coupling block comes in while this one's U is stored,
+        // the next Sigma formed and factorised
+        if (s + 2 < nb) {
+            int bnn = ord[dir == 0 ? kn + 1 : kn - 1];
+            copy_block_async(icov, p, m, n, min(bn, bnn), max(bn, bnn), W, ld);
+        }
         SPEX_PHASE(21);
         size_t o = (p * 2 + dir) * nb + bn;
         for_each_element(n, n, [&](int i, int j) { U[(o * n + i) * n + j] = S[i * ld + j]; });
