@@ -23,7 +23,8 @@
 // triangle: a block (r, c) of fiber blocks in storage order lies in it as it is when r < c and
 // as its transpose when r > c, and a diagonal block only with its upper half (row-major). Such
 // blocks are read row-wise from the stored side, consecutive threads at consecutive addresses,
-// and written transposed or mirrored into shared memory.
+// and written transposed or mirrored into shared memory (a sweep's coupling blocks are copied
+// as stored, asynchronously, and transposed in shared memory where needed).
 
 #include "common.cuh"
 #include "tiles.cuh"
@@ -99,8 +100,8 @@ __device__ __forceinline__ void copy_wait() {
 // red[32], ord[nb]; N = n + 1 rounded up to 8, ld = N + 4; 4 N threads.
 //
 // Registers: at most 96, so that two blocks of 320 threads (n <= 79) share an SM as their
-// shared memory allows (left to the compiler, it takes ~128; capped, it spills nothing, and
-// spilled ~11 words before the products went to m16n8k4).
+// shared memory allows (left to the compiler, it takes ~128; capped, it spills nothing on
+// sm_80 and sm_90, and spilled ~11 words before the products went to m16n8k4).
 extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __restrict__ icov,
                                            const double* __restrict__ y,
                                            const int* __restrict__ patch_ids,
