@@ -50,26 +50,26 @@ __device__ void load_diagonal_block(const double* icov, size_t p, int m, int n, 
     });
 }
 
-// D <- A_bb - D for the n x n block in D (diagonal block b of patch p's icov), reading A_bb's
-// stored half row-wise as above; the thread of (i, j), j >= i, updates both (i, j) and (j, i).
-__device__ void subtract_from_diagonal_block(const double* icov, size_t p, int m, int n, int b,
-                                             double* D, int ld) {
-    const double* src = icov_block(icov, p, m, n, b, b);
+// D <- A - D for the n x n symmetric block A of which `a` holds the upper half (rows lda
+// apart); the thread of (i, j), j >= i, updates both (i, j) and (j, i).
+__device__ void subtract_from_block(const double* a, int lda, double* D, int ld, int n) {
     for_each_element(n, n, [&](int i, int j) {
         if (j < i) return;
-        double a = src[(size_t)i * m + j];
-        D[i * ld + j] = a - D[i * ld + j];
-        if (j != i) D[j * ld + i] = a - D[j * ld + i];
+        double v = a[i * lda + j];
+        D[i * ld + j] = v - D[i * ld + j];
+        if (j != i) D[j * ld + i] = v - D[j * ld + i];
     });
 }
 
-// Block (lo, hi), lo < hi, of patch p's icov (n x n, as stored) into D (leading dimension
-// ld), without waiting for it: asynchronous copies on sm_80 and later, which `copy_wait`
-// completes for the calling thread (a barrier then shows D to the block); plain ones before.
+// Block (lo, hi), lo <= hi, of patch p's icov (n x n, as stored; of a diagonal block only
+// the stored upper half) into D (leading dimension ld), without waiting for it: asynchronous
+// copies on sm_80 and later, which `copy_wait` completes for the calling thread (a barrier
+// then shows D to the block); plain ones before.
 __device__ __forceinline__ void copy_block_async(const double* icov, size_t p, int m, int n,
                                                  int lo, int hi, double* D, int ld) {
     const double* src = icov_block(icov, p, m, n, lo, hi);
     for_each_element(n, n, [&](int a, int c) {
+        if (lo == hi && c < a) return;
 #if __CUDA_ARCH__ >= 800
         unsigned dst = (unsigned)__cvta_generic_to_shared(D + a * ld + c);
         asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst),
@@ -237,12 +237,8 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
         tile_row_tn(W, W, ld, N, acc);
         store_rows(S, ld, N, acc);
         __syncthreads();
-        // W is free: the next step's coupling block comes in while this one's U is stored,
-        // the next Sigma formed and factorised
-        if (s + 2 < nb) {
-            int bnn = ord[dir == 0 ? kn + 1 : kn - 1];
-            copy_block_async(icov, p, m, n, min(bn, bnn), max(bn, bnn), W, ld);
-        }
+        // W is free: the next diagonal block comes in while this step's U is stored
+        copy_block_async(icov, p, m, n, bn, bn, W, ld);
         SPEX_PHASE(21);
         size_t o = (p * 2 + dir) * nb + bn;
         for_each_element(n, n, [&](int i, int j) { U[(o * n + i) * n + j] = S[i * ld + j]; });
@@ -251,11 +247,17 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
             u[o * n + i] = g;
             r[i] = yp[(size_t)bn * n + i] - g;
         }
+        copy_wait();
         __syncthreads();
         SPEX_PHASE(22);
-        subtract_from_diagonal_block(icov, p, m, n, bn, S, ld);
+        subtract_from_block(W, ld, S, ld, n);
         for (int i = tid; i < N; i += nth) S[i * ld + n] = 0.0;
         __syncthreads();
+        // and the next step's coupling block while the next Sigma is factorised
+        if (s + 2 < nb) {
+            int bnn = ord[dir == 0 ? kn + 1 : kn - 1];
+            copy_block_async(icov, p, m, n, min(bn, bnn), max(bn, bnn), W, ld);
+        }
         SPEX_PHASE(23);
         k = kn;
         bk = bn;
