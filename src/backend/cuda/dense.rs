@@ -291,3 +291,32 @@ pub(crate) fn core_covariance(g: Gpu<'_>, ws: &Workspace, n: usize, keep: &mut K
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::{Plan, PlanOptions};
+
+    #[test]
+    fn outcome_counts_failures_with_weight_and_sends_second_failures_to_the_cpu() {
+        let plan = Plan::new(PlanOptions::new(6000.0, 6400.0, 0.8, 0, 25)).unwrap();
+        let patches: Vec<&Patch> = plan.patches.iter().take(5).collect();
+        // 0 fine; 1 saved by the retry; 2 failed twice; 3 without weight; 4 failed, not retried
+        let first = [0, 1, 1, 1, 2];
+        let last = [0, 0, 1, 1, 2];
+        let f = Factorization::from_verdicts(&patches, &first, &last, vec![0, 0, 0, 1, 0]);
+        assert_eq!(
+            f.status,
+            [
+                PatchStatus::Ok,
+                PatchStatus::Regularized,
+                PatchStatus::Ok,
+                PatchStatus::Ok,
+                PatchStatus::Ok
+            ]
+        );
+        assert_eq!(f.to_cpu, [2, 4]);
+        assert_eq!(f.retried, 3);
+        assert_eq!(f.masked, [0, 0, 0, 1, 0]);
+    }
+}

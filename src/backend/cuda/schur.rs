@@ -227,3 +227,38 @@ pub(crate) fn outcome(
         },
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::extract::PatchStatus;
+    use crate::plan::{Plan, PlanOptions};
+
+    #[test]
+    fn outcome_sends_failures_and_coupled_patches_to_the_cpu() {
+        let plan = Plan::new(PlanOptions::new(6000.0, 6400.0, 0.8, 0, 25)).unwrap();
+        let patches: Vec<&Patch> = plan.patches.iter().take(5).collect();
+        // first verdicts, last verdicts, masked flags
+        let verdicts = [
+            [0, 1, 0, 0, 1], // 1 and 4 failed
+            [0, 0, 0, 0, 1], // 1 saved by the retry, 4 not
+            [0, 0, 0, 1, 0], // 3 without weight
+        ]
+        .concat();
+        // 2 is over the bound, 3 would be but has no weight; NaN counts as coupled
+        let coupling = [1e-15, 1e-14, 1e-10, 1e-3, f64::NAN];
+        let (f, c) = outcome(&patches, &verdicts, &coupling, 32, 1e-12);
+        assert_eq!(f.status[1], PatchStatus::Regularized);
+        assert_eq!(f.retried, 2);
+        assert_eq!(f.to_cpu, [4, 2]);
+        assert_eq!(c.patches, 1);
+        assert_eq!(c.largest, 1e-10);
+    }
+
+    #[test]
+    fn no_device_retry_under_the_retry_regularisation() {
+        assert_eq!(retry_capacity(32, 800, RETRY_REGULARIZE), 0);
+        assert_eq!(retry_capacity(32, 800, 0.0), 32);
+        assert_eq!(retry_capacity(32, 5, 0.0), 5);
+    }
+}
