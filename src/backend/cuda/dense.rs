@@ -293,13 +293,18 @@ pub(crate) fn core_covariance(g: Gpu<'_>, ws: &Workspace, n: usize, keep: &mut K
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::plan::{Plan, PlanOptions};
 
+    /// A plan of one bundle, for patches to name in the outcome of a chunk.
+    pub(crate) fn bundle_plan() -> Plan {
+        Plan::new(PlanOptions::new(6000.0, 6400.0, 0.8, 0, 25)).unwrap()
+    }
+
     #[test]
     fn outcome_counts_failures_with_weight_and_sends_second_failures_to_the_cpu() {
-        let plan = Plan::new(PlanOptions::new(6000.0, 6400.0, 0.8, 0, 25)).unwrap();
+        let plan = bundle_plan();
         let patches: Vec<&Patch> = plan.patches.iter().take(5).collect();
         // 0 fine; 1 saved by the retry; 2 failed twice; 3 without weight; 4 failed, not retried
         let first = [0, 1, 1, 1, 2];

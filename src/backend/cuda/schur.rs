@@ -230,13 +230,13 @@ pub(crate) fn outcome(
 
 #[cfg(test)]
 mod tests {
+    use super::super::dense::tests::bundle_plan;
     use super::*;
     use crate::extract::PatchStatus;
-    use crate::plan::{Plan, PlanOptions};
 
     #[test]
     fn outcome_sends_failures_and_coupled_patches_to_the_cpu() {
-        let plan = Plan::new(PlanOptions::new(6000.0, 6400.0, 0.8, 0, 25)).unwrap();
+        let plan = bundle_plan();
         let patches: Vec<&Patch> = plan.patches.iter().take(5).collect();
         // first verdicts, last verdicts, masked flags
         let verdicts = [
