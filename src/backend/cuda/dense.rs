@@ -122,14 +122,20 @@ impl Factorization {
         let mut to_cpu = Vec::new();
         let mut retried = 0;
         for i in (0..n).filter(|&i| first[i] != 0 && masked[i] == 0) {
+            retried += 1;
+            let saved = last[i] == 0;
             tracing::debug!(
-                "patch fibers {:?} bins {:?}: icov not positive definite (info {}), retried with regularize {RETRY_REGULARIZE}",
+                "patch fibers {:?} bins {:?}: icov not positive definite (info {}); {}",
                 patches[i].fibers,
                 patches[i].waves,
-                first[i]
+                first[i],
+                if saved {
+                    format!("solved with regularize {RETRY_REGULARIZE}")
+                } else {
+                    "solved by the CPU reference".to_string()
+                }
             );
-            retried += 1;
-            if last[i] == 0 {
+            if saved {
                 status[i] = PatchStatus::Regularized;
             } else {
                 to_cpu.push(i);
