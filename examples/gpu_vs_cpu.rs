@@ -25,6 +25,11 @@ use spex::plan::{Plan, PlanOptions};
 use spex::psf::GaussHermitePsf;
 use spex::simulate::{simulate, SimulateOptions};
 
+// The allocator of the spex binary, so that the host's share of a frame is timed as in
+// production (with the system allocator, the chunks' tables fault in fresh pages every time).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 struct Args {
     #[arg(long)]

@@ -41,23 +41,62 @@ pub(crate) struct ChunkHost {
     pub(crate) prep_ms: f64,
 }
 
-/// Trace positions of one fiber on the padded grid, with the spots' corners.
+/// Trace positions of one fiber on the padded grid, `[wave][x, y]`, into `xy`, and its
+/// spots' corners, `[wave][column, row]`, into `corners`.
 fn fiber_trace(
     psf: &GaussHermitePsf,
     fiber: usize,
     waves: &[f64],
-) -> (Vec<f64>, Vec<i32>, Vec<i32>) {
-    let mut xy = Vec::with_capacity(2 * waves.len());
-    let mut xc = Vec::with_capacity(waves.len());
-    let mut yc = Vec::with_capacity(waves.len());
+    xy: &mut [f64],
+    corners: &mut [i32],
+) {
     let (xs, ys) = psf.trace(fiber, waves);
-    for (&x, &y) in xs.iter().zip(&ys) {
+    for (((&x, &y), p), c) in xs
+        .iter()
+        .zip(&ys)
+        .zip(xy.chunks_exact_mut(2))
+        .zip(corners.chunks_exact_mut(2))
+    {
         let (cx, cy) = psf.corner_of(x, y);
-        xy.extend_from_slice(&[x, y]);
-        xc.push(cx);
-        yc.push(cy);
+        p.copy_from_slice(&[x, y]);
+        c.copy_from_slice(&[cx, cy]);
     }
-    (xy, xc, yc)
+}
+
+/// The trace positions and spot corners of `fibers` (`[fiber][wave][2]` each), in parallel,
+/// straight into the tables that go to the device.
+fn traces(psf: &GaussHermitePsf, fibers: &[usize], waves: &[f64]) -> (Vec<f64>, Vec<i32>) {
+    let per = 2 * waves.len();
+    let mut xy = vec![0.0; fibers.len() * per];
+    let mut corners = vec![0; fibers.len() * per];
+    xy.par_chunks_mut(per)
+        .zip(corners.par_chunks_mut(per))
+        .zip(fibers)
+        .for_each(|((xy, c), &f)| fiber_trace(psf, f, waves, xy, c));
+    (xy, corners)
+}
+
+/// The corners of each bundle's spots, for the patches' layout, from the chunk's table of
+/// corners (`[fiber][wave][column, row]`, bundle after bundle).
+fn bundle_corners(
+    corners: &[i32],
+    bundles: &[usize],
+    sh: &Shape,
+    (ny, nx): (usize, usize),
+) -> Vec<Corners> {
+    let per = 2 * sh.nfull * sh.bundlesize;
+    bundles
+        .par_iter()
+        .zip(corners.par_chunks(per))
+        .map(|(&b, c)| Corners {
+            fibers: b..b + sh.bundlesize,
+            nwave: sh.nfull,
+            ny,
+            nx,
+            xc: c.iter().step_by(2).copied().collect(),
+            yc: c.iter().skip(1).step_by(2).copied().collect(),
+        })
+        .collect()
 }
 
 /// Builds the host tables of a chunk and packs its image region into `pinned` (grown if
@@ -76,26 +115,8 @@ pub(crate) fn prepare(
     bundles.sort_unstable();
     bundles.dedup();
     let fibers: Vec<usize> = bundles.iter().flat_map(|&b| b..b + sh.bundlesize).collect();
-    let traces: Vec<(Vec<f64>, Vec<i32>, Vec<i32>)> = fibers
-        .par_iter()
-        .map(|&f| fiber_trace(psf, f, &plan.fullwave))
-        .collect();
-    let (ny, nx) = psf.spot_shape();
-    let per_bundle: Vec<Corners> = bundles
-        .iter()
-        .enumerate()
-        .map(|(slot, &b)| {
-            let t = &traces[slot * sh.bundlesize..(slot + 1) * sh.bundlesize];
-            Corners {
-                fibers: b..b + sh.bundlesize,
-                nwave: plan.fullwave.len(),
-                ny,
-                nx,
-                xc: t.iter().flat_map(|x| x.1.iter().copied()).collect(),
-                yc: t.iter().flat_map(|x| x.2.iter().copied()).collect(),
-            }
-        })
-        .collect();
+    let (xy, corners) = traces(psf, &fibers, &plan.fullwave);
+    let per_bundle = bundle_corners(&corners, &bundles, sh, psf.spot_shape());
     let t_traces = t0.elapsed().as_secs_f64() * 1e3;
     let ccd = (input.image.nrows, input.image.ncols);
     let m = sh.m();
@@ -151,15 +172,6 @@ pub(crate) fn prepare(
             region.2.min(g.cols.start),
             region.3.max(g.cols.end),
         );
-    }
-    let mut xy = Vec::with_capacity(fibers.len() * sh.nfull * 2);
-    let mut corners = Vec::with_capacity(fibers.len() * sh.nfull * 2);
-    for (t, x, y) in &traces {
-        xy.extend_from_slice(t);
-        for (a, b) in x.iter().zip(y) {
-            corners.push(*a);
-            corners.push(*b);
-        }
     }
     let ncoef = psf.ghsigx.ncoef;
     let mut coef = Vec::with_capacity(fibers.len() * (2 + psf.ngh()) * ncoef);
