@@ -45,19 +45,22 @@ __device__ __forceinline__ double overlap_sum(const double* w, const double* b, 
     return sum;
 }
 
-// One block per (column j1, patch): writes the entries j2 >= j1 of row j1 of icov (= column
-// j1, in the stored triangle). Blocks of the last columns have less to do; their overlap
-// screen starts at the warp group holding j1. One barrier in all: the block is short, and its
-// warps used to spend a third of their time waiting at the barriers of three block sums and
-// of a row staged in shared memory.
+// One warp per (column j1, patch), SPEX_COLUMNS consecutive columns to a block: writes the
+// entries j2 >= j1 of row j1 of icov (= column j1, in the stored triangle). The warps of a
+// block share no data and meet at no barrier, but neighbouring columns overlap nearly the
+// same spots, so that the partner spots one warp loads are often still in L1 for the others.
+// (A block of four warps per column, with its sums and weighted spot shared behind a barrier,
+// took 12.7 ms per full frame on an H100 against 11.6; eight columns to a block take the
+// same as four.) Warps of the last columns have less to do; their overlap screen starts at
+// the warp group holding j1.
 //
-// Shared memory (dynamic): w1[ny nx] (weighted spot), red[3 x warps].
+// Shared memory (dynamic): w1[ny nx] (weighted spot) per warp.
 //
 // Blocks of 128 threads, 16 per SM: the kernel waits on memory and on its reductions, and
 // needs every warp an SM can hold. That caps it at 32 registers (a few words spill); left to
-// the compiler it takes 48, ten blocks fit, and a full frame's assembly takes 22 ms instead of
-// 16 on an H100.
-extern "C" __global__ void __launch_bounds__(128, 16) assemble_f64(
+// the compiler it took 48, ten blocks fit, and the assembly was a third slower.
+#define SPEX_COLUMNS 4
+extern "C" __global__ void __launch_bounds__(SPEX_COLUMNS * SPEX_WARP, 16) assemble_f64(
     const double* __restrict__ spots, const int* __restrict__ corners,
     const int* __restrict__ colspot, const int* __restrict__ boxes,
     const int* __restrict__ patch_ids,
@@ -68,18 +71,18 @@ extern "C" __global__ void __launch_bounds__(128, 16) assemble_f64(
     double* __restrict__ diag0, double* __restrict__ pixmask) {
     extern __shared__ double sm[];
     int size = nx * ny;
-    double* w1 = sm;
-    double* red = w1 + size;
+    int lane = threadIdx.x % SPEX_WARP, warp = threadIdx.x / SPEX_WARP;
+    double* w1 = sm + warp * size;
 
-    int j1 = blockIdx.x;
+    int j1 = blockIdx.x * SPEX_COLUMNS + warp;
     int p = patch_of(patch_ids, blockIdx.y);
-    if (p < 0) return;
+    if (p < 0 || j1 >= m) return;
     const int* cs = colspot + (size_t)p * m;
     double* icol = icov + ((size_t)p * m + j1) * m;
     int sid1 = cs[j1];
     if (sid1 < 0) {
-        for (int j2 = j1 + threadIdx.x; j2 < m; j2 += blockDim.x) icol[j2] = 0.0;
-        if (threadIdx.x == 0) {
+        for (int j2 = j1 + lane; j2 < m; j2 += SPEX_WARP) icol[j2] = 0.0;
+        if (lane == 0) {
             y[(size_t)p * m + j1] = 0.0;
             fw[(size_t)p * m + j1] = 0.0;
             diag0[(size_t)p * m + j1] = 0.0;
@@ -91,7 +94,7 @@ extern "C" __global__ void __launch_bounds__(128, 16) assemble_f64(
     const double* a1 = spots + (size_t)sid1 * size;
 
     double sy = 0.0, sw = 0.0, smask = 0.0;
-    for (int s = threadIdx.x; s < size; s += blockDim.x) {
+    for (int s = lane; s < size; s += SPEX_WARP) {
         int iy = s / nx, ix = s % nx;
         int rr = y1 + iy, cc = x1 + ix;
         double w = 0.0;
@@ -106,26 +109,10 @@ extern "C" __global__ void __launch_bounds__(128, 16) assemble_f64(
         }
         w1[s] = w;
     }
-    // the three sums: warp partials, then thread 0 adds them up after the barrier, which also
-    // orders the writes of w1 before the reads below
-    int lane = threadIdx.x % SPEX_WARP, warp = threadIdx.x / SPEX_WARP;
-    int nwarp = blockDim.x / SPEX_WARP;
     sy = warp_sum(sy);
     sw = warp_sum(sw);
     smask = warp_sum(smask);
     if (lane == 0) {
-        red[warp] = sy;
-        red[nwarp + warp] = sw;
-        red[2 * nwarp + warp] = smask;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        sy = sw = smask = 0.0;
-        for (int w = 0; w < nwarp; ++w) {
-            sy += red[w];
-            sw += red[nwarp + w];
-            smask += red[2 * nwarp + w];
-        }
         y[(size_t)p * m + j1] = sy;
         fw[(size_t)p * m + j1] = sw;
         int blk = j1 / nwavetot, w = j1 % nwavetot;
@@ -134,13 +121,14 @@ extern "C" __global__ void __launch_bounds__(128, 16) assemble_f64(
         int j = w - wavepad;
         if (c >= 0 && j >= 0 && j < nwavestep) pixmask[((size_t)p * ncore + c) * nwavestep + j] = smask;
     }
+    // the weighted spot, to every lane of the warp
+    __syncwarp();
 
-    // Each warp screens 32 columns at once (a ballot of the overlapping ones), then computes
-    // the overlaps two columns at a time, each stored by the lane that holds it. Only the
-    // columns j2 >= j1 are stored: the scan starts at the group holding j1 and lanes below j1
-    // stay out of the ballot.
-    int g0 = j1 / SPEX_WARP * SPEX_WARP;
-    for (int g = g0 + warp * SPEX_WARP; g < m; g += nwarp * SPEX_WARP) {
+    // The warp screens 32 columns at once (a ballot of the overlapping ones), then computes
+    // the overlaps two at a time, each stored by the lane that holds it. Only the columns
+    // j2 >= j1 are stored: the scan starts at the group holding j1 and lanes below j1 stay
+    // out of the ballot.
+    for (int g = j1 / SPEX_WARP * SPEX_WARP; g < m; g += SPEX_WARP) {
         int j2 = g + lane;
         bool mine = j2 >= j1 && j2 < m;
         int sid2 = mine ? cs[j2] : -1;

@@ -78,6 +78,10 @@ pub(crate) fn spots(g: Gpu<'_>, psf: &GaussHermitePsf, ws: &Workspace, nspot: us
     )
 }
 
+/// Columns of icov per block of the assembly, a warp each (`SPEX_COLUMNS` in
+/// kernels/assemble.cu).
+const ASSEMBLY_COLUMNS: usize = 4;
+
 /// Dense assembly (and regularisation) of icov, y and fluxweight for the patches `ids` (all
 /// `n` live patches when None). icov is symmetric and only its triangle `j2 >= j1` (row-major;
 /// cuSOLVER's lower triangle) is computed and stored, each overlap once.
@@ -97,11 +101,11 @@ pub(crate) fn assemble(
         g.dev,
         &g.k.assemble,
         "assemble_f64",
-        (m as u32, n as u32, 1),
-        // the kernel's launch bounds
-        128,
-        // the weighted spot, then the warps' partial sums
-        (size + 3 * 128 / 32) * 8,
+        (m.div_ceil(ASSEMBLY_COLUMNS) as u32, n as u32, 1),
+        // a warp per column, the kernel's launch bounds
+        32 * ASSEMBLY_COLUMNS as u32,
+        // a weighted spot per warp
+        ASSEMBLY_COLUMNS * size * 8,
         Args::new()
             .ptr(ws.spots.get().ptr)
             .ptr(ws.input.corners.get().ptr)
