@@ -56,11 +56,12 @@ __device__ __forceinline__ double overlap_sum(const double* w, const double* b, 
 //
 // Shared memory (dynamic): w1[ny nx] (weighted spot) per warp.
 //
-// Blocks of 128 threads, 16 per SM: the kernel waits on memory and on its reductions, and
-// needs every warp an SM can hold. That caps it at 32 registers (a few words spill); left to
-// the compiler it took 48, ten blocks fit, and the assembly was a third slower.
+// Blocks of 128 threads, 12 per SM, which caps the kernel at 40 registers: the kernel waits
+// on L1 (Nsight Compute: 92% of its throughput), and at the 32 registers of 16 blocks per SM
+// it spilled (68 million local-memory requests in one chunk's assembly) and took 11.6 ms per
+// full frame on an H100 against 11.1; at 48 registers, 10 blocks, it took 11.4.
 #define SPEX_COLUMNS 4
-extern "C" __global__ void __launch_bounds__(SPEX_COLUMNS * SPEX_WARP, 16) assemble_f64(
+extern "C" __global__ void __launch_bounds__(SPEX_COLUMNS * SPEX_WARP, 12) assemble_f64(
     const double* __restrict__ spots, const int* __restrict__ corners,
     const int* __restrict__ colspot, const int* __restrict__ boxes,
     const int* __restrict__ patch_ids,
