@@ -52,19 +52,20 @@ __device__ double legendre(const double* c, int ncoef, double u) {
     return sum;
 }
 
-// One warp per spot `sid = fiber slot * nwave + wave index` (a spot is a few hundred pixels:
+// One warp per spot `sid = fiber slot * nwave + wave index`, from `first` on (a spot is a few hundred pixels:
 // a block of its own left most of its threads idle at its barriers). The trace position comes
 // from the host (`xy`, so that the host's corners and the spot agree to the bit); GHSIGX,
 // GHSIGY and the GH-i-j are evaluated here from their Legendre coefficients
 // `coef[(fiber slot * nparam + param) * ncoef + k]` on the PSF table's domain.
 // Dynamic shared memory: the arrays below for each warp, as `launchers::spots` sizes them.
 extern "C" __global__ void spots_f64(const double* __restrict__ xy, const double* __restrict__ coef,
-                                     const double* __restrict__ waves, int nspot, int nwave,
+                                     const double* __restrict__ waves, int first, int nspot,
+                                     int nwave,
                                      int ncoef, double wavemin, double wavemax, int ghdegx,
                                      int ghdegy, int nx, int ny, double* __restrict__ out) {
     extern __shared__ double smem[];
     int lane = threadIdx.x % SPEX_WARP, warp = threadIdx.x / SPEX_WARP;
-    int sid = blockIdx.x * (blockDim.x / SPEX_WARP) + warp;
+    int sid = first + blockIdx.x * (blockDim.x / SPEX_WARP) + warp;
     if (sid >= nspot) return;
     int ngx = ghdegx + 1, ngy = ghdegy + 1;
     int nparam = 2 + ngx * ngy;

@@ -257,6 +257,36 @@ fn every_route_matches_the_cpu_reference() {
     gpu.set_route(cuda::Route::Polar);
 }
 
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn chunks_that_split_a_bundle_agree() {
+    // Two bundles in chunks of ten patches: the second chunk ends in the second bundle and
+    // the third starts in it, so that the third takes that bundle's spots from the second
+    // chunk's instead of evaluating them. The next call starts with the same bundle on other
+    // wavelengths: it must evaluate its spots.
+    let mut gpu = backend();
+    let psf = psf();
+    let options = solve_options(0.0, true);
+    gpu.set_max_chunk(Some(10));
+    for (plan, seed) in [
+        (PlanOptions::new(6000.0, 6100.0, 0.8, 0, 50), 17),
+        (PlanOptions::new(6100.0, 6200.0, 0.8, 25, 25), 18),
+    ] {
+        let plan = Plan::new(plan).unwrap();
+        let image = synthetic_image(&psf, &plan, seed);
+        let input = FrameInput {
+            plan: &plan,
+            psf: &psf,
+            image: &image,
+            options: &options,
+        };
+        let (g, cpu) = solve_both(&mut gpu, input);
+        assert!(gpu.timings().chunks >= 2);
+        assert_agree(&g, &cpu);
+    }
+    gpu.set_max_chunk(None);
+}
+
 /// Solves two patches of `nwavestep` output bins (and 12 of padding on each side) per
 /// sub-bundle of one bundle on the GPU, checks them against the CPU and returns the backend's
 /// timings.

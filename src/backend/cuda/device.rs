@@ -390,6 +390,28 @@ impl Device {
         .map_err(error::driver("device-to-device copy"))
     }
 
+    /// Copies `len` values of `b` from index `src` on to index `dst` on; the two ranges must
+    /// not overlap.
+    pub(crate) fn copy_within<T>(
+        &self,
+        b: &DevBuf<T>,
+        src: usize,
+        dst: usize,
+        len: usize,
+    ) -> Result<()> {
+        assert!(src.max(dst) + len <= b.len && (src + len <= dst || dst + len <= src));
+        // SAFETY: both ranges lie within the buffer and do not overlap.
+        unsafe {
+            drv::memcpy_dtod_async(
+                b.at(dst),
+                b.at(src),
+                len * std::mem::size_of::<T>(),
+                self.cu_stream(),
+            )
+        }
+        .map_err(error::driver("device-to-device copy"))
+    }
+
     /// Waits for everything queued on the stream.
     pub(crate) fn sync(&self, what: &str) -> Result<()> {
         self.stream
@@ -506,12 +528,15 @@ impl<T> Slot<T> {
     }
 
     /// Makes the buffer hold at least `len` values (contents are not kept).
-    pub(crate) fn ensure(&mut self, dev: &Device, len: usize) -> Result<()> {
+    /// Makes the buffer hold at least `len` values; returns whether it was allocated anew,
+    /// which loses its contents.
+    pub(crate) fn ensure(&mut self, dev: &Device, len: usize) -> Result<bool> {
         if self.buf.as_ref().is_none_or(|b| b.len < len) {
             self.buf = None;
             self.buf = Some(dev.alloc(len, self.what)?);
+            return Ok(true);
         }
-        Ok(())
+        Ok(false)
     }
 
     pub(crate) fn get(&self) -> &DevBuf<T> {

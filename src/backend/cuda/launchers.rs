@@ -42,7 +42,16 @@ const SPOTS_PER_BLOCK: usize = 4;
 
 /// Spots of `nspot` (fiber, wavelength) pairs from the trace positions and PSF coefficients
 /// in the workspace.
-pub(crate) fn spots(g: Gpu<'_>, psf: &GaussHermitePsf, ws: &Workspace, nspot: usize) -> Result<()> {
+pub(crate) fn spots(
+    g: Gpu<'_>,
+    psf: &GaussHermitePsf,
+    ws: &Workspace,
+    first: usize,
+    nspot: usize,
+) -> Result<()> {
+    if first >= nspot {
+        return Ok(());
+    }
     let sh = g.sh;
     let (ngx, ngy) = (psf.ghdegx + 1, psf.ghdegy + 1);
     // per warp: edges and pixel integrals of both axes, the partial sums, the parameters
@@ -58,13 +67,14 @@ pub(crate) fn spots(g: Gpu<'_>, psf: &GaussHermitePsf, ws: &Workspace, nspot: us
         g.dev,
         &g.k.spots,
         "spots_f64",
-        (nspot.div_ceil(SPOTS_PER_BLOCK) as u32, 1, 1),
+        ((nspot - first).div_ceil(SPOTS_PER_BLOCK) as u32, 1, 1),
         32 * SPOTS_PER_BLOCK as u32,
         per_warp * SPOTS_PER_BLOCK * 8,
         Args::new()
             .ptr(ws.input.xy.get().ptr)
             .ptr(ws.input.coef.get().ptr)
             .ptr(ws.input.waves.get().ptr)
+            .i32(first as i32)
             .i32(nspot as i32)
             .i32(sh.nfull as i32)
             .i32(psf.ghsigx.ncoef as i32)

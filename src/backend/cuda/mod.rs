@@ -353,6 +353,8 @@ impl CudaBackend {
         let mut called = PhaseClock::new(&self.dev);
         called.mark("call")?;
         let mut last_mark = called.idle_since(None, timings)?;
+        // another frame, maybe another PSF: no spots carry over from the call before
+        self.workspace.last_spots = None;
         let first = pool.pop().expect("three buffers");
         let host = tables::prepare(input, &chunks[0], sh, first)?;
         self.workspace.next.upload(&self.dev, input, &host)?;

@@ -3,7 +3,8 @@
 //!
 //! 1. copies in: host tables and the chunk's image region, uploaded on the copy stream while
 //!    the chunk before was solved (the compute stream only waits for them here);
-//! 2. spots of every bundle in the chunk (`launchers::spots`);
+//! 2. spots of every bundle in the chunk (`launchers::spots`), but for a bundle the chunk
+//!    before evaluated last;
 //! 3. assembly of icov (one triangle, icov being symmetric), y, fluxweight and regularisation
 //!    (`launchers::assemble`);
 //! 4. factorisation with its retry, xflux and the core covariance blocks C_bb through cuSOLVER
@@ -41,7 +42,9 @@ fn copy_in(g: Gpu<'_>, ws: &mut Workspace, host: &ChunkHost) -> Result<()> {
     let (dev, sh) = (g.dev, g.sh);
     let n = host.live.len();
     let (m, ncore, nws) = (sh.m(), sh.ncore, sh.nws);
-    ws.spots.ensure(dev, host.xy.len() / 2 * sh.nx * sh.ny)?;
+    if ws.spots.ensure(dev, host.xy.len() / 2 * sh.nx * sh.ny)? {
+        ws.last_spots = None;
+    }
     ws.icov.ensure(dev, n * m * m)?;
     ws.y.ensure(dev, n * m)?;
     ws.fw.ensure(dev, n * m)?;
@@ -52,6 +55,30 @@ fn copy_in(g: Gpu<'_>, ws: &mut Workspace, host: &ChunkHost) -> Result<()> {
     dev.join_copies()?;
     dev.zero_prefix(ws.pixmask.get(), n * ncore * nws)?;
     dev.zero_prefix(ws.masked.get(), n)
+}
+
+/// Step 2: the spots of the chunk's bundles. A bundle split between this chunk and the one
+/// before, which evaluated its spots last, has them copied rather than evaluated again (a
+/// full frame in six chunks splits five bundles of twenty).
+fn spots(g: Gpu<'_>, ws: &mut Workspace, input: &FrameInput<'_>, host: &ChunkHost) -> Result<()> {
+    let sh = g.sh;
+    let per_bundle = sh.bundlesize * sh.nfull;
+    let size = sh.nx * sh.ny;
+    let mut first = 0;
+    if let Some((bundle, at)) = ws.last_spots.take() {
+        if host.bundles.first() == Some(&bundle) {
+            if at != 0 {
+                g.dev
+                    .copy_within(ws.spots.get(), at, 0, per_bundle * size)?;
+            }
+            first = per_bundle;
+        }
+    }
+    launchers::spots(g, input.psf, ws, first, host.xy.len() / 2)?;
+    if let Some(&last) = host.bundles.last() {
+        ws.last_spots = Some((last, (host.bundles.len() - 1) * per_bundle * size));
+    }
+    Ok(())
 }
 
 /// Step 5 for the `n` live patches: flux, ivar and resolution of every core block, from the
@@ -336,7 +363,7 @@ fn solve_live<'a>(
     clock.mark("start")?;
     copy_in(g, ws, &host)?;
     clock.mark("copies in")?;
-    launchers::spots(g, input.psf, ws, host.xy.len() / 2)?;
+    spots(g, ws, input, &host)?;
     clock.mark("spots")?;
     launchers::assemble(g, n, None, ws, region, input.options.regularize)?;
     clock.mark("assemble")?;

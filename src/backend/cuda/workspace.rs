@@ -99,6 +99,10 @@ pub(crate) struct Workspace {
     /// The inputs of the next chunk, uploaded while this one is solved.
     pub(crate) next: Inputs,
     pub(crate) spots: Slot<f64>,
+    /// The bundle whose spots the chunk before evaluated last, and the index in `spots` where
+    /// they start; None at the start of a call (another frame's PSF) and when `spots` was
+    /// allocated anew.
+    pub(crate) last_spots: Option<(usize, usize)>,
     pub(crate) icov: Slot<f64>,
     pub(crate) y: Slot<f64>,
     pub(crate) fw: Slot<f64>,
@@ -139,6 +143,7 @@ impl Workspace {
             input: Inputs::new(),
             next: Inputs::new(),
             spots: Slot::new("spots"),
+            last_spots: None,
             icov: Slot::new("icov"),
             y: Slot::new("y"),
             fw: Slot::new("fluxweight"),
