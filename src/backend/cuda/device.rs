@@ -308,13 +308,25 @@ impl Device {
 
     /// Sets the first `len` values of `b` to zero bytes.
     pub(crate) fn zero_prefix<T>(&self, b: &DevBuf<T>, len: usize) -> Result<()> {
+        self.fill_prefix(b, len, 0)
+    }
+
+    /// Sets every byte of the first `len` values of `b` to `byte`.
+    pub(crate) fn fill_prefix<T>(&self, b: &DevBuf<T>, len: usize, byte: u8) -> Result<()> {
         assert!(len <= b.len);
         if len == 0 {
             return Ok(());
         }
         // SAFETY: the range lies inside the allocation.
-        unsafe { drv::memset_d8_async(b.ptr, 0, len * std::mem::size_of::<T>(), self.cu_stream()) }
-            .map_err(error::driver("cuMemsetD8Async"))
+        unsafe {
+            drv::memset_d8_async(
+                b.ptr,
+                byte,
+                len * std::mem::size_of::<T>(),
+                self.cu_stream(),
+            )
+        }
+        .map_err(error::driver("cuMemsetD8Async"))
     }
 
     /// Allocates and fills a device buffer from host data (stream-ordered; pageable host

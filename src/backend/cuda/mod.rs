@@ -203,6 +203,12 @@ impl CudaBackend {
         self.tuning.retry_capacity = patches;
     }
 
+    /// Fills icov with NaN before each chunk's assembly, so that a kernel reading an entry the
+    /// assembly did not write shows in the results (for tests).
+    pub fn set_poison(&mut self, on: bool) {
+        self.tuning.poison = on;
+    }
+
     /// Limits the number of patches solved together (for tests of the chunking; the default
     /// follows the memory budget).
     pub fn set_max_chunk(&mut self, patches: Option<usize>) {

@@ -365,6 +365,11 @@ fn solve_live<'a>(
     clock.mark("copies in")?;
     spots(g, ws, input, &host)?;
     clock.mark("spots")?;
+    if tuning.poison {
+        // all bits set: a NaN
+        g.dev
+            .fill_prefix(ws.icov.get(), n * g.sh.m() * g.sh.m(), 0xff)?;
+    }
     launchers::assemble(g, n, None, ws, region, input.options.regularize)?;
     clock.mark("assemble")?;
     let mut keep = Keep::new();

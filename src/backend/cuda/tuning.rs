@@ -51,6 +51,9 @@ pub(crate) struct Tuning {
     /// relative perturbation of C near tol.
     pub jacobi_tol: f64,
     pub jacobi_threads: u32,
+    /// Fill icov with NaN before each chunk's assembly (for tests: an entry that a kernel
+    /// reads but the assembly did not write then shows in the results).
+    pub poison: bool,
 }
 
 impl Tuning {
@@ -91,6 +94,7 @@ impl Tuning {
             polar_max_steps: 40,
             jacobi_tol: var("SPEX_GPU_JACOBI_TOL", 1e-14)?,
             jacobi_threads: var("SPEX_GPU_JACOBI_THREADS", 512)?,
+            poison: false,
         })
     }
 }
