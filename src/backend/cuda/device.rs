@@ -389,34 +389,26 @@ impl Device {
 
     /// Copies the first `len` values of `src` into `dst`.
     pub(crate) fn dtod<T>(&self, dst: &DevBuf<T>, src: &DevBuf<T>, len: usize) -> Result<()> {
-        assert!(len <= src.len && len <= dst.len);
-        // SAFETY: sizes checked.
-        unsafe {
-            drv::memcpy_dtod_async(
-                dst.ptr,
-                src.ptr,
-                len * std::mem::size_of::<T>(),
-                self.cu_stream(),
-            )
-        }
-        .map_err(error::driver("device-to-device copy"))
+        self.dtod_at(dst, 0, src, 0, len)
     }
 
-    /// Copies `len` values of `b` from index `src` on to index `dst` on; the two ranges must
-    /// not overlap.
-    pub(crate) fn copy_within<T>(
+    /// Copies `len` values of `src` from index `src_at` on into `dst` from index `dst_at` on;
+    /// within one buffer, the two ranges must not overlap.
+    pub(crate) fn dtod_at<T>(
         &self,
-        b: &DevBuf<T>,
-        src: usize,
-        dst: usize,
+        dst: &DevBuf<T>,
+        dst_at: usize,
+        src: &DevBuf<T>,
+        src_at: usize,
         len: usize,
     ) -> Result<()> {
-        assert!(src.max(dst) + len <= b.len && (src + len <= dst || dst + len <= src));
-        // SAFETY: both ranges lie within the buffer and do not overlap.
+        assert!(src_at + len <= src.len && dst_at + len <= dst.len);
+        assert!(dst.ptr != src.ptr || src_at + len <= dst_at || dst_at + len <= src_at);
+        // SAFETY: both ranges lie within their buffers and do not overlap.
         unsafe {
             drv::memcpy_dtod_async(
-                b.at(dst),
-                b.at(src),
+                dst.at(dst_at),
+                src.at(src_at),
                 len * std::mem::size_of::<T>(),
                 self.cu_stream(),
             )
@@ -539,9 +531,8 @@ impl<T> Slot<T> {
         Slot { buf: None, what }
     }
 
-    /// Makes the buffer hold at least `len` values (contents are not kept).
     /// Makes the buffer hold at least `len` values; returns whether it was allocated anew,
-    /// which loses its contents.
+    /// which loses its contents (a grown buffer does not keep them).
     pub(crate) fn ensure(&mut self, dev: &Device, len: usize) -> Result<bool> {
         if self.buf.as_ref().is_none_or(|b| b.len < len) {
             self.buf = None;

@@ -68,8 +68,8 @@ fn spots(g: Gpu<'_>, ws: &mut Workspace, input: &FrameInput<'_>, host: &ChunkHos
     if let Some((bundle, at)) = ws.last_spots.take() {
         if host.bundles.first() == Some(&bundle) {
             if at != 0 {
-                g.dev
-                    .copy_within(ws.spots.get(), at, 0, per_bundle * size)?;
+                let spots = ws.spots.get();
+                g.dev.dtod_at(spots, 0, spots, at, per_bundle * size)?;
             }
             first = per_bundle;
         }
