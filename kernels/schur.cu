@@ -8,7 +8,10 @@
 //   complement of the block, S_b = C_bb^-1 with C = icov^-1, and
 //   xflux_b = S_b^-1 (y_b - (W z from the left) - (from the right)).
 // The sweeps store those contributions, U[p][dir][k] (n x n) and u[p][dir][k] (n); the combine
-// kernel sums them. The second-neighbour blocks the sweeps drop are measured per patch, so that
+// kernel sums them. Only the core fibers need S_b; a padding fiber e at an end of the patch
+// needs only its flux, which its block row gives once its one neighbour c has its own:
+// x_e = A_ee^-1 (y_e - A_ec x_c). So neither sweep steps onto a padding fiber at its far end,
+// which saves a step in each direction on most patches. The second-neighbour blocks the sweeps drop are measured per patch, so that
 // the host can send a patch whose coupling is not negligible to the dense route.
 //
 // A patch's blocks are stored padding fibers first, then the core (and empty leading blocks
@@ -91,7 +94,14 @@ __device__ __forceinline__ void copy_wait() {
 }
 
 // One block per (patch, direction): blockIdx.y = 0 sweeps from the left, 1 from the right, over
-// the nb fiber blocks of order n in fiber order (`colspot`, m per patch). `info[p]` is set to 1 when a Sigma is not positive definite;
+// the nb fiber blocks of order n in fiber order (`colspot`, m per patch), the last ncore of
+// them in storage order being the core. A sweep starts at its end's first fiber and stops
+// short of the other end where that is a padding fiber: the complement of a padding fiber at
+// an end is never needed (schur_end_flux_f64 gives its flux), and empty blocks couple to
+// nothing. Where a sweep starts on a padding fiber, its first step's factor chol(A_ee) goes
+// to that block's U (which the combine does not read) for schur_end_flux_f64; on another
+// fiber, U is zero there.
+// `info[p]` is set to 1 when a Sigma is not positive definite;
 // direction 0 also writes `coupling[p]`, the largest |A_ij| / sqrt(A_ii A_jj) over blocks two
 // or more fibers apart, skipping the pairs of blocks whose spots (nx columns wide, corners
 // `corners[2 sid]`) cannot overlap.
@@ -100,14 +110,17 @@ __device__ __forceinline__ void copy_wait() {
 // red[32], ord[nb]; N = n + 1 rounded up to 8, ld = N + 4; 4 N threads.
 //
 // Registers: at most 96, so that two blocks of 320 threads (n <= 79) share an SM as their
-// shared memory allows (left to the compiler, it takes ~128; capped, it spills nothing on
-// sm_80 and sm_90, and spilled ~11 words before the products went to m16n8k4).
+// shared memory allows (left to the compiler, it takes ~128). Capped, it spilled nothing on
+// sm_80 and sm_90 until it stored the first step's factor; it now spills 20 bytes on sm_90
+// (none on sm_80), which cost about 0.1 ms per frame on an H100, where schur_end_flux_f64
+// factorising A_ee itself took 0.9 ms more.
 extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __restrict__ icov,
                                            const double* __restrict__ y,
                                            const int* __restrict__ patch_ids,
                                            const int* __restrict__ colspot,
                                            const int* __restrict__ corners, int nx, int m, int n,
-                                           int nb, double* __restrict__ U, double* __restrict__ u,
+                                           int nb, int ncore, double* __restrict__ U,
+                                           double* __restrict__ u,
                                            int* __restrict__ info, double* __restrict__ coupling) {
     extern __shared__ double sm[];
     SPEX_PHASE_START
@@ -123,17 +136,31 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
     if (pid < 0) return;
     size_t p = pid;
     const double* yp = y + p * m;
-    // ord[k]: the block at position k along the CCD (a stable sort by first spot index)
+    // ord[k]: the block at position k along the CCD (a stable sort by first spot index), the
+    // nempty empty blocks first
+    int key = -1;
     if (tid < nb) {
         const int* cs = colspot + p * m;
-        int key = cs[tid * n], pos = 0;
+        int pos = 0;
+        key = cs[tid * n];
         for (int b = 0; b < nb; ++b) {
             int kb = cs[b * n];
             pos += kb < key || (kb == key && b < tid);
         }
         ord[pos] = tid;
     }
-    __syncthreads();
+    int nempty = __syncthreads_count(tid < nb && key < 0);
+    // This direction's start k0 and number of steps: from its end's first fiber to the other
+    // end, or to the fiber before it where that is a padding fiber. Kept in shared memory, and
+    // read from there: held in registers across the steps, they made the kernel spill more.
+    __shared__ int steps[3];  // k0, steps, whether k0 is a padding fiber
+    if (tid == 0) {
+        int first = min(nempty, nb - 1), last = nb - 1;
+        bool first_pad = ord[first] < nb - ncore, last_pad = ord[last] < nb - ncore;
+        steps[0] = dir == 0 ? first : last;
+        steps[1] = last - first - ((dir == 0 ? last_pad : first_pad) && last > first ? 1 : 0);
+        steps[2] = dir == 0 ? first_pad : last_pad;
+    }
 
     if (dir == 0 && nb > 2) {
         // 1 / sqrt of icov's diagonal in W (free until the sweep starts), then the CCD columns
@@ -185,9 +212,10 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
         coupling[p] = 0.0;
     }
     SPEX_PHASE(16);
-    int k = dir == 0 ? 0 : nb - 1, bk = ord[k];
+    __syncthreads();
+    int k = steps[0], bk = ord[k];
     // the first coupling block on its way into W while the first Sigma is set up and factorised
-    if (nb > 1) {
+    if (steps[1] > 0) {
         int b1 = ord[dir == 0 ? k + 1 : k - 1];
         copy_block_async(icov, p, m, n, min(bk, b1), max(bk, b1), W, ld);
     }
@@ -195,8 +223,10 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
         if (i >= n || j >= n) S[i * ld + j] = 0.0;
     });
     load_diagonal_block(icov, p, m, n, bk, S, ld);
-    double* U0 = U + ((p * 2 + dir) * nb + bk) * n * n;
-    for (int idx = tid; idx < n * n; idx += nth) U0[idx] = 0.0;
+    if (!steps[2]) {
+        double* U0 = U + ((p * 2 + dir) * nb + bk) * n * n;
+        for (int idx = tid; idx < n * n; idx += nth) U0[idx] = 0.0;
+    }
     for (int i = tid; i < n; i += nth) {
         r[i] = yp[(size_t)bk * n + i];
         u[((p * 2 + dir) * nb + bk) * n + i] = 0.0;
@@ -204,12 +234,16 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
     __syncthreads();
     SPEX_PHASE(17);
     double acc[SPEX_TILES][2];
-    for (int s = 0; s + 1 < nb; ++s) {
+    for (int s = 0; s < steps[1]; ++s) {
         int kn = dir == 0 ? k + 1 : k - 1, bn = ord[kn];
         if (!cholesky_in_place(S, ld, n)) {
             copy_wait();
             if (tid == 0) info[p] = 1;
             return;
+        }
+        if (s == 0 && steps[2]) {
+            double* L = U + ((p * 2 + dir) * nb + bk) * n * n;
+            for_each_element(n, n, [&](int i, int j) { L[i * n + j] = j <= i ? S[i * ld + j] : 0.0; });
         }
         SPEX_PHASE(18);
         // V = [A_{kn,k}; r^T]^T in W (n rows, n + 1 columns; icov is symmetric, so row j of V
@@ -254,7 +288,7 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
         for (int i = tid; i < N; i += nth) S[i * ld + n] = 0.0;
         __syncthreads();
         // and the next step's coupling block while the next Sigma is factorised
-        if (s + 2 < nb) {
+        if (s + 1 < steps[1]) {
             int bnn = ord[dir == 0 ? kn + 1 : kn - 1];
             copy_block_async(icov, p, m, n, min(bn, bnn), max(bn, bnn), W, ld);
         }
@@ -264,8 +298,26 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
     }
 }
 
-// One block per (fiber block b, patch): S_b and xflux_b from the sweeps' contributions. The
-// core blocks' S_b go to `sblocks[(patch * ncore + c) n^2]` (row-major) for the decorrelation,
+// What block b of a patch (column table `cs`) is to the combine: empty, a padding fiber at an
+// end of the patch, or a fiber the sweeps reach from both sides.
+enum FiberRole { FIBER_EMPTY, FIBER_END_PADDING, FIBER_SWEPT };
+__device__ __forceinline__ FiberRole fiber_role(const int* cs, int n, int nb, int ncore, int b) {
+    int key = cs[b * n];
+    if (key < 0) return FIBER_EMPTY;
+    if (b >= nb - ncore) return FIBER_SWEPT;
+    int below = 0, above = 0;
+    for (int c = 0; c < nb; ++c) {
+        int kc = cs[c * n];
+        below += kc >= 0 && kc < key;
+        above += kc > key;
+    }
+    return below == 0 || above == 0 ? FIBER_END_PADDING : FIBER_SWEPT;
+}
+
+// One block per (fiber block b, patch): S_b and xflux_b from the sweeps' contributions, for
+// every fiber but those at the ends of the patch that are not core (schur_sweep_f64 does not
+// reach them from the other end; schur_end_flux_f64 gives their flux) and empty blocks (flux
+// zero). The core blocks' S_b go to `sblocks[(patch * ncore + c) n^2]` (row-major) for the decorrelation,
 // and, when `factors` is not null, their Cholesky factors G (lower, zero above the diagonal) to
 // `factors` at the same place, so that the polar kernel need not factorise S_b again; xflux to
 // `x[p * m + b * n]`. `info[p]` is set to 1 when S_b is not positive definite.
@@ -277,9 +329,10 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
 // H100).
 extern "C" __global__ void SPEX_MAX_REGS(48) schur_combine_f64(
     const double* __restrict__ icov, const double* __restrict__ y,
-    const int* __restrict__ patch_ids, int m, int n, int nb, int ncore,
-    const double* __restrict__ U, const double* __restrict__ u, double* __restrict__ sblocks,
-    double* __restrict__ factors, double* __restrict__ x, int* __restrict__ info) {
+    const int* __restrict__ patch_ids, const int* __restrict__ colspot, int m, int n, int nb,
+    int ncore, const double* __restrict__ U, const double* __restrict__ u,
+    double* __restrict__ sblocks, double* __restrict__ factors, double* __restrict__ x,
+    int* __restrict__ info) {
     extern __shared__ double sm[];
     SPEX_PHASE_START
     int N = (n + 7) / 8 * 8, ld = N + 4;
@@ -290,6 +343,15 @@ extern "C" __global__ void SPEX_MAX_REGS(48) schur_combine_f64(
     int pid = patch_of(patch_ids, blockIdx.y);
     if (pid < 0) return;
     size_t p = pid;
+    switch (fiber_role(colspot + p * m, n, nb, ncore, b)) {
+    case FIBER_EMPTY:
+        for (int i = tid; i < n; i += nth) x[p * m + (size_t)b * n + i] = 0.0;
+        return;
+    case FIBER_END_PADDING:
+        return;
+    default:
+        break;
+    }
     const double* ul = U + ((p * 2 + 0) * nb + b) * n * n;
     const double* ur = U + ((p * 2 + 1) * nb + b) * n * n;
     int c = b - (nb - ncore);
@@ -317,6 +379,73 @@ extern "C" __global__ void SPEX_MAX_REGS(48) schur_combine_f64(
     cholesky_solve_vector(T, v, ld, n);
     for (int i = tid; i < n; i += nth) x[p * m + (size_t)b * n + i] = v[i];
     SPEX_PHASE(34);
+}
+
+// One block per (patch, end): blockIdx.y = 0 the first fiber along the CCD, 1 the last. Where
+// that fiber e is not core, its flux from the block row of e in the block-tridiagonal system
+// the sweeps solve, x_e = A_ee^-1 (y_e - A_ec x_c), with c its one neighbour (whose flux the
+// combine gave), A_ee = L L^T the factor that the sweep starting at e left in its U (and
+// checked).
+//
+// Shared memory (dynamic): T[N ld], v[n]; N = n rounded up to 8, ld = N + 4; 4 N threads.
+extern "C" __global__ void schur_end_flux_f64(const double* __restrict__ icov,
+                                              const double* __restrict__ y,
+                                              const int* __restrict__ patch_ids,
+                                              const int* __restrict__ colspot, int m, int n,
+                                              int nb, int ncore, const double* __restrict__ U,
+                                              double* __restrict__ x) {
+    extern __shared__ double sm[];
+    __shared__ int ends[2];
+    int ld = (n + 7) / 8 * 8 + 4;
+    double* T = sm;
+    double* v = T + ((n + 7) / 8 * 8) * ld;
+    int tid = threadIdx.x, nth = blockDim.x, dir = blockIdx.y;
+    int pid = patch_of(patch_ids, blockIdx.x);
+    if (pid < 0) return;
+    size_t p = pid;
+    const int* cs = colspot + p * m;
+    // the end fiber e and its neighbour c (-1 where there is none), in storage order
+    if (tid == 0) {
+        int e = -1, c = -1, ke = 0, kc = 0;
+        for (int b = 0; b < nb; ++b) {
+            int kb = cs[b * n];
+            if (kb < 0) continue;
+            bool before_e = e < 0 || (dir == 0 ? kb < ke : kb > ke);
+            bool before_c = c < 0 || (dir == 0 ? kb < kc : kb > kc);
+            if (before_e) {
+                c = e;
+                kc = ke;
+                e = b;
+                ke = kb;
+            } else if (before_c) {
+                c = b;
+                kc = kb;
+            }
+        }
+        ends[0] = e;
+        ends[1] = c;
+    }
+    __syncthreads();
+    int e = ends[0], c = ends[1];
+    if (e < 0 || e >= nb - ncore) return;
+    load_block(U + ((p * 2 + dir) * nb + e) * n * n, n, n,
+               [&](int i, int j, double a) { T[i * ld + j] = a; });
+    // v = y_e - A_ec x_c, a warp per row; A_ec read from its stored side
+    int lane = tid & 31, warp = tid >> 5, nwarp = nth >> 5;
+    for (int i = warp; i < n; i += nwarp) {
+        double s = 0.0;
+        if (c >= 0)
+            for (int j = lane; j < n; j += 32) {
+                double a = e < c ? icov_block(icov, p, m, n, e, c)[(size_t)i * m + j]
+                                 : icov_block(icov, p, m, n, c, e)[(size_t)j * m + i];
+                s += a * x[p * m + (size_t)c * n + j];
+            }
+        s = warp_sum(s);
+        if (lane == 0) v[i] = y[p * m + (size_t)e * n + i] - s;
+    }
+    __syncthreads();
+    cholesky_solve_vector(T, v, ld, n);
+    for (int i = tid; i < n; i += nth) x[p * m + (size_t)e * n + i] = v[i];
 }
 
 // The retry list of a chunk (DESIGN step 2), drawn up on the device so that the host need not

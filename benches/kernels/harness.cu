@@ -45,7 +45,17 @@ struct Shape {
 // Spots of 11 x 17 pixels.
 const int SPOT_NX = 17, SPOT_NY = 11;
 
-// Centre of the spot of column j (fiber j / n, bin j % n) and its lower-left corner.
+// The spot id of column j of a patch: fiber block f = j / n is stored as DESI's patches are,
+// padding first, core last, but lies along the CCD at fiber ccd(f): the first padding fiber
+// left of the core, the second right of it.
+static int spot_id(const Shape& sh, int j) {
+    int f = j / sh.n, w = j % sh.n;
+    int ccd = f == 0 ? 0 : f == 1 ? sh.nb - 1 : f - 1;
+    return ccd * sh.n + w;
+}
+
+// Centre of the spot of spot id j (fiber j / n along the CCD, bin j % n) and its lower-left
+// corner.
 static void spot_place(const Shape& sh, int j, double& xc, double& yc, int& cx, int& cy) {
     int f = j / sh.n, w = j % sh.n;
     xc = 7.3 * f + 15.0 + 0.2 * std::sin(0.1 * w + f);
@@ -71,7 +81,7 @@ static void make_patch(unsigned seed, const Shape& sh, double* icov, double* y) 
         for (int w = 0; w < sh.n; ++w) {
             int j = f * sh.n + w;
             double xc, yc, sx = 1.0 + 0.05 * f, sy = 1.1;
-            spot_place(sh, j, xc, yc, cx[j], cy[j]);
+            spot_place(sh, spot_id(sh, j), xc, yc, cx[j], cy[j]);
             double sum = 0.0;
             double* a = &spot[(size_t)j * nx * ny];
             for (int iy = 0; iy < ny; ++iy)
@@ -187,9 +197,9 @@ static void fill(const Shape& sh, int patches, const Buffers& b) {
         CK(cudaMemcpy(b.y + p * m, &y[i * m], m * 8, cudaMemcpyHostToDevice));
     }
     std::vector<int> colspot(patches * m), nkeep(patches, sh.nws);
-    for (size_t k = 0; k < colspot.size(); ++k) colspot[k] = (int)(k % m);
+    for (size_t k = 0; k < colspot.size(); ++k) colspot[k] = spot_id(sh, (int)(k % m));
     CK(cudaMemcpy(b.colspot, colspot.data(), colspot.size() * 4, cudaMemcpyHostToDevice));
-    // spot ids are columns; every patch has the same spot places
+    // every patch has the same spot places
     std::vector<int> corners(2 * m);
     for (size_t j = 0; j < m; ++j) {
         double xc, yc;
@@ -219,19 +229,25 @@ struct Launches {
                                 (int)sweep_smem()));
         CK(cudaFuncSetAttribute(schur_combine_f64, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 (int)combine_smem()));
+        CK(cudaFuncSetAttribute(schur_end_flux_f64, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                (int)combine_smem()));
         CK(cudaFuncSetAttribute(polar_f64, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 (int)polar_smem()));
     }
     void sweep() const {
         CK(cudaMemset(b.info, 0, patches * 4));
         schur_sweep_f64<<<dim3(patches, 2, 1), 4 * big(), sweep_smem()>>>(
-            b.icov, b.y, nullptr, b.colspot, b.corners, SPOT_NX, sh.m(), sh.n, sh.nb, b.U, b.u,
-            b.info, b.coupling);
+            b.icov, b.y, nullptr, b.colspot, b.corners, SPOT_NX, sh.m(), sh.n, sh.nb, sh.ncore,
+            b.U, b.u, b.info, b.coupling);
     }
     void combine() const {
         schur_combine_f64<<<dim3(sh.nb, patches, 1), 4 * tiles(), combine_smem()>>>(
-            b.icov, b.y, nullptr, sh.m(), sh.n, sh.nb, sh.ncore, b.U, b.u, b.sblocks, factors(),
-            b.x, b.info);
+            b.icov, b.y, nullptr, b.colspot, sh.m(), sh.n, sh.nb, sh.ncore, b.U, b.u, b.sblocks,
+            factors(), b.x, b.info);
+    }
+    void end_flux() const {
+        schur_end_flux_f64<<<dim3(patches, 2, 1), 4 * tiles(), combine_smem()>>>(
+            b.icov, b.y, nullptr, b.colspot, sh.m(), sh.n, sh.nb, sh.ncore, b.U, b.x);
     }
     void polar() const {
         int count = patches * sh.ncore;
@@ -369,6 +385,7 @@ int main(int argc, char** argv) {
 
     double t_sweep = median_ms(repeats, [&] { l.sweep(); });
     double t_combine = median_ms(repeats, [&] { l.combine(); });
+    double t_end = median_ms(repeats, [&] { l.end_flux(); });
     double t_polar = median_ms(repeats, [&] { l.polar(); });
     std::vector<int> info(l.patches), steps(l.patches * l.sh.ncore);
     CK(cudaMemcpy(info.data(), l.b.info, info.size() * 4, cudaMemcpyDeviceToHost));
@@ -389,6 +406,7 @@ int main(int argc, char** argv) {
     CK(cudaMemcpyToSymbol(spex_phase_cycles, zero, sizeof zero));
     l.sweep();
     l.combine();
+    l.end_flux();
     l.polar();
     CK(cudaDeviceSynchronize());
     print_phases("schur_sweep_f64", sweep_names, 16, 8, 2.0 * l.patches, clock_khz);
@@ -413,8 +431,10 @@ int main(int argc, char** argv) {
     }
     std::fclose(f);
 
-    std::printf("patches %d: sweeps %.2f ms, combine %.2f ms, polar %.2f ms (median of %d)\n",
-                l.patches, t_sweep, t_combine, t_polar, repeats);
+    std::printf(
+        "patches %d: sweeps %.2f ms, combine %.2f ms, end flux %.2f ms, polar %.2f ms (median of "
+        "%d)\n",
+        l.patches, t_sweep, t_combine, t_end, t_polar, repeats);
     std::printf("failed sweeps %d; polar steps min %d median %d max %d\n", failed, sorted.front(),
                 sorted[sorted.size() / 2], sorted.back());
     return 0;

@@ -38,7 +38,12 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
     (
         "schur.cu",
         include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/schur.cu")),
-        &["schur_sweep_f64", "schur_combine_f64", "schur_retry_list"],
+        &[
+            "schur_sweep_f64",
+            "schur_combine_f64",
+            "schur_end_flux_f64",
+            "schur_retry_list",
+        ],
     ),
     (
         "polar.cu",

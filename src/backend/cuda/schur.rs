@@ -11,7 +11,9 @@
 //! the tuning's bound also goes to the CPU reference, which solves it densely. The sweeps walk
 //! the blocks in fiber order along the CCD (from the column table), not in storage order
 //! (padding fibers first): in storage order a padding fiber and its core neighbour sit two
-//! blocks apart, so the sweeps would drop a first-neighbour coupling.
+//! blocks apart, so the sweeps would drop a first-neighbour coupling. A padding fiber at an end
+//! of the patch needs no Schur complement, only its flux: neither sweep steps onto it from the
+//! other end, and a last kernel takes its flux from its block row.
 //!
 //! The kernels read icov only in the triangle the assembly stores (row-major `j2 >= j1`, the
 //! dense route's cuSOLVER lower triangle): a block in the other triangle is read as its stored
@@ -26,7 +28,8 @@ use crate::backend::cpu::RETRY_REGULARIZE;
 use crate::error::Result;
 use crate::plan::Patch;
 
-/// Launches the sweeps and the combine for `count` patches (`ids`, or the first `count`).
+/// Launches the sweeps, the combine and the flux of the padding fibers at the patches' ends
+/// for `count` patches (`ids`, or the first `count`).
 fn sweep(g: Gpu<'_>, ws: &Workspace, count: usize, ids: Option<&DevBuf<i32>>) -> Result<()> {
     let sh = g.sh;
     let (n, m, nb) = (sh.nt, sh.m(), sh.nblock);
@@ -50,6 +53,7 @@ fn sweep(g: Gpu<'_>, ws: &Workspace, count: usize, ids: Option<&DevBuf<i32>>) ->
             .i32(m as i32)
             .i32(n as i32)
             .i32(nb as i32)
+            .i32(sh.ncore as i32)
             .ptr(ws.su.get().ptr)
             .ptr(ws.sv.get().ptr)
             .ptr(ws.info.get().ptr)
@@ -66,6 +70,7 @@ fn sweep(g: Gpu<'_>, ws: &Workspace, count: usize, ids: Option<&DevBuf<i32>>) ->
             .ptr(ws.icov.get().ptr)
             .ptr(ws.y.get().ptr)
             .ptr(ids_ptr)
+            .ptr(ws.input.colspot.get().ptr)
             .i32(m as i32)
             .i32(n as i32)
             .i32(nb as i32)
@@ -76,6 +81,25 @@ fn sweep(g: Gpu<'_>, ws: &Workspace, count: usize, ids: Option<&DevBuf<i32>>) ->
             .ptr(ws.pbuf.get().ptr)
             .ptr(ws.x.get().ptr)
             .ptr(ws.info.get().ptr),
+    )?;
+    launch(
+        g.dev,
+        &g.k.schur_end_flux,
+        "schur_end_flux_f64",
+        (count as u32, 2, 1),
+        (4 * tiles) as u32,
+        (tiles * (tiles + 4) + n) * 8,
+        Args::new()
+            .ptr(ws.icov.get().ptr)
+            .ptr(ws.y.get().ptr)
+            .ptr(ids_ptr)
+            .ptr(ws.input.colspot.get().ptr)
+            .i32(m as i32)
+            .i32(n as i32)
+            .i32(nb as i32)
+            .i32(sh.ncore as i32)
+            .ptr(ws.su.get().ptr)
+            .ptr(ws.x.get().ptr),
     )
 }
 
