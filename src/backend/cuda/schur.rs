@@ -35,6 +35,8 @@ fn sweep(g: Gpu<'_>, ws: &Workspace, count: usize, ids: Option<&DevBuf<i32>>) ->
     let (n, m, nb) = (sh.nt, sh.m(), sh.nblock);
     let big = (n + 1).div_ceil(8) * 8;
     let tiles = n.div_ceil(8) * 8;
+    // the combine's and the end kernel's blocks: a matrix of tiles and a vector
+    let (per_fiber_threads, per_fiber_smem) = ((4 * tiles) as u32, (tiles * (tiles + 4) + n) * 8);
     let ids_ptr = ids.map_or(0, |b| b.ptr);
     launch(
         g.dev,
@@ -64,18 +66,9 @@ fn sweep(g: Gpu<'_>, ws: &Workspace, count: usize, ids: Option<&DevBuf<i32>>) ->
         &g.k.schur_combine,
         "schur_combine_f64",
         (nb as u32, count as u32, 1),
-        (4 * tiles) as u32,
-        (tiles * (tiles + 4) + n) * 8,
-        Args::new()
-            .ptr(ws.icov.get().ptr)
-            .ptr(ws.y.get().ptr)
-            .ptr(ids_ptr)
-            .ptr(ws.input.colspot.get().ptr)
-            .i32(m as i32)
-            .i32(n as i32)
-            .i32(nb as i32)
-            .i32(sh.ncore as i32)
-            .ptr(ws.su.get().ptr)
+        per_fiber_threads,
+        per_fiber_smem,
+        per_fiber_args(g, ws, ids_ptr)
             .ptr(ws.sv.get().ptr)
             .ptr(ws.sblocks.get().ptr)
             .ptr(ws.pbuf.get().ptr)
@@ -87,20 +80,26 @@ fn sweep(g: Gpu<'_>, ws: &Workspace, count: usize, ids: Option<&DevBuf<i32>>) ->
         &g.k.schur_end_flux,
         "schur_end_flux_f64",
         (count as u32, 2, 1),
-        (4 * tiles) as u32,
-        (tiles * (tiles + 4) + n) * 8,
-        Args::new()
-            .ptr(ws.icov.get().ptr)
-            .ptr(ws.y.get().ptr)
-            .ptr(ids_ptr)
-            .ptr(ws.input.colspot.get().ptr)
-            .i32(m as i32)
-            .i32(n as i32)
-            .i32(nb as i32)
-            .i32(sh.ncore as i32)
-            .ptr(ws.su.get().ptr)
-            .ptr(ws.x.get().ptr),
+        per_fiber_threads,
+        per_fiber_smem,
+        per_fiber_args(g, ws, ids_ptr).ptr(ws.x.get().ptr),
     )
+}
+
+/// The arguments the combine and the end fibers' kernel start with: icov, y, the patch list,
+/// the column table, the shape and the sweeps' U.
+fn per_fiber_args(g: Gpu<'_>, ws: &Workspace, ids_ptr: u64) -> Args {
+    let sh = g.sh;
+    Args::new()
+        .ptr(ws.icov.get().ptr)
+        .ptr(ws.y.get().ptr)
+        .ptr(ids_ptr)
+        .ptr(ws.input.colspot.get().ptr)
+        .i32(sh.m() as i32)
+        .i32(sh.nt as i32)
+        .i32(sh.nblock as i32)
+        .i32(sh.ncore as i32)
+        .ptr(ws.su.get().ptr)
 }
 
 /// Allocates the sweeps' buffers for `n` patches, and the retry list for up to `capacity`.
