@@ -108,12 +108,7 @@ fn main() -> anyhow::Result<()> {
         psferr: psf.psferr.unwrap_or(spex::psf::DEFAULT_PSFERR),
         model: args.model,
     };
-    let input = FrameInput {
-        plan: &plan,
-        psf: &psf,
-        image: &image,
-        options: &options,
-    };
+    let input = FrameInput::new(&plan, &psf, &image, &options);
     println!(
         "{} patches ({} fibers x {} bins, nwavetot {})",
         plan.patches.len(),

@@ -409,12 +409,7 @@ pub fn solve(
     let _range = nvtx::LocalRange::new(c"extract");
     let options = request.solve_options(&inputs.psf);
     let patches = &plan.patches[block];
-    let input = FrameInput {
-        plan,
-        psf: &inputs.psf,
-        image: &inputs.image,
-        options: &options,
-    };
+    let input = FrameInput::new(plan, &inputs.psf, &inputs.image, &options);
     progress.start(patches.len());
     backend.extract(input, patches, progress)
 }

@@ -30,6 +30,22 @@ pub struct FrameInput<'a> {
     pub options: &'a SolveOptions,
 }
 
+impl<'a> FrameInput<'a> {
+    pub fn new(
+        plan: &'a Plan,
+        psf: &'a GaussHermitePsf,
+        image: &'a Image,
+        options: &'a SolveOptions,
+    ) -> Self {
+        FrameInput {
+            plan,
+            psf,
+            image,
+            options,
+        }
+    }
+}
+
 /// A thread-safe counter of solved patches that drives the progress display.
 pub struct Progress {
     done: AtomicUsize,

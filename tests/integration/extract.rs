@@ -237,12 +237,7 @@ fn results_are_reproducible_across_threads_and_patch_sizes() {
     let inputs = pipeline::read_inputs(&request).unwrap();
     let plan = request.plan(&inputs.psf).unwrap();
     let options = request.solve_options(&inputs.psf);
-    let input = FrameInput {
-        plan: &plan,
-        psf: &inputs.psf,
-        image: &inputs.image,
-        options: &options,
-    };
+    let input = FrameInput::new(&plan, &inputs.psf, &inputs.image, &options);
     let one = CpuBackend::new(1)
         .unwrap()
         .extract(input, &plan.patches, &Progress::silent())
@@ -329,12 +324,7 @@ fn model_covers_the_rows_past_the_last_bin() {
     let mut image = blank_image(&psf);
     add_spots(&mut image, &psf, 25..50, &plan.fullwave, |_, _| 200.0);
     let options = options();
-    let input = FrameInput {
-        plan: &plan,
-        psf: &psf,
-        image: &image,
-        options: &options,
-    };
+    let input = FrameInput::new(&plan, &psf, &image, &options);
     let results = CpuBackend::new(2)
         .unwrap()
         .extract(input, &plan.patches, &Progress::silent())

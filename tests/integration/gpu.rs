@@ -184,12 +184,7 @@ fn gpu_matches_cpu_reference() {
     let image = synthetic_image(&psf, &plan, 7);
     for (regularize, model) in [(0.0, true), (1e-3, false)] {
         let options = solve_options(regularize, model);
-        let input = FrameInput {
-            plan: &plan,
-            psf: &psf,
-            image: &image,
-            options: &options,
-        };
+        let input = FrameInput::new(&plan, &psf, &image, &options);
         let (g, cpu) = solve_both(&mut gpu, input);
         assert!(cpu.iter().all(|r| r.status == PatchStatus::Ok));
         assert!(
@@ -218,12 +213,7 @@ fn every_route_matches_the_cpu_reference() {
     let plan = Plan::new(PlanOptions::new(6000.0, 6100.0, 0.8, 0, 25)).unwrap();
     let image = synthetic_image(&psf, &plan, 13);
     let options = solve_options(0.0, true);
-    let input = FrameInput {
-        plan: &plan,
-        psf: &psf,
-        image: &image,
-        options: &options,
-    };
+    let input = FrameInput::new(&plan, &psf, &image, &options);
     let cpu = cpu_results(input);
     for (solve, route) in [
         (cuda::Solve::Dense, cuda::Route::Polar),
@@ -276,12 +266,7 @@ fn chunks_that_split_a_bundle_agree() {
     ] {
         let plan = Plan::new(plan).unwrap();
         let image = synthetic_image(&psf, &plan, seed);
-        let input = FrameInput {
-            plan: &plan,
-            psf: &psf,
-            image: &image,
-            options: &options,
-        };
+        let input = FrameInput::new(&plan, &psf, &image, &options);
         let (g, cpu) = solve_both(&mut gpu, input);
         let t = gpu.timings();
         assert!(t.chunks >= 2);
@@ -303,12 +288,7 @@ fn wide_patches_agree(gpu: &mut CudaBackend, nwavestep: usize, seed: u64) -> cud
     assert_eq!(plan.nwavetot, nwavestep + 24);
     let image = synthetic_image(&psf, &plan, seed);
     let options = solve_options(0.0, false);
-    let input = FrameInput {
-        plan: &plan,
-        psf: &psf,
-        image: &image,
-        options: &options,
-    };
+    let input = FrameInput::new(&plan, &psf, &image, &options);
     let (g, cpu) = solve_both(gpu, input);
     assert_agree(&g, &cpu);
     let t = gpu.timings().clone();
@@ -358,12 +338,7 @@ fn schur_route_sends_coupled_patches_to_the_reference() {
     let plan = Plan::new(PlanOptions::new(6000.0, 6040.0, 0.8, 0, 25)).unwrap();
     let image = synthetic_image(&psf, &plan, 17);
     let options = solve_options(0.0, false);
-    let input = FrameInput {
-        plan: &plan,
-        psf: &psf,
-        image: &image,
-        options: &options,
-    };
+    let input = FrameInput::new(&plan, &psf, &image, &options);
     let (g, cpu) = solve_both(&mut gpu, input);
     let t = gpu.timings().clone();
     say(&format!(
@@ -397,12 +372,7 @@ fn masked_patch_is_reported() {
     let mut image = synthetic_image(&psf, &plan, 3);
     image.ivar.iter_mut().for_each(|v| *v = 0.0);
     let options = solve_options(0.0, false);
-    let input = FrameInput {
-        plan: &plan,
-        psf: &psf,
-        image: &image,
-        options: &options,
-    };
+    let input = FrameInput::new(&plan, &psf, &image, &options);
     let (g, cpu) = solve_both(&mut gpu, input);
     for (a, b) in g.iter().zip(&cpu) {
         assert_eq!(a.status, PatchStatus::Masked);
@@ -444,12 +414,7 @@ fn failed_factorisations_follow_the_cpu() {
     let (x, y) = psf.xy(12, 6045.0);
     image.pix[[y.round() as usize, x.round() as usize]] = f32::NAN;
     let options = solve_options(0.0, false);
-    let input = FrameInput {
-        plan: &plan,
-        psf: &psf,
-        image: &image,
-        options: &options,
-    };
+    let input = FrameInput::new(&plan, &psf, &image, &options);
     let (g, cpu) = solve_both(&mut gpu, input);
     let statuses: Vec<_> = cpu
         .iter()
@@ -501,12 +466,7 @@ fn image_needing_the_retry(
     let mut saved = Vec::new();
     for &t in &grid {
         image.ivar[[r, c]] = own * t;
-        let input = FrameInput {
-            plan,
-            psf,
-            image: &image,
-            options,
-        };
+        let input = FrameInput::new(plan, psf, &image, options);
         let st: Vec<_> = cpu
             .extract(input, &near, &Progress::silent())
             .unwrap()
@@ -545,12 +505,7 @@ fn regularised_retry_matches_the_cpu_on_both_routes() {
     let plan = Plan::new(PlanOptions::new(6000.0, 6100.0, 0.8, 0, 25)).unwrap();
     let options = solve_options(0.0, true);
     let (image, t) = image_needing_the_retry(&psf, &plan, &options);
-    let input = FrameInput {
-        plan: &plan,
-        psf: &psf,
-        image: &image,
-        options: &options,
-    };
+    let input = FrameInput::new(&plan, &psf, &image, &options);
     let cpu = cpu_results(input);
     let regularized = cpu
         .iter()
