@@ -11,8 +11,9 @@
 // kernel sums them. Only the core fibers need S_b; a padding fiber e at an end of the patch
 // needs only its flux, which its block row gives once its one neighbour c has its own:
 // x_e = A_ee^-1 (y_e - A_ec x_c). So neither sweep steps onto a padding fiber at its far end,
-// which saves a step in each direction on most patches. The second-neighbour blocks the sweeps drop are measured per patch, so that
-// the host can send a patch whose coupling is not negligible to the dense route.
+// which saves a step in each direction on most patches. The second-neighbour blocks the
+// sweeps drop are measured per patch, so that the host can send a patch whose coupling is not
+// negligible to the dense route.
 //
 // A patch's blocks are stored padding fibers first, then the core (and empty leading blocks
 // where it has fewer fibers than the widest patch), which is not their order along the CCD:
@@ -100,8 +101,7 @@ __device__ __forceinline__ void copy_wait() {
 // an end is never needed (schur_end_flux_f64 gives its flux), and empty blocks couple to
 // nothing. Where a sweep starts on a padding fiber, its first step's factor chol(A_ee) goes
 // to that block's U (which the combine does not read) for schur_end_flux_f64; on another
-// fiber, U is zero there.
-// `info[p]` is set to 1 when a Sigma is not positive definite;
+// fiber, U is zero there. `info[p]` is set to 1 when a Sigma is not positive definite;
 // direction 0 also writes `coupling[p]`, the largest |A_ij| / sqrt(A_ii A_jj) over blocks two
 // or more fibers apart, skipping the pairs of blocks whose spots (nx columns wide, corners
 // `corners[2 sid]`) cannot overlap.
@@ -317,8 +317,8 @@ __device__ __forceinline__ FiberRole fiber_role(const int* cs, int n, int nb, in
 // One block per (fiber block b, patch): S_b and xflux_b from the sweeps' contributions, for
 // every fiber but those at the ends of the patch that are not core (schur_sweep_f64 does not
 // reach them from the other end; schur_end_flux_f64 gives their flux) and empty blocks (flux
-// zero). The core blocks' S_b go to `sblocks[(patch * ncore + c) n^2]` (row-major) for the decorrelation,
-// and, when `factors` is not null, their Cholesky factors G (lower, zero above the diagonal) to
+// zero). The core blocks' S_b go to `sblocks[(patch * ncore + c) n^2]` (row-major) for the
+// decorrelation, and, when `factors` is not null, their Cholesky factors G (lower, zero above the diagonal) to
 // `factors` at the same place, so that the polar kernel need not factorise S_b again; xflux to
 // `x[p * m + b * n]`. `info[p]` is set to 1 when S_b is not positive definite.
 //
