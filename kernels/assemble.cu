@@ -3,13 +3,12 @@
 // of each core spot. A is never formed: each column is a spot at its corner, and two columns
 // interact only where their spots overlap.
 //
-// icov is symmetric, so only one triangle is stored: of a patch's m x m matrix (row-major,
-// p m^2 + j1 m + j2) the entries j2 >= j1, each overlap computed once. Read column-major, as
-// cuSOLVER and cuBLAS do on the dense route, that is the LOWER triangle (row j2 >= column j1)
-// that their CUBLAS_FILL_MODE_LOWER calls read. The entries j2 < j1 are neither written nor
-// read by any kernel (they hold whatever an earlier chunk, or cuSOLVER's potrsBatched, which
-// uses that triangle as workspace, left there); element (R, C) of icov is at
-// min(R, C) m + max(R, C).
+// icov is symmetric, so only one triangle is stored, densely for the dense route or as the
+// band of fiber blocks the Schur route reads (kernels/common.cuh, `band`). The entries a
+// kernel does not write (dense: j2 < j1 of row j1; band: those left of the diagonal in a
+// diagonal block, and slots of fibers that do not exist) are read by no kernel either (they
+// hold whatever an earlier chunk, or cuSOLVER's potrsBatched, which uses that triangle as
+// workspace, left there).
 
 #include "common.cuh"
 
@@ -45,14 +44,65 @@ __device__ __forceinline__ double overlap_sum(const double* w, const double* b, 
     return sum;
 }
 
-// One warp per (column j1, patch), SPEX_COLUMNS consecutive columns to a block: writes the
-// entries j2 >= j1 of row j1 of icov (= column j1, in the stored triangle). The warps of a
-// block share no data and meet at no barrier, but neighbouring columns overlap nearly the
-// same spots, so that the partner spots one warp loads are often still in L1 for the others.
-// (A block of four warps per column, with its sums and weighted spot shared behind a barrier,
+// Column j1's overlaps with the columns of its patch that row j1 stores: entry t in [lo, hi)
+// of the row `icol` is the column of spot `spot(t)` (zero where the spots do not overlap or
+// the column is empty, spot -1); `w1` is j1's weighted spot, (x1, y1) its corner. The warp
+// screens 32 entries at once (a ballot of the overlapping ones), then computes the overlaps
+// two at a time, one per half-warp (half the reduction steps per overlap), each stored by the
+// lane that holds it. Entry `tdiag` is the diagonal, which also goes to `diag0`.
+template <typename Spot>
+__device__ __forceinline__ void overlap_columns(const double* __restrict__ spots,
+                                                const int* __restrict__ corners,
+                                                const double* w1, int x1, int y1, int nx, int ny,
+                                                int tdiag, int lo, int hi, Spot spot,
+                                                double* icol, double* diag0, int lane) {
+    int size = nx * ny;
+    int half = lane / SPEX_HALF, hl = lane % SPEX_HALF;
+    for (int g = lo; g < hi; g += SPEX_WARP) {
+        int t = g + lane;
+        bool mine = t < hi;
+        int sid2 = mine ? spot(t) : -1;
+        int dx = 0, dy = 0;
+        bool hit = false;
+        if (sid2 >= 0) {
+            dx = corners[2 * sid2] - x1;
+            dy = corners[2 * sid2 + 1] - y1;
+            hit = dx < nx && dx > -nx && dy < ny && dy > -ny;
+        }
+        if (mine && !hit) icol[t] = 0.0;
+        unsigned mask = __ballot_sync(0xffffffffu, hit);
+        while (mask) {
+            int b0 = __ffs(mask) - 1;
+            mask &= mask - 1;
+            int b1 = mask ? __ffs(mask) - 1 : -1;
+            mask &= mask - 1;
+            int b = half ? b1 : b0;
+            int s2 = __shfl_sync(0xffffffffu, sid2, max(b, 0));
+            int ddx = __shfl_sync(0xffffffffu, dx, max(b, 0));
+            int ddy = __shfl_sync(0xffffffffu, dy, max(b, 0));
+            double sum = 0.0;
+            if (b >= 0) {
+                const double* a2 = spots + (size_t)s2 * size;
+                int ylo = max(ddy, 0), yhi = min(ny + ddy, ny);
+                int xlo = max(ddx, 0), xhi = min(nx + ddx, nx);
+                sum = overlap_sum(w1, a2, ddy * nx + ddx, nx, ylo, yhi, xlo, xhi, hl);
+            }
+            for (int o = SPEX_HALF / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            if (hl == 0 && b >= 0) {
+                icol[g + b] = sum;
+                if (g + b == tdiag) *diag0 = sum;
+            }
+        }
+    }
+}
+
+// One warp per (column j1, patch), SPEX_COLUMNS consecutive columns to a block: writes row j1
+// of icov's stored triangle, dense or band (`band`, kernels/common.cuh). The warps of a block
+// share no data and meet at no barrier, but neighbouring columns overlap nearly the same
+// spots, so that the partner spots one warp loads are often still in L1 for the others. (A
+// block of four warps per column, with its sums and weighted spot shared behind a barrier,
 // took 12.7 ms per full frame on an H100 against 11.6; eight columns to a block take the
-// same as four.) Warps of the last columns have less to do; their overlap screen starts at
-// the warp group holding j1.
+// same as four.)
 //
 // Shared memory (dynamic): w1[ny nx] (weighted spot) per warp.
 //
@@ -67,7 +117,7 @@ extern "C" __global__ void __launch_bounds__(SPEX_COLUMNS * SPEX_WARP, 12) assem
     const int* __restrict__ patch_ids,
     const float* __restrict__ pix, const float* __restrict__ ivar,
     int sub_row0, int sub_col0, int sub_w,
-    int m, int nx, int ny, int nwavetot, int ncore, int wavepad, int nwavestep,
+    int m, int nx, int ny, int nwavetot, int ncore, int wavepad, int nwavestep, int band,
     double* __restrict__ icov, double* __restrict__ y, double* __restrict__ fw,
     double* __restrict__ diag0, double* __restrict__ pixmask) {
     extern __shared__ double sm[];
@@ -79,10 +129,11 @@ extern "C" __global__ void __launch_bounds__(SPEX_COLUMNS * SPEX_WARP, 12) assem
     int p = patch_of(patch_ids, blockIdx.y);
     if (p < 0 || j1 >= m) return;
     const int* cs = colspot + (size_t)p * m;
-    double* icol = icov + ((size_t)p * m + j1) * m;
+    int row_len = icov_row_len(band, m, nwavetot);
+    double* icol = icov + ((size_t)p * m + j1) * row_len;
     int sid1 = cs[j1];
     if (sid1 < 0) {
-        for (int j2 = j1 + lane; j2 < m; j2 += SPEX_WARP) icol[j2] = 0.0;
+        for (int j2 = band ? lane : j1 + lane; j2 < row_len; j2 += SPEX_WARP) icol[j2] = 0.0;
         if (lane == 0) {
             y[(size_t)p * m + j1] = 0.0;
             fw[(size_t)p * m + j1] = 0.0;
@@ -113,10 +164,11 @@ extern "C" __global__ void __launch_bounds__(SPEX_COLUMNS * SPEX_WARP, 12) assem
     sy = warp_sum(sy);
     sw = warp_sum(sw);
     smask = warp_sum(smask);
+    int blk = j1 / nwavetot;
     if (lane == 0) {
         y[(size_t)p * m + j1] = sy;
         fw[(size_t)p * m + j1] = sw;
-        int blk = j1 / nwavetot, w = j1 % nwavetot;
+        int w = j1 % nwavetot;
         int nblk = m / nwavetot;
         int c = blk - (nblk - ncore);
         int j = w - wavepad;
@@ -125,59 +177,37 @@ extern "C" __global__ void __launch_bounds__(SPEX_COLUMNS * SPEX_WARP, 12) assem
     // the weighted spot, to every lane of the warp
     __syncwarp();
 
-    // The warp screens 32 columns at once (a ballot of the overlapping ones), then computes
-    // the overlaps two at a time, each stored by the lane that holds it. Only the columns
-    // j2 >= j1 are stored: the scan starts at the group holding j1 and lanes below j1 stay
-    // out of the ballot.
-    for (int g = j1 / SPEX_WARP * SPEX_WARP; g < m; g += SPEX_WARP) {
-        int j2 = g + lane;
-        bool mine = j2 >= j1 && j2 < m;
-        int sid2 = mine ? cs[j2] : -1;
-        int dx = 0, dy = 0;
-        bool hit = false;
-        if (sid2 >= 0) {
-            dx = corners[2 * sid2] - x1;
-            dy = corners[2 * sid2 + 1] - y1;
-            hit = dx < nx && dx > -nx && dy < ny && dy > -ny;
-        }
-        if (mine && !hit) icol[j2] = 0.0;
-        unsigned mask = __ballot_sync(0xffffffffu, hit);
-        // Two overlaps at a time, one per half-warp: half the reduction steps per overlap.
-        int half = lane / SPEX_HALF, hl = lane % SPEX_HALF;
-        while (mask) {
-            int b0 = __ffs(mask) - 1;
-            mask &= mask - 1;
-            int b1 = mask ? __ffs(mask) - 1 : -1;
-            mask &= mask - 1;
-            int b = half ? b1 : b0;
-            int s2 = __shfl_sync(0xffffffffu, sid2, max(b, 0));
-            int ddx = __shfl_sync(0xffffffffu, dx, max(b, 0));
-            int ddy = __shfl_sync(0xffffffffu, dy, max(b, 0));
-            double sum = 0.0;
-            if (b >= 0) {
-                const double* a2 = spots + (size_t)s2 * size;
-                int ylo = max(ddy, 0), yhi = min(ny + ddy, ny);
-                int xlo = max(ddx, 0), xhi = min(nx + ddx, nx);
-                sum = overlap_sum(w1, a2, ddy * nx + ddx, nx, ylo, yhi, xlo, xhi, hl);
-            }
-            for (int o = SPEX_HALF / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-            if (hl == 0 && b >= 0) {
-                icol[g + b] = sum;
-                if (g + b == j1) diag0[(size_t)p * m + j1] = sum;
-            }
-        }
+    double* d0 = diag0 + (size_t)p * m + j1;
+    if (!band) {
+        overlap_columns(spots, corners, w1, x1, y1, nx, ny, j1, j1, m,
+                        [&](int t) { return cs[t]; }, icol, d0, lane);
+        return;
     }
+    // band: the rest of j1's own block, then the blocks of the next two fibers along the CCD,
+    // one run of entries (those of fibers that do not exist are left out); a block's spots
+    // are consecutive, from its first
+    int n = nwavetot, nb = m / n;
+    int own = cs[blk * n];
+    int next = next_fiber_spot(cs, n, nb, own, lane);
+    int after = next_fiber_spot(cs, n, nb, next, lane);
+    int hi = next < 0 ? n : after < 0 ? 2 * n : 3 * n;
+    overlap_columns(spots, corners, w1, x1, y1, nx, ny, j1 % n, j1 % n, hi,
+                    [&](int t) {
+                        int slot = t >= n ? (t >= 2 * n ? 2 : 1) : 0;
+                        return (slot == 0 ? own : slot == 1 ? next : after) + t - slot * n;
+                    },
+                    icol, d0, lane);
 }
 
 // Step 2 of the solve, one block per patch: icov += diag(alpha^2 + 1e-15) from the
 // unregularised diagonal, alpha = minweight - fluxweight where fluxweight < minweight
 // (minweight = 1e-4 max fluxweight), else `reg`. A patch without any weight is flagged in
 // `masked` and its diagonal set to 1 so that the batched factorisation stays defined. Only the
-// diagonal is touched, which lies in the stored triangle.
+// diagonal is touched, which lies in the stored triangle (dense or band, `band`, blocks of n).
 extern "C" __global__ void regularize_f64(double* __restrict__ icov, const double* __restrict__ fw,
                                           const double* __restrict__ diag0,
-                                          const int* __restrict__ patch_ids, int m, double reg,
-                                          int* __restrict__ masked) {
+                                          const int* __restrict__ patch_ids, int m, int n,
+                                          int band, double reg, int* __restrict__ masked) {
     __shared__ double red[32];
     int p = patch_of(patch_ids, blockIdx.x);
     if (p < 0) return;
@@ -185,16 +215,19 @@ extern "C" __global__ void regularize_f64(double* __restrict__ icov, const doubl
     double mx = 0.0;
     for (int j = threadIdx.x; j < m; j += blockDim.x) mx = fmax(mx, f[j]);
     mx = block_max(mx, red);
-    double* a = icov + (size_t)p * m * m;
+    int row_len = icov_row_len(band, m, n);
+    double* a = icov + (size_t)p * m * row_len;
+    // the diagonal element of row j
+    auto at = [&](int j) -> double& { return a[(size_t)j * row_len + (band ? j % n : j)]; };
     if (!(mx > 0.0)) {
-        for (int j = threadIdx.x; j < m; j += blockDim.x) a[(size_t)j * m + j] = 1.0;
+        for (int j = threadIdx.x; j < m; j += blockDim.x) at(j) = 1.0;
         if (threadIdx.x == 0) masked[p] = 1;
         return;
     }
     double minweight = 1e-4 * mx;
     for (int j = threadIdx.x; j < m; j += blockDim.x) {
         double alpha = f[j] < minweight ? minweight - f[j] : reg;
-        a[(size_t)j * m + j] = diag0[(size_t)p * m + j] + (alpha * alpha + 1e-15);
+        at(j) = diag0[(size_t)p * m + j] + (alpha * alpha + 1e-15);
     }
     if (threadIdx.x == 0) masked[p] = 0;
 }

@@ -4,7 +4,8 @@
 // - a spot id `sid` indexes `spots[sid * ny * nx ...]` (row-major ny x nx) and
 //   `corners[2 sid], corners[2 sid + 1]` (CCD column and row of its lower-left pixel);
 // - a patch has `m` unknowns; `colspot[p * m + j]` is the spot of column j or -1 for a
-//   column of an unused padding block (a zero column);
+//   column of an unused padding block (a zero column); a fiber block's columns have
+//   consecutive spots (one fiber, consecutive wavelengths);
 // - `boxes[4 p ..]` = row0, row1, col0, col1 of the patch's pixel box on the CCD;
 // - the pixels of the CCD region on the device start at (sub_row0, sub_col0), `sub_w` wide.
 
@@ -71,4 +72,33 @@ __device__ __forceinline__ double warp_sum(double v) {
 // do and return at once.
 __device__ __forceinline__ int patch_of(const int* patch_ids, int i) {
     return patch_ids ? patch_ids[i] : i;
+}
+
+// icov's storage, written by kernels/assemble.cu. Only one triangle of the symmetric matrix is
+// stored, each overlap computed once.
+// - Dense (`band` 0, the dense route, for cuSOLVER): a patch's m x m matrix row-major, of row
+//   j1 the entries j2 >= j1 (cuSOLVER's column-major lower triangle).
+// - Band (`band` 1, the Schur route): a patch's block-tridiagonal part in fiber order along
+//   the CCD, which is all the sweeps use, and the second neighbours' blocks, which the
+//   coupling check measures. Row j1, of fiber block b, holds SPEX_BAND_BLOCKS blocks of n
+//   entries: slot 0 block b itself (only its entries j2 >= j1), slot 1 the block of the next
+//   fiber along the CCD, slot 2 the one after it (slots of fibers that do not exist are not
+//   written). A patch takes SPEX_BAND_BLOCKS n m doubles instead of m^2, a quarter at DESI's
+//   7 fibers. Element (R, C) of a block row is at row R, column slot * n + C % n.
+#define SPEX_BAND_BLOCKS 3
+
+// Doubles per stored row of a patch's icov: m dense, SPEX_BAND_BLOCKS n in band storage.
+__device__ __forceinline__ int icov_row_len(int band, int m, int n) {
+    return band ? SPEX_BAND_BLOCKS * n : m;
+}
+
+// The first spot of the fiber block that follows the block whose first spot is `key` along
+// the CCD, -1 where there is none, for the calling warp (every lane gets it; nb <= 32): of the
+// nb blocks of n columns of a patch (column table `cs`), the next larger first spot (spot
+// indices grow with the fiber; empty blocks, -1, follow nothing and nothing follows them).
+__device__ __forceinline__ int next_fiber_spot(const int* cs, int n, int nb, int key, int lane) {
+    int kc = lane < nb ? cs[lane * n] : -1;
+    int cand = key >= 0 && kc > key ? kc : 0x7fffffff;
+    for (int o = SPEX_WARP / 2; o > 0; o >>= 1) cand = min(cand, __shfl_xor_sync(0xffffffffu, cand, o));
+    return cand == 0x7fffffff ? -1 : cand;
 }

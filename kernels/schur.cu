@@ -21,22 +21,25 @@
 // table (a block's first spot index grows with its fiber; empty blocks, -1, come first and
 // couple to nothing).
 //
-// icov is symmetric and the assembly stores one triangle of it (kernels/assemble.cu): of a
-// patch's m x m matrix, row-major, only the entries (R, C) with C >= R, i.e. cuSOLVER's
-// column-major lower triangle that the dense route factorises. Every load here goes to that
-// triangle: a block (r, c) of fiber blocks in storage order lies in it as it is when r < c and
-// as its transpose when r > c, and a diagonal block only with its upper half (row-major). Such
-// blocks are read row-wise from the stored side, consecutive threads at consecutive addresses,
-// and written transposed or mirrored into shared memory (a sweep's coupling blocks are copied
-// as stored, asynchronously, and transposed in shared memory where needed).
+// icov comes in band storage (kernels/common.cuh): each fiber block's rows hold the block
+// itself (its upper half), its coupling to the next fiber along the CCD and to the one after.
+// A coupling block lies in the rows of the fiber that comes first along the CCD: a sweep from
+// the left reads it as it is, one from the right transposed. Blocks are read row-wise,
+// consecutive threads at consecutive addresses, and written transposed or mirrored into
+// shared memory (a sweep's coupling blocks are copied as stored, asynchronously, and
+// transposed in shared memory where needed).
 
 #include "common.cuh"
 #include "tiles.cuh"
 
-// Block (r, c) of patch p's icov, r <= c (the stored side), as rows of m doubles.
-__device__ __forceinline__ const double* icov_block(const double* icov, size_t p, int m, int n,
-                                                    int r, int c) {
-    return icov + (p * m + (size_t)r * n) * m + (size_t)c * n;
+// Doubles per row of a patch's band-stored icov.
+__device__ __forceinline__ int band_row(int n) { return SPEX_BAND_BLOCKS * n; }
+
+// Slot `slot` of fiber block b's rows in patch p's band-stored icov (rows band_row(n) apart):
+// 0 the diagonal block, 1 the coupling to the next fiber along the CCD, 2 to the one after.
+__device__ __forceinline__ const double* band_block(const double* icov, size_t p, int m, int n,
+                                                    int b, int slot) {
+    return icov + (p * m + (size_t)b * n) * band_row(n) + (size_t)slot * n;
 }
 
 // Diagonal block (b, b) of patch p's icov into D (n x n, leading dimension ld), both halves:
@@ -46,11 +49,12 @@ __device__ __forceinline__ const double* icov_block(const double* icov, size_t p
 // memory and barriers, not on these loads.)
 __device__ void load_diagonal_block(const double* icov, size_t p, int m, int n, int b, double* D,
                                     int ld) {
-    const double* a = icov_block(icov, p, m, n, b, b);
+    const double* a = band_block(icov, p, m, n, b, 0);
+    int lda = band_row(n);
     for_each_element(n, n, [&](int i, int j) {
         if (j < i) return;
-        D[i * ld + j] = a[(size_t)i * m + j];
-        D[j * ld + i] = a[(size_t)i * m + j];
+        D[i * ld + j] = a[(size_t)i * lda + j];
+        D[j * ld + i] = a[(size_t)i * lda + j];
     });
 }
 
@@ -65,21 +69,22 @@ __device__ void subtract_from_block(const double* a, int lda, double* D, int ld,
     });
 }
 
-// Block (lo, hi), lo <= hi, of patch p's icov (n x n, as stored; of a diagonal block only
-// the stored upper half) into D (leading dimension ld), without waiting for it: asynchronous
-// copies on sm_80 and later, which `copy_wait` completes for the calling thread (a barrier
-// then shows D to the block); plain ones before.
+// Slot `slot` of fiber block b's rows in patch p's icov (n x n, as stored; of a diagonal
+// block, slot 0, only the stored upper half) into D (leading dimension ld), without waiting
+// for it: asynchronous copies on sm_80 and later, which `copy_wait` completes for the calling
+// thread (a barrier then shows D to the block); plain ones before.
 __device__ __forceinline__ void copy_block_async(const double* icov, size_t p, int m, int n,
-                                                 int lo, int hi, double* D, int ld) {
-    const double* src = icov_block(icov, p, m, n, lo, hi);
+                                                 int b, int slot, double* D, int ld) {
+    const double* src = band_block(icov, p, m, n, b, slot);
+    int lda = band_row(n);
     for_each_element(n, n, [&](int a, int c) {
-        if (lo == hi && c < a) return;
+        if (slot == 0 && c < a) return;
 #if __CUDA_ARCH__ >= 800
         unsigned dst = (unsigned)__cvta_generic_to_shared(D + a * ld + c);
         asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst),
-                     "l"(src + (size_t)a * m + c));
+                     "l"(src + (size_t)a * lda + c));
 #else
-        D[a * ld + c] = src[(size_t)a * m + c];
+        D[a * ld + c] = src[(size_t)a * lda + c];
 #endif
     });
 #if __CUDA_ARCH__ >= 800
@@ -103,8 +108,9 @@ __device__ __forceinline__ void copy_wait() {
 // to that block's U (which the combine does not read) for schur_end_flux_f64; on another
 // fiber, U is zero there. `info[p]` is set to 1 when a Sigma is not positive definite;
 // direction 0 also writes `coupling[p]`, the largest |A_ij| / sqrt(A_ii A_jj) over blocks two
-// or more fibers apart, skipping the pairs of blocks whose spots (nx columns wide, corners
-// `corners[2 sid]`) cannot overlap.
+// fibers apart (band slot 2). Blocks three or more fibers apart are not stored: where their
+// spots (nx columns wide, corners `corners[2 sid]`) could overlap, the coupling is +inf, which
+// sends the patch to the dense solve on the CPU (DESI's stamps reach two fibers, not three).
 //
 // Shared memory (dynamic): S[N ld] (Sigma, then W W^T), W[N ld] ([W; z^T]^T), r[n],
 // red[32], ord[nb]; N = n + 1 rounded up to 8, ld = N + 4; 4 N threads.
@@ -165,12 +171,12 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
     if (dir == 0 && nb > 2) {
         // 1 / sqrt of icov's diagonal in W (free until the sweep starts), then the CCD columns
         // of each block's spot corners, lowest and highest: two blocks whose corners are nx
-        // or more columns apart have no overlapping spots, and the assembly left their
-        // entries zero (an empty block has none: its range is empty)
+        // or more columns apart have no overlapping spots (an empty block has none: its range
+        // is empty)
         int* xr = (int*)(W + nb * n);
-        int lane = tid & 31, warp = tid >> 5, nwarp = nth >> 5;
+        int lane = tid & 31, warp = tid >> 5, nwarp = nth >> 5, lda = band_row(n);
         for (int i = tid; i < nb * n; i += nth)
-            W[i] = rsqrt(fmax(icov[(p * m + (size_t)(m - nb * n + i)) * m + m - nb * n + i], 1e-300));
+            W[i] = rsqrt(fmax(band_block(icov, p, m, n, i / n, 0)[(size_t)(i % n) * (lda + 1)], 1e-300));
         for (int b = warp; b < nb; b += nwarp) {
             int lo = 1 << 28, hi = -(1 << 28);
             for (int w = lane; w < n; w += 32) {
@@ -190,21 +196,24 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
             }
         }
         __syncthreads();
-        // each pair of blocks through its stored side (lo, hi): the same entries, transposed;
-        // a warp per row of a pair, a lane per column, several rows' loads in flight; pairs
-        // without overlapping spots are skipped
+        // fibers two apart along the CCD (positions k, k + 2, empty blocks first) through the
+        // first one's rows, slot 2: a warp per row, a lane per column, several rows' loads in
+        // flight
         double worst = 0.0;
-        int npair = (nb - 2) * (nb - 1) / 2;
 #pragma unroll 4
-        for (int row = warp; row < npair * n; row += nwarp) {
-            int pair = row / n, i = row % n, k = 0;
-            while (pair >= nb - 2 - k) pair -= nb - 2 - k++;
-            int l = k + 2 + pair;
-            int lo = min(ord[k], ord[l]), hi = max(ord[k], ord[l]);
-            if (xr[2 * hi] - xr[2 * lo + 1] >= nx || xr[2 * lo] - xr[2 * hi + 1] >= nx) continue;
-            const double* a = icov + (p * m + (size_t)lo * n + i) * m + (size_t)hi * n;
-            double wi = W[lo * n + i];
-            for (int j = lane; j < n; j += 32) worst = fmax(worst, fabs(a[j]) * wi * W[hi * n + j]);
+        for (int row = warp; row < max(nb - 2 - nempty, 0) * n; row += nwarp) {
+            int k = nempty + row / n, i = row % n;
+            int e = ord[k], l = ord[k + 2];
+            const double* a = band_block(icov, p, m, n, e, 2) + (size_t)i * lda;
+            double wi = W[e * n + i];
+            for (int j = lane; j < n; j += 32) worst = fmax(worst, fabs(a[j]) * wi * W[l * n + j]);
+        }
+        // fibers three or more apart, not stored
+        for (int q = tid; q < nb * nb; q += nth) {
+            int k = q / nb, l = q % nb;
+            if (k < nempty || l < k + 3) continue;
+            int e = ord[k], f = ord[l];
+            if (xr[2 * f] - xr[2 * e + 1] < nx && xr[2 * e] - xr[2 * f + 1] < nx) worst = __longlong_as_double(0x7ff0000000000000LL);  // +inf
         }
         worst = block_max(worst, red);
         if (tid == 0) coupling[p] = worst;
@@ -217,7 +226,7 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
     // the first coupling block on its way into W while the first Sigma is set up and factorised
     if (steps[1] > 0) {
         int b1 = ord[dir == 0 ? k + 1 : k - 1];
-        copy_block_async(icov, p, m, n, min(bk, b1), max(bk, b1), W, ld);
+        copy_block_async(icov, p, m, n, dir == 0 ? bk : b1, 1, W, ld);
     }
     for_each_element(N, ld, [&](int i, int j) {
         if (i >= n || j >= n) S[i * ld + j] = 0.0;
@@ -247,12 +256,12 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
         }
         SPEX_PHASE(18);
         // V = [A_{kn,k}; r^T]^T in W (n rows, n + 1 columns; icov is symmetric, so row j of V
-        // is row j of A_{k,kn}), then V <- L^-1 V, so that V^T = [W; z^T]. A_{k,kn} came from
-        // its stored side (lo, hi) as it is (copy_block_async, queued a step earlier), which is
-        // V when bk < bn and its transpose otherwise.
+        // is row j of A_{k,kn}), then V <- L^-1 V, so that V^T = [W; z^T]. A_{k,kn} came as
+        // stored (copy_block_async, queued a step earlier) in the rows of the fiber first along
+        // the CCD: V itself from the left, its transpose from the right.
         copy_wait();
         __syncthreads();
-        if (bk > bn)
+        if (dir == 1)
             for_each_element(n, n, [&](int a, int c) {
                 if (a >= c) return;
                 double t = W[a * ld + c];
@@ -272,7 +281,7 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
         store_rows(S, ld, N, acc);
         __syncthreads();
         // W is free: the next diagonal block comes in while this step's U is stored
-        copy_block_async(icov, p, m, n, bn, bn, W, ld);
+        copy_block_async(icov, p, m, n, bn, 0, W, ld);
         SPEX_PHASE(21);
         size_t o = (p * 2 + dir) * nb + bn;
         for_each_element(n, n, [&](int i, int j) { U[(o * n + i) * n + j] = S[i * ld + j]; });
@@ -290,7 +299,7 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
         // and the next step's coupling block while the next Sigma is factorised
         if (s + 1 < steps[1]) {
             int bnn = ord[dir == 0 ? kn + 1 : kn - 1];
-            copy_block_async(icov, p, m, n, min(bn, bnn), max(bn, bnn), W, ld);
+            copy_block_async(icov, p, m, n, dir == 0 ? bn : bnn, 1, W, ld);
         }
         SPEX_PHASE(23);
         k = kn;
@@ -430,14 +439,15 @@ extern "C" __global__ void schur_end_flux_f64(const double* __restrict__ icov,
     if (e < 0 || e >= nb - ncore) return;
     load_block(U + ((p * 2 + dir) * nb + e) * n * n, n, n,
                [&](int i, int j, double a) { T[i * ld + j] = a; });
-    // v = y_e - A_ec x_c, a warp per row; A_ec read from its stored side
-    int lane = tid & 31, warp = tid >> 5, nwarp = nth >> 5;
+    // v = y_e - A_ec x_c, a warp per row; A_ec as stored in the first fiber's rows (e's from
+    // the left end, c's from the right)
+    int lane = tid & 31, warp = tid >> 5, nwarp = nth >> 5, lda = band_row(n);
     for (int i = warp; i < n; i += nwarp) {
         double s = 0.0;
         if (c >= 0)
             for (int j = lane; j < n; j += 32) {
-                double a = e < c ? icov_block(icov, p, m, n, e, c)[(size_t)i * m + j]
-                                 : icov_block(icov, p, m, n, c, e)[(size_t)j * m + i];
+                double a = dir == 0 ? band_block(icov, p, m, n, e, 1)[(size_t)i * lda + j]
+                                    : band_block(icov, p, m, n, c, 1)[(size_t)j * lda + i];
                 s += a * x[p * m + (size_t)c * n + j];
             }
         s = warp_sum(s);

@@ -64,6 +64,33 @@ static void spot_place(const Shape& sh, int j, double& xc, double& yc, int& cx, 
     cy = (int)std::floor(yc - SPOT_NY / 2 + 0.5);
 }
 
+// The fiber block after block b along the CCD, -1 for the last: the block whose first spot id
+// is the next larger (as kernels/common.cuh's next_fiber_spot finds it).
+static int next_block_host(const Shape& sh, int b) {
+    int key = spot_id(sh, b * sh.n), best = -1;
+    for (int c = 0; c < sh.nb; ++c) {
+        int kc = spot_id(sh, c * sh.n);
+        if (kc > key && (best < 0 || kc < spot_id(sh, best * sh.n))) best = c;
+    }
+    return best;
+}
+
+// The band storage of a patch's icov (kernels/common.cuh) from its dense m x m matrix; slots
+// of fibers that do not exist are zero.
+static void to_band(const Shape& sh, const double* dense, double* band) {
+    const int n = sh.n, m = sh.m(), row = SPEX_BAND_BLOCKS * n;
+    for (int b = 0; b < sh.nb; ++b) {
+        int t = b;
+        for (int slot = 0; slot < SPEX_BAND_BLOCKS; ++slot) {
+            for (int i = 0; i < n; ++i)
+                for (int j = 0; j < n; ++j)
+                    band[(size_t)(b * n + i) * row + slot * n + j] =
+                        t >= 0 ? dense[(size_t)(b * n + i) * m + t * n + j] : 0.0;
+            if (t >= 0) t = next_block_host(sh, t);
+        }
+    }
+}
+
 // One synthetic patch: icov (m x m, both triangles) and y.
 static void make_patch(unsigned seed, const Shape& sh, double* icov, double* y) {
     const int nx = SPOT_NX, ny = SPOT_NY, m = sh.m();
@@ -164,7 +191,7 @@ struct Buffers {
 static Buffers allocate(const Shape& sh, int patches) {
     size_t P = patches, m = sh.m(), n = sh.n, nb = sh.nb, nblk = P * sh.ncore;
     Buffers b;
-    b.icov = device_alloc<double>(P * m * m);
+    b.icov = device_alloc<double>(P * m * SPEX_BAND_BLOCKS * n);
     b.y = device_alloc<double>(P * m);
     b.U = device_alloc<double>(P * 2 * nb * n * n);
     b.u = device_alloc<double>(P * 2 * nb * n);
@@ -188,12 +215,17 @@ static Buffers allocate(const Shape& sh, int patches) {
 static void fill(const Shape& sh, int patches, const Buffers& b) {
     const int distinct = 8;
     size_t m = sh.m();
-    std::vector<double> icov(distinct * m * m), y(distinct * m);
+    size_t per = m * SPEX_BAND_BLOCKS * sh.n;
+    std::vector<double> icov(distinct * per), y(distinct * m);
 #pragma omp parallel for
-    for (int i = 0; i < distinct; ++i) make_patch(1234 + i, sh, &icov[i * m * m], &y[i * m]);
+    for (int i = 0; i < distinct; ++i) {
+        std::vector<double> dense(m * m);
+        make_patch(1234 + i, sh, dense.data(), &y[i * m]);
+        to_band(sh, dense.data(), &icov[i * per]);
+    }
     for (int p = 0; p < patches; ++p) {
         int i = p % distinct;
-        CK(cudaMemcpy(b.icov + p * m * m, &icov[i * m * m], m * m * 8, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(b.icov + p * per, &icov[i * per], per * 8, cudaMemcpyHostToDevice));
         CK(cudaMemcpy(b.y + p * m, &y[i * m], m * 8, cudaMemcpyHostToDevice));
     }
     std::vector<int> colspot(patches * m), nkeep(patches, sh.nws);

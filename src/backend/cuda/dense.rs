@@ -18,6 +18,7 @@ use cudarc::cusolver::sys as cusolver_sys;
 use super::device::{DevBuf, Device};
 use super::error;
 use super::launchers::{self, Gpu};
+use super::tuning::Solve;
 use super::workspace::{pointer_array, Region, Shape, Workspace};
 use crate::backend::cpu::RETRY_REGULARIZE;
 use crate::error::Result;
@@ -199,6 +200,7 @@ fn reassemble_regularized(
         ws,
         region,
         RETRY_REGULARIZE,
+        Solve::Dense,
     )?;
     Ok(ids_dev)
 }

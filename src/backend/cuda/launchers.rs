@@ -4,6 +4,7 @@
 
 use super::device::{DevBuf, Device};
 use super::kernels::{launch, Args, Kernels};
+use super::tuning::Solve;
 use super::workspace::{Region, Shape, Workspace};
 use crate::backend::cpu::EIGEN_CLIP;
 use crate::error::Result;
@@ -92,9 +93,10 @@ pub(crate) fn spots(
 /// kernels/assemble.cu).
 const ASSEMBLY_COLUMNS: usize = 4;
 
-/// Dense assembly (and regularisation) of icov, y and fluxweight for the patches `ids` (all
-/// `n` live patches when None). icov is symmetric and only its triangle `j2 >= j1` (row-major;
-/// cuSOLVER's lower triangle) is computed and stored, each overlap once.
+/// Assembly (and regularisation) of icov, y and fluxweight for the patches `ids` (all `n`
+/// live patches when None). icov is symmetric and only one triangle is computed and stored,
+/// each overlap once: densely for the dense route (row-major `j2 >= j1`, cuSOLVER's lower
+/// triangle), in band storage for the Schur route (kernels/common.cuh).
 pub(crate) fn assemble(
     g: Gpu<'_>,
     n: usize,
@@ -102,9 +104,11 @@ pub(crate) fn assemble(
     ws: &Workspace,
     region: Region,
     reg: f64,
+    solve: Solve,
 ) -> Result<()> {
     let sh = g.sh;
     let m = sh.m();
+    let band = i32::from(solve == Solve::Schur);
     let size = sh.nx * sh.ny;
     let ids_ptr = ids.map_or(0, |b| b.ptr);
     launch(
@@ -134,6 +138,7 @@ pub(crate) fn assemble(
             .i32(sh.ncore as i32)
             .i32(sh.wavepad as i32)
             .i32(sh.nws as i32)
+            .i32(band)
             .ptr(ws.icov.get().ptr)
             .ptr(ws.y.get().ptr)
             .ptr(ws.fw.get().ptr)
@@ -153,6 +158,8 @@ pub(crate) fn assemble(
             .ptr(ws.diag0.get().ptr)
             .ptr(ids_ptr)
             .i32(m as i32)
+            .i32(sh.nt as i32)
+            .i32(band)
             .f64(reg)
             .ptr(ws.masked.get().ptr),
     )

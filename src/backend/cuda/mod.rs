@@ -217,10 +217,11 @@ impl CudaBackend {
 
     /// Patches per chunk: the per-patch buffers must fit in the budget left after the spots
     /// of a chunk and two chunks' inputs, the one solved and the next one uploading (bounded
-    /// by a quarter of the budget; a full frame's peak is 3.1 GB of the 4 GB default, in six
-    /// chunks, which the pipelining of chunks makes as fast as three chunks of an 8 GB budget).
+    /// by a quarter of the budget; on the Schur route a full frame's peak is 3.0 GB of the 4 GB
+    /// default, in four chunks, which the pipelining of chunks makes about as fast as fewer,
+    /// larger ones).
     fn chunk_size(&self, sh: &Shape) -> usize {
-        let per = sh.bytes_per_patch(self.tuning.solve) + 8 * 8192;
+        let per = sh.bytes_per_patch(solve::route(self.tuning.solve, sh)) + 8 * 8192;
         let fit = (self.budget * 3 / 4) / per;
         self.max_chunk.unwrap_or(fit).min(fit).max(1)
     }

@@ -15,14 +15,17 @@
 //! of the patch needs no Schur complement, only its flux: neither sweep steps onto it from the
 //! other end, and a last kernel takes its flux from its block row.
 //!
-//! The kernels read icov only in the triangle the assembly stores (row-major `j2 >= j1`, the
-//! dense route's cuSOLVER lower triangle): a block in the other triangle is read as its stored
-//! transpose, row-wise for coalesced loads, and transposed in shared memory.
+//! The assembly stores icov in band storage for this route (kernels/common.cuh): of each fiber
+//! block's rows, the block itself (upper half), its coupling to the next fiber along the CCD
+//! and to the one after (for the coupling check), a quarter of the dense matrix at DESI's 7
+//! fibers per patch. A coupling block lies in the rows of the fiber first along the CCD; the
+//! sweep from the right reads it row-wise, coalesced, and transposes it in shared memory.
 
 use super::dense::Factorization;
 use super::device::{DevBuf, Device};
 use super::kernels::{launch, Args};
 use super::launchers::{self, Gpu};
+use super::tuning::Solve;
 use super::workspace::{Region, Workspace};
 use crate::backend::cpu::RETRY_REGULARIZE;
 use crate::error::Result;
@@ -160,7 +163,8 @@ pub(crate) fn factorize(
     )?;
     if capacity > 0 {
         let ids = ws.retry_ids.get();
-        launchers::assemble(g, capacity, Some(ids), ws, region, RETRY_REGULARIZE)?;
+        let (reg, band) = (RETRY_REGULARIZE, Solve::Schur);
+        launchers::assemble(g, capacity, Some(ids), ws, region, reg, band)?;
         sweep(g, ws, capacity, Some(ids))?;
     }
     Ok(())

@@ -5,8 +5,9 @@
 //!    the chunk before was solved (the compute stream only waits for them here);
 //! 2. spots of every bundle in the chunk (`launchers::spots`), but for a bundle the chunk
 //!    before evaluated last;
-//! 3. assembly of icov (one triangle, icov being symmetric), y, fluxweight and regularisation
-//!    (`launchers::assemble`);
+//! 3. assembly of icov (one triangle, icov being symmetric: dense for cuSOLVER on the dense
+//!    route, the band of fiber blocks the sweeps read on the Schur route), y, fluxweight and
+//!    regularisation (`launchers::assemble`);
 //! 4. factorisation with its retry, xflux and the core covariance blocks C_bb through cuSOLVER
 //!    and cuBLAS (`dense`), or, where second neighbours decouple, each core block's Schur
 //!    complement S_b = C_bb^-1 and xflux by block sweeps over the fibers (`schur`);
@@ -38,14 +39,14 @@ use crate::plan::Patch;
 
 /// Sizes the chunk's buffers (kept between chunks) and waits for the upload of its inputs
 /// (queued on the copy stream while the previous chunk was solved).
-fn copy_in(g: Gpu<'_>, ws: &mut Workspace, host: &ChunkHost) -> Result<()> {
+fn copy_in(g: Gpu<'_>, ws: &mut Workspace, host: &ChunkHost, solve: Solve) -> Result<()> {
     let (dev, sh) = (g.dev, g.sh);
     let n = host.live.len();
     let (m, ncore, nws) = (sh.m(), sh.ncore, sh.nws);
     if ws.spots.ensure(dev, host.xy.len() / 2 * sh.nx * sh.ny)? {
         ws.last_spots = None;
     }
-    ws.icov.ensure(dev, n * m * m)?;
+    ws.icov.ensure(dev, n * m * sh.icov_row_len(solve))?;
     ws.y.ensure(dev, n * m)?;
     ws.fw.ensure(dev, n * m)?;
     ws.diag0.ensure(dev, n * m)?;
@@ -59,7 +60,7 @@ fn copy_in(g: Gpu<'_>, ws: &mut Workspace, host: &ChunkHost) -> Result<()> {
 
 /// Step 2: the spots of the chunk's bundles. A bundle split between this chunk and the one
 /// before, which evaluated its spots last, has them copied rather than evaluated again (a
-/// full frame in six chunks splits five bundles of twenty).
+/// chunk need not end with a bundle: a full frame's bundles have 235 patches each).
 fn spots(g: Gpu<'_>, ws: &mut Workspace, input: &FrameInput<'_>, host: &ChunkHost) -> Result<()> {
     let sh = g.sh;
     let per_bundle = sh.bundlesize * sh.nfull;
@@ -201,11 +202,17 @@ fn copy_out(
     Ok(())
 }
 
+/// Most fibers per patch on the Schur route: its assembly finds each fiber's neighbours along
+/// the CCD with a lane of a warp per fiber (`next_fiber_spot` in kernels/common.cuh).
+const SCHUR_MAX_FIBERS: usize = 32;
+
 /// The route of steps 2-3 for blocks of the shape `sh`: the Schur sweeps need their blocks
-/// (plus a column) within the tile kernels' largest order, else the dense route.
+/// (plus a column) within the tile kernels' largest order and at most [`SCHUR_MAX_FIBERS`]
+/// fibers per patch, else the dense route.
 pub(crate) fn route(solve: Solve, sh: &Shape) -> Solve {
+    let tiles_fit = (sh.nt + 1).div_ceil(8) * 8 <= TILE_MAX_ORDER;
     match solve {
-        Solve::Schur if (sh.nt + 1).div_ceil(8) * 8 > TILE_MAX_ORDER => Solve::Dense,
+        Solve::Schur if !tiles_fit || sh.nblock > SCHUR_MAX_FIBERS => Solve::Dense,
         other => other,
     }
 }
@@ -359,21 +366,23 @@ fn solve_live<'a>(
         width: host.region.3 - host.region.2,
     };
     let live = live_patches(&chunk, &host);
+    let solve = route(tuning.solve, g.sh);
     let mut clock = PhaseClock::new(g.dev);
     clock.mark("start")?;
-    copy_in(g, ws, &host)?;
+    copy_in(g, ws, &host, solve)?;
     clock.mark("copies in")?;
     spots(g, ws, input, &host)?;
     clock.mark("spots")?;
     if tuning.poison {
         // all bits set: a NaN
-        g.dev
-            .fill_prefix(ws.icov.get(), n * g.sh.m() * g.sh.m(), 0xff)?;
+        let len = n * g.sh.m() * g.sh.icov_row_len(solve);
+        g.dev.fill_prefix(ws.icov.get(), len, 0xff)?;
     }
-    launchers::assemble(g, n, None, ws, region, input.options.regularize)?;
+    let reg = input.options.regularize;
+    launchers::assemble(g, n, None, ws, region, reg, solve)?;
     clock.mark("assemble")?;
     let mut keep = Keep::new();
-    let (steps, kind) = match route(tuning.solve, g.sh) {
+    let (steps, kind) = match solve {
         Solve::Schur => {
             let regularize = input.options.regularize;
             let capacity = schur::retry_capacity(tuning.retry_capacity, n, regularize);
@@ -472,4 +481,33 @@ pub(crate) fn finish(
     sink.images.push(p.host.image);
     sink.progress.add(p.chunk.patches.len());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(nt: usize, nblock: usize) -> Shape {
+        Shape {
+            nx: 17,
+            ny: 11,
+            nt,
+            nws: 50,
+            wavepad: 12,
+            ncore: nblock - 2,
+            nblock,
+            nfull: 2400,
+            bundlesize: 25,
+            ndiag: 5,
+        }
+    }
+
+    #[test]
+    fn schur_route_needs_blocks_and_fibers_within_its_kernels() {
+        assert_eq!(route(Solve::Schur, &shape(74, 7)), Solve::Schur);
+        assert_eq!(route(Solve::Schur, &shape(79, 32)), Solve::Schur);
+        assert_eq!(route(Solve::Schur, &shape(80, 7)), Solve::Dense);
+        assert_eq!(route(Solve::Schur, &shape(74, 33)), Solve::Dense);
+        assert_eq!(route(Solve::Dense, &shape(74, 7)), Solve::Dense);
+    }
 }

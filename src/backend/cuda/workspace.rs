@@ -66,20 +66,36 @@ impl Shape {
         2 * self.ndiag + 1
     }
 
-    /// Device bytes per patch of the per-patch buffers (icov, which later holds the covariance
-    /// blocks; L22^-1 on the dense route, the sweeps' updates and the complements on the Schur
-    /// route; the parked polar factors, vectors, outputs), without the model boxes.
+    /// Doubles per stored row of a patch's icov (kernels/common.cuh): m on the dense route,
+    /// which hands the whole matrix to cuSOLVER; on the Schur route the band of
+    /// [`BAND_BLOCKS`] fiber blocks that the sweeps and the coupling check read.
+    pub(crate) fn icov_row_len(&self, solve: Solve) -> usize {
+        match solve {
+            Solve::Dense => self.m(),
+            Solve::Schur => BAND_BLOCKS * self.nt,
+        }
+    }
+
+    /// Device bytes per patch of the per-patch buffers (icov, which on the dense route later
+    /// holds the covariance blocks; L22^-1 on the dense route, the sweeps' updates and the
+    /// complements on the Schur route; the parked polar factors, vectors, outputs), without the
+    /// model boxes.
     pub(crate) fn bytes_per_patch(&self, solve: Solve) -> usize {
         let (m, mc, nt) = (self.m(), self.mc(), self.nt);
         let route = match solve {
             Solve::Dense => mc * mc,
             Solve::Schur => 2 * self.ncore * nt * nt + 2 * self.nblock * nt * (nt + 1),
         };
-        8 * (m * m + route + self.ncore * nt * nt + 6 * m + self.ncore * self.nws * (4 + self.nd()))
+        let icov = m * self.icov_row_len(solve);
+        8 * (icov + route + self.ncore * nt * nt + 6 * m + self.ncore * self.nws * (4 + self.nd()))
             + 4 * m
             + 64
     }
 }
+/// Fiber blocks per stored row of icov on the Schur route, `SPEX_BAND_BLOCKS` in
+/// kernels/common.cuh: the fiber's own block and those of the next two fibers along the CCD.
+pub(crate) const BAND_BLOCKS: usize = 3;
+
 /// Device addresses `base + i * step` for `ids`, as a device array of pointers.
 pub(crate) fn pointer_array(
     dev: &Device,
