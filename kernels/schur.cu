@@ -7,9 +7,11 @@
 // - for every block b, S_b = A_bb - (W W^T from the left) - (from the right) is the Schur
 //   complement of the block, S_b = C_bb^-1 with C = icov^-1, and
 //   xflux_b = S_b^-1 (y_b - (W z from the left) - (from the right)).
-// The sweeps store those contributions, U[p][dir][k] (n x n) and u[p][dir][k] (n); the combine
-// kernel sums them. Only the core fibers need S_b; a padding fiber e at an end of the patch
-// needs only its flux, which its block row gives once its one neighbour c has its own:
+// The sweeps store those contributions and the combine kernel sums them: the vectors in
+// u[p][dir][k] (n), the matrices only for the core fibers, straight into the buffers where the
+// combine leaves S_b (from the left) and its factor (from the right). Only the core fibers
+// need S_b: a patch's other fibers are padding fibers at its ends, and a padding fiber e needs
+// only its flux, which its block row gives once its one neighbour c has its own:
 // x_e = A_ee^-1 (y_e - A_ec x_c). So neither sweep steps onto a padding fiber at its far end,
 // which saves a step in each direction on most patches. The second-neighbour blocks the
 // sweeps drop are measured per patch, so that the host can send a patch whose coupling is not
@@ -104,9 +106,10 @@ __device__ __forceinline__ void copy_wait() {
 // them in storage order being the core. A sweep starts at its end's first fiber and stops
 // short of the other end where that is a padding fiber: the complement of a padding fiber at
 // an end is never needed (schur_end_flux_f64 gives its flux), and empty blocks couple to
-// nothing. Where a sweep starts on a padding fiber, its first step's factor chol(A_ee) goes
-// to that block's U (which the combine does not read) for schur_end_flux_f64; on another
-// fiber, U is zero there. `info[p]` is set to 1 when a Sigma is not positive definite;
+// nothing. A core block's update W W^T goes to `upd[dir]`'s block (p ncore + c) n^2 (c its
+// index in the core), zero where the sweep starts on it. Where a sweep starts on a padding
+// fiber, its first step's factor chol(A_ee) goes to `ends[(2 p + dir) n^2]` for
+// schur_end_flux_f64. `info[p]` is set to 1 when a Sigma is not positive definite;
 // direction 0 also writes `coupling[p]`, the largest |A_ij| / sqrt(A_ii A_jj) over blocks two
 // fibers apart (band slot 2). Blocks three or more fibers apart are not stored: where their
 // spots (nx columns wide, corners `corners[2 sid]`) could overlap, the coupling is +inf, which
@@ -125,8 +128,9 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
                                            const int* __restrict__ patch_ids,
                                            const int* __restrict__ colspot,
                                            const int* __restrict__ corners, int nx, int m, int n,
-                                           int nb, int ncore, double* __restrict__ U,
-                                           double* __restrict__ u,
+                                           int nb, int ncore, double* __restrict__ upd_left,
+                                           double* __restrict__ upd_right,
+                                           double* __restrict__ ends, double* __restrict__ u,
                                            int* __restrict__ info, double* __restrict__ coupling) {
     extern __shared__ double sm[];
     SPEX_PHASE_START
@@ -232,8 +236,8 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
         if (i >= n || j >= n) S[i * ld + j] = 0.0;
     });
     load_diagonal_block(icov, p, m, n, bk, S, ld);
-    if (!steps[2]) {
-        double* U0 = U + ((p * 2 + dir) * nb + bk) * n * n;
+    if (bk >= nb - ncore) {
+        double* U0 = (dir == 0 ? upd_left : upd_right) + (p * ncore + bk - (nb - ncore)) * n * n;
         for (int idx = tid; idx < n * n; idx += nth) U0[idx] = 0.0;
     }
     for (int i = tid; i < n; i += nth) {
@@ -251,7 +255,7 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
             return;
         }
         if (s == 0 && steps[2]) {
-            double* L = U + ((p * 2 + dir) * nb + bk) * n * n;
+            double* L = ends + (p * 2 + dir) * n * n;
             for_each_element(n, n, [&](int i, int j) { L[i * n + j] = j <= i ? S[i * ld + j] : 0.0; });
         }
         SPEX_PHASE(18);
@@ -284,7 +288,10 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
         copy_block_async(icov, p, m, n, bn, 0, W, ld);
         SPEX_PHASE(21);
         size_t o = (p * 2 + dir) * nb + bn;
-        for_each_element(n, n, [&](int i, int j) { U[(o * n + i) * n + j] = S[i * ld + j]; });
+        if (bn >= nb - ncore) {
+            double* U = (dir == 0 ? upd_left : upd_right) + (p * ncore + bn - (nb - ncore)) * n * n;
+            for_each_element(n, n, [&](int i, int j) { U[i * n + j] = S[i * ld + j]; });
+        }
         for (int i = tid; i < n; i += nth) {
             double g = S[i * ld + n];
             u[o * n + i] = g;
@@ -307,29 +314,14 @@ extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __res
     }
 }
 
-// What block b of a patch (column table `cs`) is to the combine: empty, a padding fiber at an
-// end of the patch, or a fiber the sweeps reach from both sides.
-enum FiberRole { FIBER_EMPTY, FIBER_END_PADDING, FIBER_SWEPT };
-__device__ __forceinline__ FiberRole fiber_role(const int* cs, int n, int nb, int ncore, int b) {
-    int key = cs[b * n];
-    if (key < 0) return FIBER_EMPTY;
-    if (b >= nb - ncore) return FIBER_SWEPT;
-    int below = 0, above = 0;
-    for (int c = 0; c < nb; ++c) {
-        int kc = cs[c * n];
-        below += kc >= 0 && kc < key;
-        above += kc > key;
-    }
-    return below == 0 || above == 0 ? FIBER_END_PADDING : FIBER_SWEPT;
-}
-
-// One block per (fiber block b, patch): S_b and xflux_b from the sweeps' contributions, for
-// every fiber but those at the ends of the patch that are not core (schur_sweep_f64 does not
-// reach them from the other end; schur_end_flux_f64 gives their flux) and empty blocks (flux
-// zero). The core blocks' S_b go to `sblocks[(patch * ncore + c) n^2]` (row-major) for the
-// decorrelation, and, when `factors` is not null, their Cholesky factors G (lower, zero above the diagonal) to
-// `factors` at the same place, so that the polar kernel need not factorise S_b again; xflux to
-// `x[p * m + b * n]`. `info[p]` is set to 1 when S_b is not positive definite.
+// One block per (fiber block b, patch): S_b and xflux_b of the core fibers from the sweeps'
+// contributions; the other blocks are padding fibers at the ends of the patch
+// (schur_end_flux_f64 gives their flux) or empty (flux zero, written here). Block (p ncore +
+// c) n^2 (c the index in the core) of `sblocks` holds the update from the left and of
+// `factors` that from the right; S_b replaces the first (row-major) for the decorrelation, its
+// Cholesky factor G (lower, zero above the diagonal) the second, so that the polar kernel need
+// not factorise S_b again; xflux goes to `x[p * m + b * n]`. `info[p]` is set to 1 when S_b
+// is not positive definite.
 //
 // Shared memory (dynamic): T[N ld] (only its n x n block is written before the factorisation,
 // which reads nothing else), v[n]; N = n rounded up to 8, ld = N + 4; 4 N threads.
@@ -339,9 +331,8 @@ __device__ __forceinline__ FiberRole fiber_role(const int* cs, int n, int nb, in
 extern "C" __global__ void SPEX_MAX_REGS(48) schur_combine_f64(
     const double* __restrict__ icov, const double* __restrict__ y,
     const int* __restrict__ patch_ids, const int* __restrict__ colspot, int m, int n, int nb,
-    int ncore, const double* __restrict__ U, const double* __restrict__ u,
-    double* __restrict__ sblocks, double* __restrict__ factors, double* __restrict__ x,
-    int* __restrict__ info) {
+    int ncore, const double* __restrict__ u, double* sblocks, double* factors,
+    double* __restrict__ x, int* __restrict__ info) {
     extern __shared__ double sm[];
     SPEX_PHASE_START
     int N = (n + 7) / 8 * 8, ld = N + 4;
@@ -352,26 +343,21 @@ extern "C" __global__ void SPEX_MAX_REGS(48) schur_combine_f64(
     int pid = patch_of(patch_ids, blockIdx.y);
     if (pid < 0) return;
     size_t p = pid;
-    switch (fiber_role(colspot + p * m, n, nb, ncore, b)) {
-    case FIBER_EMPTY:
-        for (int i = tid; i < n; i += nth) x[p * m + (size_t)b * n + i] = 0.0;
-        return;
-    case FIBER_END_PADDING:
-        return;
-    default:
-        break;
-    }
-    const double* ul = U + ((p * 2 + 0) * nb + b) * n * n;
-    const double* ur = U + ((p * 2 + 1) * nb + b) * n * n;
     int c = b - (nb - ncore);
-    double* so = c >= 0 ? sblocks + (p * ncore + c) * n * n : nullptr;
-    double* fo = c >= 0 && factors ? factors + (p * ncore + c) * n * n : nullptr;
+    if (c < 0) {
+        if (colspot[p * m + (size_t)b * n] < 0)
+            for (int i = tid; i < n; i += nth) x[p * m + (size_t)b * n + i] = 0.0;
+        return;
+    }
+    // each element of the updates is read, then overwritten, by one thread
+    double* so = sblocks + (p * ncore + c) * n * n;
+    double* fo = factors + (p * ncore + c) * n * n;
     load_diagonal_block(icov, p, m, n, b, T, ld);
     __syncthreads();
     for_each_element(n, n, [&](int i, int j) {
-        double s = T[i * ld + j] - ul[i * n + j] - ur[i * n + j];
+        double s = T[i * ld + j] - so[i * n + j] - fo[i * n + j];
         T[i * ld + j] = s;
-        if (so) so[i * n + j] = s;
+        so[i * n + j] = s;
     });
     for (int i = tid; i < n; i += nth)
         v[i] = y[p * m + (size_t)b * n + i] - u[((p * 2 + 0) * nb + b) * n + i] -
@@ -382,7 +368,7 @@ extern "C" __global__ void SPEX_MAX_REGS(48) schur_combine_f64(
         if (tid == 0) info[p] = 1;
         return;
     }
-    if (fo) for_each_element(n, n, [&](int i, int j) { fo[i * n + j] = j <= i ? T[i * ld + j] : 0.0; });
+    for_each_element(n, n, [&](int i, int j) { fo[i * n + j] = j <= i ? T[i * ld + j] : 0.0; });
     SPEX_PHASE(33);
     // v <- L^-T L^-1 v
     cholesky_solve_vector(T, v, ld, n);
@@ -393,15 +379,16 @@ extern "C" __global__ void SPEX_MAX_REGS(48) schur_combine_f64(
 // One block per (patch, end): blockIdx.y = 0 the first fiber along the CCD, 1 the last. Where
 // that fiber e is not core, its flux from the block row of e in the block-tridiagonal system
 // the sweeps solve, x_e = A_ee^-1 (y_e - A_ec x_c), with c its one neighbour (whose flux the
-// combine gave), A_ee = L L^T the factor that the sweep starting at e left in its U (and
-// checked).
+// combine gave), A_ee = L L^T the factor that the sweep starting at e left in
+// `factors[(2 p + dir) n^2]` (and checked).
 //
 // Shared memory (dynamic): T[N ld], v[n]; N = n rounded up to 8, ld = N + 4; 4 N threads.
 extern "C" __global__ void schur_end_flux_f64(const double* __restrict__ icov,
                                               const double* __restrict__ y,
                                               const int* __restrict__ patch_ids,
                                               const int* __restrict__ colspot, int m, int n,
-                                              int nb, int ncore, const double* __restrict__ U,
+                                              int nb, int ncore,
+                                              const double* __restrict__ factors,
                                               double* __restrict__ x) {
     extern __shared__ double sm[];
     __shared__ int ends[2];
@@ -437,7 +424,7 @@ extern "C" __global__ void schur_end_flux_f64(const double* __restrict__ icov,
     __syncthreads();
     int e = ends[0], c = ends[1];
     if (e < 0 || e >= nb - ncore) return;
-    load_block(U + ((p * 2 + dir) * nb + e) * n * n, n, n,
+    load_block(factors + (p * 2 + dir) * n * n, n, n,
                [&](int i, int j, double a) { T[i * ld + j] = a; });
     // v = y_e - A_ec x_c, a warp per row; A_ec as stored in the first fiber's rows (e's from
     // the left end, c's from the right)

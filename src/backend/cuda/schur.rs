@@ -59,7 +59,9 @@ fn sweep(g: Gpu<'_>, ws: &Workspace, count: usize, ids: Option<&DevBuf<i32>>) ->
             .i32(n as i32)
             .i32(nb as i32)
             .i32(sh.ncore as i32)
-            .ptr(ws.su.get().ptr)
+            .ptr(ws.sblocks.get().ptr)
+            .ptr(ws.pbuf.get().ptr)
+            .ptr(ws.end_factors.get().ptr)
             .ptr(ws.sv.get().ptr)
             .ptr(ws.info.get().ptr)
             .ptr(ws.coupling.get().ptr),
@@ -85,12 +87,14 @@ fn sweep(g: Gpu<'_>, ws: &Workspace, count: usize, ids: Option<&DevBuf<i32>>) ->
         (count as u32, 2, 1),
         per_fiber_threads,
         per_fiber_smem,
-        per_fiber_args(g, ws, ids_ptr).ptr(ws.x.get().ptr),
+        per_fiber_args(g, ws, ids_ptr)
+            .ptr(ws.end_factors.get().ptr)
+            .ptr(ws.x.get().ptr),
     )
 }
 
 /// The arguments the combine and the end fibers' kernel start with: icov, y, the patch list,
-/// the column table, the shape and the sweeps' U.
+/// the column table and the shape.
 fn per_fiber_args(g: Gpu<'_>, ws: &Workspace, ids_ptr: u64) -> Args {
     let sh = g.sh;
     Args::new()
@@ -102,17 +106,18 @@ fn per_fiber_args(g: Gpu<'_>, ws: &Workspace, ids_ptr: u64) -> Args {
         .i32(sh.nt as i32)
         .i32(sh.nblock as i32)
         .i32(sh.ncore as i32)
-        .ptr(ws.su.get().ptr)
 }
 
 /// Allocates the sweeps' buffers for `n` patches, and the retry list for up to `capacity`.
 pub(crate) fn ensure(g: Gpu<'_>, ws: &mut Workspace, n: usize, capacity: usize) -> Result<()> {
     let sh = g.sh;
     let (nt, nb) = (sh.nt, sh.nblock);
-    ws.su.ensure(g.dev, n * 2 * nb * nt * nt)?;
+    ws.end_factors.ensure(g.dev, n * 2 * nt * nt)?;
     ws.sv.ensure(g.dev, n * 2 * nb * nt)?;
+    // the core blocks' updates from the left, then their complements
     ws.sblocks.ensure(g.dev, n * sh.ncore * nt * nt)?;
-    // the combine's Cholesky factors of the core blocks, which the polar route starts from
+    // their updates from the right, then the combine's Cholesky factors of the complements,
+    // which the polar route starts from
     ws.pbuf.ensure(g.dev, n * sh.ncore * nt * nt)?;
     ws.info.ensure(g.dev, n)?;
     ws.first_info.ensure(g.dev, n)?;

@@ -77,14 +77,14 @@ impl Shape {
     }
 
     /// Device bytes per patch of the per-patch buffers (icov, which on the dense route later
-    /// holds the covariance blocks; L22^-1 on the dense route, the sweeps' updates and the
-    /// complements on the Schur route; the parked polar factors, vectors, outputs), without the
-    /// model boxes.
+    /// holds the covariance blocks; L22^-1 on the dense route, the complements, the end
+    /// fibers' factors and the sweeps' vectors on the Schur route; the parked polar factors,
+    /// vectors, outputs), without the model boxes.
     pub(crate) fn bytes_per_patch(&self, solve: Solve) -> usize {
         let (m, mc, nt) = (self.m(), self.mc(), self.nt);
         let route = match solve {
             Solve::Dense => mc * mc,
-            Solve::Schur => 2 * self.ncore * nt * nt + 2 * self.nblock * nt * (nt + 1),
+            Solve::Schur => self.ncore * nt * nt + 2 * nt * nt + 2 * self.nblock * nt,
         };
         let icov = m * self.icov_row_len(solve);
         8 * (icov + route + self.ncore * nt * nt + 6 * m + self.ncore * self.nws * (4 + self.nd()))
@@ -133,7 +133,7 @@ pub(crate) struct Workspace {
     pub(crate) fluxcol: Slot<f64>,
     pub(crate) sweeps: Slot<i32>,
     pub(crate) pbuf: Slot<f64>,
-    pub(crate) su: Slot<f64>,
+    pub(crate) end_factors: Slot<f64>,
     pub(crate) sv: Slot<f64>,
     pub(crate) sblocks: Slot<f64>,
     pub(crate) info: Slot<i32>,
@@ -174,7 +174,7 @@ impl Workspace {
             fluxcol: Slot::new("core flux by column"),
             sweeps: Slot::new("Jacobi sweeps"),
             pbuf: Slot::new("parked polar factors"),
-            su: Slot::new("Schur sweep updates"),
+            end_factors: Slot::new("end fibers' factors"),
             sv: Slot::new("Schur sweep right-hand sides"),
             sblocks: Slot::new("Schur complements"),
             info: Slot::new("sweep verdicts"),
