@@ -120,9 +120,9 @@ __device__ __forceinline__ void copy_wait() {
 //
 // Registers: at most 96, so that two blocks of 320 threads (n <= 79) share an SM as their
 // shared memory allows (left to the compiler, it takes ~128). Capped, it spilled nothing on
-// sm_80 and sm_90 until it stored the first step's factor; it now spills 20 bytes on sm_90
-// (none on sm_80), which cost about 0.1 ms per frame on an H100, where schur_end_flux_f64
-// factorising A_ee itself took 0.9 ms more.
+// sm_80 and sm_90 until it stored the first step's factor (20 bytes on sm_90, about 0.1 ms per
+// frame on an H100, where schur_end_flux_f64 factorising A_ee itself took 0.9 ms more); with
+// band storage and the core updates stored apart it spills 40 bytes on sm_90, none on sm_80.
 extern "C" __global__ void SPEX_MAX_REGS(96) schur_sweep_f64(const double* __restrict__ icov,
                                            const double* __restrict__ y,
                                            const int* __restrict__ patch_ids,
