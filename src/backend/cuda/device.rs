@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use cudarc::cublas::sys as cublas_sys;
 use cudarc::cusolver::sys as cusolver_sys;
-use cudarc::driver::{result as drv, sys as drv_sys, CudaContext, CudaStream};
+use cudarc::driver::{result as drv, sys as drv_sys, CudaContext, CudaEvent, CudaStream};
 
 use super::error;
 use crate::error::{Error, Result};
@@ -142,6 +142,9 @@ pub(crate) struct Device {
     /// The stream of the uploads of a chunk's inputs, which run while `stream` solves the
     /// chunk before.
     copies: Arc<CudaStream>,
+    /// The stream of the copies back of a chunk's results, which run while `stream` solves
+    /// the next chunk.
+    back: Arc<CudaStream>,
     libraries: std::cell::OnceCell<Libraries>,
     pub ordinal: usize,
     pub name: String,
@@ -204,10 +207,14 @@ impl Device {
         let copies = ctx
             .new_stream()
             .map_err(error::driver("cannot create a stream"))?;
+        let back = ctx
+            .new_stream()
+            .map_err(error::driver("cannot create a stream"))?;
         Ok(Device {
             ctx,
             stream,
             copies,
+            back,
             libraries: std::cell::OnceCell::new(),
             ordinal,
             name,
@@ -363,6 +370,53 @@ impl Device {
             .map_err(error::driver("wait for the uploads"))
     }
 
+    /// Makes the stream of the copies back wait for the work queued on the compute stream so
+    /// far.
+    pub(crate) fn back_after_compute(&self) -> Result<()> {
+        self.back
+            .join(&self.stream)
+            .map_err(error::driver("copies back after the kernels"))
+    }
+
+    /// [`Device::copy_from`] (from the start of `b`) on the stream of the copies back; the
+    /// host buffer must live until a [`Device::back_event`] recorded after it has passed.
+    pub(crate) fn copy_back<T: Copy>(
+        &self,
+        host: &mut [T],
+        b: &DevBuf<T>,
+        what: &str,
+    ) -> Result<()> {
+        assert!(host.len() <= b.len);
+        if host.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: bounds checked; the caller keeps `host` alive until the copy has passed.
+        unsafe { drv::memcpy_dtoh_async(host, b.ptr, self.back.cu_stream()) }
+            .map_err(error::driver(format!("copy of {what} from the device")))
+    }
+
+    /// An event (with timing) at the work queued so far on the stream of the copies back.
+    pub(crate) fn back_event(&self) -> Result<CudaEvent> {
+        self.back
+            .record_event(Some(drv_sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(error::driver("cuEventRecord"))
+    }
+
+    /// Makes the compute stream wait for `event` (of another stream).
+    pub(crate) fn compute_after(&self, event: &CudaEvent) -> Result<()> {
+        self.stream
+            .wait(event)
+            .map_err(error::driver("wait for the copies back"))
+    }
+
+    /// Waits for the copies back queued so far.
+    pub(crate) fn sync_back(&self) -> Result<()> {
+        self.back.synchronize().map_err(error::driver(format!(
+            "device {}: copies back",
+            self.ordinal
+        )))
+    }
+
     /// Copies the start of a device buffer into host memory; completes at the next
     /// [`Device::sync`].
     pub(crate) fn copy_from<T: Copy>(
@@ -429,6 +483,7 @@ impl Drop for Device {
         // The library handles go while the context is bound and the stream idle.
         let _ = self.ctx.bind_to_thread();
         let _ = self.copies.synchronize();
+        let _ = self.back.synchronize();
         let _ = self.stream.synchronize();
         drop(self.libraries.take());
     }

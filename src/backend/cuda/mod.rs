@@ -532,6 +532,7 @@ impl CudaBackend {
         if solved.is_err() {
             // queued work may still read host buffers that go now
             let _ = self.dev.sync_copies();
+            let _ = self.dev.sync_back();
             let _ = self.dev.sync("after a failed chunk");
         }
         solved?;

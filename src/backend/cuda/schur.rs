@@ -190,7 +190,8 @@ pub(crate) struct DeviceVerdicts<'a> {
 
 impl DeviceVerdicts<'_> {
     /// Queues the copies of the verdicts of `n` patches into `verdicts`
-    /// ([`VERDICTS_PER_PATCH`] `n` values) and of their coupling into `coupling`.
+    /// ([`VERDICTS_PER_PATCH`] `n` values) and of their coupling into `coupling`, on the
+    /// stream of the copies back.
     pub(crate) fn copy(
         &self,
         dev: &Device,
@@ -200,10 +201,10 @@ impl DeviceVerdicts<'_> {
         let n = coupling.len();
         let (first, rest) = verdicts.split_at_mut(n);
         let (last, masked) = rest.split_at_mut(n);
-        dev.copy_from(first, self.first, 0, "first sweep verdicts")?;
-        dev.copy_from(last, self.last, 0, "sweep verdicts")?;
-        dev.copy_from(masked, self.masked, 0, "masked flags")?;
-        dev.copy_from(coupling, self.coupling, 0, "second-neighbour coupling")
+        dev.copy_back(first, self.first, "first sweep verdicts")?;
+        dev.copy_back(last, self.last, "sweep verdicts")?;
+        dev.copy_back(masked, self.masked, "masked flags")?;
+        dev.copy_back(coupling, self.coupling, "second-neighbour coupling")
     }
 }
 

@@ -15,8 +15,9 @@
 //!    up on);
 //! 6. the model of each patch, chi2pix and the optional core model image;
 //! 7. copies out of the core arrays only, queued once the chunk before has been unpacked from
-//!    the host buffers (while the device runs this chunk's kernels), and the results on the
-//!    host (`results`), unpacked once the next chunk's kernels are queued.
+//!    the host buffers (while the device runs this chunk's kernels), on a stream of their own
+//!    that runs them while the next chunk's kernels run, and the results on the host
+//!    (`results`), unpacked once the next chunk's kernels are queued.
 
 use std::time::Instant;
 
@@ -43,6 +44,9 @@ fn copy_in(g: Gpu<'_>, ws: &mut Workspace, host: &ChunkHost, solve: Solve) -> Re
     let (dev, sh) = (g.dev, g.sh);
     let n = host.live.len();
     let (m, ncore, nws) = (sh.m(), sh.ncore, sh.nws);
+    if let Some((early, _)) = &ws.read_back {
+        dev.compute_after(early)?;
+    }
     if ws.spots.ensure(dev, host.xy.len() / 2 * sh.nx * sh.ny)? {
         ws.last_spots = None;
     }
@@ -92,6 +96,9 @@ fn decorrelate_chunk(
     kind: BlockKind,
 ) -> Result<()> {
     let (dev, sh) = (g.dev, g.sh);
+    if let Some((_, all)) = &ws.read_back {
+        dev.compute_after(all)?;
+    }
     let nblocks = n * sh.ncore;
     let per = nblocks * sh.nws;
     ws.flux.ensure(dev, per)?;
@@ -154,42 +161,38 @@ fn finalize(
     Ok(())
 }
 
-/// Step 7 on the device: the core arrays (and the model boxes when asked) into the pinned
-/// buffer `ws.back`, and the verdicts (polar steps, Jacobi sweeps, then on the Schur route
-/// those of the sweeps and the coupling) into `ws.verdicts` and `ws.coupling_back`; valid
-/// once the device has passed the chunk's last mark.
+/// Step 7, on the stream of the copies back once the chunk's kernels are done, while the
+/// compute stream goes on with the next chunk: the core arrays (and the model boxes when
+/// asked) into the pinned buffer `ws.back`, and the verdicts (polar steps, Jacobi sweeps, then
+/// on the Schur route those of the sweeps and the coupling) into `ws.verdicts` and
+/// `ws.coupling_back`. What the next chunk writes first comes back first (`ws.read_back`).
+/// Returns the events at the start and the end of the copies; the host buffers are valid once
+/// the device has passed the second.
 fn copy_out(
     g: Gpu<'_>,
     ws: &mut Workspace,
     host: &ChunkHost,
     model: bool,
     steps: &Steps,
-) -> Result<()> {
+) -> Result<(CudaEvent, CudaEvent)> {
     let (dev, sh) = (g.dev, g.sh);
     let n = host.live.len();
     let nblocks = n * sh.ncore;
     let per = nblocks * sh.nws;
+    dev.back_after_compute()?;
+    let start = dev.back_event()?;
     let nback = Back::len(per, sh.nd(), if model { host.box_total } else { 0 });
     let s = ws.back.get(nback);
-    let (a, rest) = s.split_at_mut(per);
-    dev.copy_from(a, ws.flux.get(), 0, "flux")?;
-    let (a, rest) = rest.split_at_mut(per);
-    dev.copy_from(a, ws.ivar_out.get(), 0, "ivar")?;
-    let (a, rest) = rest.split_at_mut(per);
-    dev.copy_from(a, ws.pixmask.get(), 0, "pixmask fraction")?;
-    let (a, rest) = rest.split_at_mut(per);
-    dev.copy_from(a, ws.chi2.get(), 0, "chi2pix")?;
-    let (a, rest) = rest.split_at_mut(per * sh.nd());
-    dev.copy_from(a, ws.res.get(), 0, "resolution")?;
-    if model {
-        dev.copy_from(rest, ws.model.get(), 0, "model")?;
-    }
+    let (flux, rest) = s.split_at_mut(per);
+    let (ivar, rest) = rest.split_at_mut(per);
+    let (pixmask, rest) = rest.split_at_mut(per);
+    let (chi2, rest) = rest.split_at_mut(per);
+    let (res, boxes) = rest.split_at_mut(per * sh.nd());
     let nsweep = steps.verdicts_per_patch() * n;
     let v = ws.verdicts.get(2 * nblocks + nsweep);
     let (polar, rest) = v.split_at_mut(nblocks);
     let (jacobi, sweeps) = rest.split_at_mut(nblocks);
-    dev.copy_from(polar, ws.steps.get(), 0, "polar steps")?;
-    dev.copy_from(jacobi, ws.sweeps.get(), 0, "Jacobi sweeps")?;
+    dev.copy_back(pixmask, ws.pixmask.get(), "pixmask fraction")?;
     if let Steps::Schur { .. } = steps {
         let from = schur::DeviceVerdicts {
             first: ws.first_info.get(),
@@ -199,7 +202,20 @@ fn copy_out(
         };
         from.copy(dev, sweeps, ws.coupling_back.get(n))?;
     }
-    Ok(())
+    let early = dev.back_event()?;
+    dev.copy_back(flux, ws.flux.get(), "flux")?;
+    dev.copy_back(ivar, ws.ivar_out.get(), "ivar")?;
+    dev.copy_back(chi2, ws.chi2.get(), "chi2pix")?;
+    dev.copy_back(res, ws.res.get(), "resolution")?;
+    if model {
+        dev.copy_back(boxes, ws.model.get(), "model")?;
+    }
+    dev.copy_back(polar, ws.steps.get(), "polar steps")?;
+    dev.copy_back(jacobi, ws.sweeps.get(), "Jacobi sweeps")?;
+    // the end, for the host and for the next chunk's decorrelation (an event each)
+    let done = dev.back_event()?;
+    ws.read_back = Some((early, dev.back_event()?));
+    Ok((start, done))
 }
 
 /// Most fibers per patch on the Schur route: its assembly finds each fiber's neighbours along
@@ -286,6 +302,8 @@ pub(crate) struct Pending<'a> {
     /// Device arrays that queued library calls still read.
     keep: Keep,
     clock: PhaseClock<'a>,
+    /// The start and the end of its copies back, once queued.
+    copies: Option<(CudaEvent, CudaEvent)>,
 }
 
 /// Queues the solve of one prepared chunk, whose inputs were uploaded into `ws.input`. Once
@@ -323,8 +341,7 @@ pub(crate) fn solve_chunk<'a>(
         finish(g, ws, input, p, sink)?;
     }
     if let Some(p) = &mut pending {
-        copy_out(g, ws, &p.host, input.options.model, &p.steps)?;
-        p.clock.mark("copies out")?;
+        p.copies = Some(copy_out(g, ws, &p.host, input.options.model, &p.steps)?);
     }
     let t_finished = Instant::now();
     let next = next()?;
@@ -412,6 +429,7 @@ fn solve_live<'a>(
         steps,
         keep,
         clock,
+        copies: None,
     })
 }
 
@@ -426,6 +444,16 @@ pub(crate) fn finish(
     sink: &mut Sink<'_>,
 ) -> Result<()> {
     p.clock.wait_last()?;
+    let copies_ms = match &p.copies {
+        Some((start, end)) => {
+            end.synchronize()
+                .map_err(super::error::driver("wait for the copies back"))?;
+            start
+                .elapsed_ms(end)
+                .map_err(super::error::driver("cuEventElapsedTime"))?
+        }
+        None => 0.0,
+    };
     drop(p.keep);
     let (sh, model) = (g.sh, input.options.model);
     let n = p.host.live.len();
@@ -438,6 +466,7 @@ pub(crate) fn finish(
     let counts = Counts::new(polar, jacobi);
     let t = &mut *sink.timings;
     p.clock.collect(t)?;
+    t.add("copies out", copies_ms as f64);
     *sink.last_mark = p.clock.idle_since(sink.last_mark.take(), t)?;
     let fact = match p.steps {
         Steps::Schur {

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::CudaContext;
+use cudarc::driver::{CudaContext, CudaEvent};
 
 use super::device::{DevBuf, Device, Slot};
 use super::staging::Staging;
@@ -151,6 +151,11 @@ pub(crate) struct Workspace {
     pub(crate) back: Staging<f64>,
     pub(crate) verdicts: Staging<i32>,
     pub(crate) coupling_back: Staging<f64>,
+    /// Where the copies back of the chunk before have read the buffers a chunk writes first
+    /// (pixmask, masked flags, the sweeps' verdicts and coupling; the compute stream waits for
+    /// it before it sizes or writes them), and where they have read them all (it waits for that
+    /// before the decorrelation).
+    pub(crate) read_back: Option<(CudaEvent, CudaEvent)>,
 }
 
 impl Workspace {
@@ -187,6 +192,7 @@ impl Workspace {
             back: pinned_from_the_start(Staging::new(ctx.clone())),
             verdicts: pinned_from_the_start(Staging::new(ctx.clone())),
             coupling_back: pinned_from_the_start(Staging::new(ctx.clone())),
+            read_back: None,
         }
     }
 }
