@@ -335,6 +335,13 @@ impl Backend for CudaBackend {
     }
 }
 
+/// Most patches per chunk in a backend's first call, whose image buffers are still pageable
+/// (staging.rs) while its buffers of the copies back are pinned: uploads the host waits for
+/// and pinning that holds up the launches, the longer the larger the chunk. A full r frame as
+/// a process's first on an H100 took 83-98 ms in chunks of at most 783 patches, 107-116 ms in
+/// chunks of 1175 and 115-125 ms in chunks of 1436.
+const FIRST_CALL_CHUNK: usize = 800;
+
 /// The lengths of the chunks of a call's `n` patches, at most `size` each: a first chunk a
 /// quarter as long as the largest, then equal ones. The host builds a chunk's tables in about a
 /// quarter of the time the device takes to solve it (a full r frame on an H100 with 16 cores:
@@ -496,8 +503,14 @@ impl CudaBackend {
         }
         let order: Vec<usize> = order.into_values().collect();
         let size = self.chunk_size(&sh);
+        let first_call = self.images.is_empty();
+        let most = if first_call {
+            size.min(FIRST_CALL_CHUNK)
+        } else {
+            size
+        };
         let mut rest = order.as_slice();
-        let ids: Vec<&[usize]> = chunk_lengths(patches.len(), size)
+        let ids: Vec<&[usize]> = chunk_lengths(patches.len(), most)
             .into_iter()
             .map(|len| {
                 let (chunk, after) = rest.split_at(len);
@@ -510,13 +523,15 @@ impl CudaBackend {
             .map(|ids| ids.iter().map(|&i| &patches[i]).collect())
             .collect();
         // The copies back of the first chunks come after their solve: time enough to pin
-        // their buffers (the model boxes, when asked, may need larger ones later).
-        let per = size * sh.ncore * sh.nws;
+        // their buffers (the model boxes, when asked, may need larger ones later). Pinning
+        // them holds up the launches, the more so the larger they are: sized for this call's
+        // chunks, not for those of later calls.
+        let per = most * sh.ncore * sh.nws;
         let ws = &mut self.workspace;
         ws.back.reserve(results::Back::len(per, sh.nd(), 0));
         ws.verdicts
-            .reserve((2 * sh.ncore + schur::VERDICTS_PER_PATCH) * size);
-        ws.coupling_back.reserve(size);
+            .reserve((2 * sh.ncore + schur::VERDICTS_PER_PATCH) * most);
+        ws.coupling_back.reserve(most);
         let mut results: Vec<Option<PatchResult>> = vec![None; patches.len()];
         let mut pool = std::mem::take(&mut self.images);
         let solved = self.solve_chunks(
