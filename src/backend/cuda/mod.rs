@@ -8,12 +8,12 @@
 //! diagonalises (the two agree to 1e-9 sigma or better).
 //!
 //! All patches of a call are solved in chunks as large as the device memory budget allows
-//! (`SPEX_GPU_MEMORY_GB`, default 4 GB per backend), so that one batch covers thousands of
-//! patches, after a first chunk a quarter as large, so that the device starts early; the host
-//! tables of the next chunk are built, and the results of the chunk before unpacked, while the
-//! device works. On the default (Schur) route the host queues
-//! a chunk's steps without waiting for any of them: even the retry of failed factorisations is
-//! decided on the device.
+//! (`SPEX_GPU_MEMORY_GB`, default 4 GB per backend; a backend's first call in smaller ones), so
+//! that one batch covers thousands of patches, after a first chunk a quarter as large, so that
+//! the device starts early; the host tables of the next chunk are built, and the results of
+//! the chunk before unpacked, while the device works. On the default (Schur) route the host
+//! queues a chunk's steps without waiting for any of them: even the retry of failed
+//! factorisations is decided on the device.
 //! Device and pinned buffers are kept between calls (a process extracts frame after frame).
 //!
 //! The code is split by concern: `workspace` (buffers kept between calls and shapes),
@@ -338,7 +338,7 @@ impl Backend for CudaBackend {
 /// Most patches per chunk in a backend's first call, whose image buffers are still pageable
 /// (staging.rs) while its buffers of the copies back are pinned: uploads the host waits for
 /// and pinning that holds up the launches, the longer the larger the chunk. A full r frame as
-/// a process's first on an H100 took 83-98 ms in chunks of at most 783 patches, 107-116 ms in
+/// a process's first on an H100 took 92-98 ms in chunks of at most 783 patches, 107-116 ms in
 /// chunks of 1175 and 115-125 ms in chunks of 1436.
 const FIRST_CALL_CHUNK: usize = 800;
 
