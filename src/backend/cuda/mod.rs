@@ -8,9 +8,9 @@
 //! diagonalises (the two agree to 1e-9 sigma or better).
 //!
 //! All patches of a call are solved in chunks as large as the device memory budget allows
-//! (`SPEX_GPU_MEMORY_GB`, default 4 GB per backend; a backend's first call in smaller ones), so
-//! that one batch covers thousands of patches, after a first chunk a quarter as large, so that
-//! the device starts early; the host tables of the next chunk are built, and the results of
+//! (`SPEX_GPU_MEMORY_GB`, default 4 GB per backend), up to 800 patches, so that one batch
+//! covers hundreds of patches, after a first chunk a quarter as large, so that the device
+//! starts early; the host tables of the next chunk are built, and the results of
 //! the chunk before unpacked, while the device works. On the default (Schur) route the host
 //! queues a chunk's steps without waiting for any of them: even the retry of failed
 //! factorisations is decided on the device.
@@ -216,14 +216,15 @@ impl CudaBackend {
         self.max_chunk = patches;
     }
 
-    /// Most patches per chunk: the per-patch buffers must fit in the budget left after the
-    /// spots of a chunk and two chunks' inputs, the one solved and the next one uploading
-    /// (bounded by a quarter of the budget). On the Schur route a full frame's peak is 3.0 GB
-    /// of the 4 GB default, in chunks of 392 and 3 x 1436 patches ([`chunk_lengths`]).
+    /// Most patches per chunk: at most [`MAX_CHUNK`], and the per-patch buffers must fit in the
+    /// budget left after the spots of a chunk and two chunks' inputs, the one solved and the
+    /// next one uploading (bounded by a quarter of the budget). On the Schur route the 4 GB
+    /// default would allow 1567 patches; a full frame goes in chunks of 200 and 6 x 750, 1.7 GB
+    /// at the peak.
     fn chunk_size(&self, sh: &Shape) -> usize {
         let per = sh.bytes_per_patch(solve::route(self.tuning.solve, sh)) + 8 * 8192;
         let fit = (self.budget * 3 / 4) / per;
-        self.max_chunk.unwrap_or(fit).min(fit).max(1)
+        self.max_chunk.unwrap_or(fit).min(fit).clamp(1, MAX_CHUNK)
     }
 
     /// The decorrelation matrices Q of `count` symmetric positive definite blocks of order `n`
@@ -335,12 +336,17 @@ impl Backend for CudaBackend {
     }
 }
 
-/// Most patches per chunk in a backend's first call, whose image buffers are still pageable
-/// (staging.rs) while its buffers of the copies back are pinned: uploads the host waits for
-/// and pinning that holds up the launches, the longer the larger the chunk. A full r frame as
-/// a process's first on an H100 took 92-98 ms in chunks of at most 783 patches, 107-116 ms in
-/// chunks of 1175 and 115-125 ms in chunks of 1436.
-const FIRST_CALL_CHUNK: usize = 800;
+/// Most patches per chunk, whatever the memory budget allows. Larger chunks shorten the
+/// sweeps (fewer partial waves of blocks), but in a backend's first call its image buffers are
+/// pageable (staging.rs), so that the host waits for each upload, and its buffers of the copies
+/// back are pinned, which holds up the launches, both the longer the larger the chunk; and a
+/// later call whose chunks outgrow the first's pins its buffers again. Full r frames on an
+/// H100, chunks of at most 800 patches (200, then 6 x 750) against the budget's 1436 after a
+/// first call in chunks of 800: 30 frames in one process in 3.28-3.37 s against 3.41-3.69 s,
+/// steady frames alike (64.5-66.6 ms against 63.6-66.6), 1.7 GB of device buffers against
+/// 2.9 GB. A process's first frame took 92-98 ms in chunks of 783, 115-125 ms in chunks of
+/// 1436 (another H100).
+const MAX_CHUNK: usize = 800;
 
 /// The lengths of the chunks of a call's `n` patches, at most `size` each: a first chunk a
 /// quarter as long as the largest, then equal ones. The host builds a chunk's tables in about a
@@ -503,14 +509,8 @@ impl CudaBackend {
         }
         let order: Vec<usize> = order.into_values().collect();
         let size = self.chunk_size(&sh);
-        let first_call = self.images.is_empty();
-        let most = if first_call {
-            size.min(FIRST_CALL_CHUNK)
-        } else {
-            size
-        };
         let mut rest = order.as_slice();
-        let ids: Vec<&[usize]> = chunk_lengths(patches.len(), most)
+        let ids: Vec<&[usize]> = chunk_lengths(patches.len(), size)
             .into_iter()
             .map(|len| {
                 let (chunk, after) = rest.split_at(len);
@@ -523,15 +523,13 @@ impl CudaBackend {
             .map(|ids| ids.iter().map(|&i| &patches[i]).collect())
             .collect();
         // The copies back of the first chunks come after their solve: time enough to pin
-        // their buffers (the model boxes, when asked, may need larger ones later). Pinning
-        // them holds up the launches, the more so the larger they are: sized for this call's
-        // chunks, not for those of later calls.
-        let per = most * sh.ncore * sh.nws;
+        // their buffers (the model boxes, when asked, may need larger ones later).
+        let per = size * sh.ncore * sh.nws;
         let ws = &mut self.workspace;
         ws.back.reserve(results::Back::len(per, sh.nd(), 0));
         ws.verdicts
-            .reserve((2 * sh.ncore + schur::VERDICTS_PER_PATCH) * most);
-        ws.coupling_back.reserve(most);
+            .reserve((2 * sh.ncore + schur::VERDICTS_PER_PATCH) * size);
+        ws.coupling_back.reserve(size);
         let mut results: Vec<Option<PatchResult>> = vec![None; patches.len()];
         let mut pool = std::mem::take(&mut self.images);
         let solved = self.solve_chunks(
