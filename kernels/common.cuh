@@ -87,9 +87,12 @@ __device__ __forceinline__ int patch_of(const int* patch_ids, int i) {
 //   7 fibers. Element (R, C) of a block row is at row R, column slot * n + C % n.
 #define SPEX_BAND_BLOCKS 3
 
-// Doubles per stored row of a patch's icov: m dense, SPEX_BAND_BLOCKS n in band storage.
+// Doubles per row of a patch's band-stored icov (blocks of n).
+__device__ __forceinline__ int band_row(int n) { return SPEX_BAND_BLOCKS * n; }
+
+// Doubles per stored row of a patch's icov: m dense, band_row(n) in band storage.
 __device__ __forceinline__ int icov_row_len(int band, int m, int n) {
-    return band ? SPEX_BAND_BLOCKS * n : m;
+    return band ? band_row(n) : m;
 }
 
 // The first spot of the fiber block that follows the block whose first spot is `key` along

@@ -34,9 +34,6 @@
 #include "common.cuh"
 #include "tiles.cuh"
 
-// Doubles per row of a patch's band-stored icov.
-__device__ __forceinline__ int band_row(int n) { return SPEX_BAND_BLOCKS * n; }
-
 // Slot `slot` of fiber block b's rows in patch p's band-stored icov (rows band_row(n) apart):
 // 0 the diagonal block, 1 the coupling to the next fiber along the CCD, 2 to the one after.
 __device__ __forceinline__ const double* band_block(const double* icov, size_t p, int m, int n,

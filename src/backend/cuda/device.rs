@@ -386,13 +386,7 @@ impl Device {
         b: &DevBuf<T>,
         what: &str,
     ) -> Result<()> {
-        assert!(host.len() <= b.len);
-        if host.is_empty() {
-            return Ok(());
-        }
-        // SAFETY: bounds checked; the caller keeps `host` alive until the copy has passed.
-        unsafe { drv::memcpy_dtoh_async(host, b.ptr, self.back.cu_stream()) }
-            .map_err(error::driver(format!("copy of {what} from the device")))
+        dtoh(host, b, 0, self.back.cu_stream(), what)
     }
 
     /// An event (with timing) at the work queued so far on the stream of the copies back.
@@ -426,19 +420,7 @@ impl Device {
         offset: usize,
         what: &str,
     ) -> Result<()> {
-        assert!(offset + host.len() <= b.len);
-        if host.is_empty() {
-            return Ok(());
-        }
-        // SAFETY: bounds checked; the caller keeps `host` alive until `sync`.
-        unsafe {
-            drv::memcpy_dtoh_async(
-                host,
-                b.ptr + (offset * std::mem::size_of::<T>()) as u64,
-                self.cu_stream(),
-            )
-        }
-        .map_err(error::driver(format!("copy of {what} from the device")))
+        dtoh(host, b, offset, self.cu_stream(), what)
     }
 
     /// Copies the first `len` values of `src` into `dst`.
@@ -499,6 +481,24 @@ fn htod<T: Copy>(b: &DevBuf<T>, host: &[T], stream: drv_sys::CUstream, what: &st
     // (pageable) or until the stream has passed it (pinned, see PinnedBuf).
     unsafe { drv::memcpy_htod_async(b.ptr, host, stream) }
         .map_err(error::driver(format!("copy of {what} to the device")))
+}
+
+/// Copies `host.len()` values of `b` from index `offset` on into `host` on `stream`.
+fn dtoh<T: Copy>(
+    host: &mut [T],
+    b: &DevBuf<T>,
+    offset: usize,
+    stream: drv_sys::CUstream,
+    what: &str,
+) -> Result<()> {
+    assert!(offset + host.len() <= b.len);
+    if host.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: bounds checked; the caller keeps `host` alive until the stream has passed the
+    // copy.
+    unsafe { drv::memcpy_dtoh_async(host, b.at(offset), stream) }
+        .map_err(error::driver(format!("copy of {what} from the device")))
 }
 
 /// Device memory of `len` values of `T`, freed on drop.

@@ -168,8 +168,8 @@ pub(crate) fn factorize(
     )?;
     if capacity > 0 {
         let ids = ws.retry_ids.get();
-        let (reg, band) = (RETRY_REGULARIZE, Solve::Schur);
-        launchers::assemble(g, capacity, Some(ids), ws, region, reg, band)?;
+        let reg = RETRY_REGULARIZE;
+        launchers::assemble(g, capacity, Some(ids), ws, region, reg, Solve::Schur)?;
         sweep(g, ws, capacity, Some(ids))?;
     }
     Ok(())

@@ -401,8 +401,7 @@ fn solve_live<'a>(
     let mut keep = Keep::new();
     let (steps, kind) = match solve {
         Solve::Schur => {
-            let regularize = input.options.regularize;
-            let capacity = schur::retry_capacity(tuning.retry_capacity, n, regularize);
+            let capacity = schur::retry_capacity(tuning.retry_capacity, n, reg);
             schur::ensure(g, ws, n, capacity)?;
             schur::factorize(g, ws, n, region, capacity)?;
             clock.mark("sweeps")?;
