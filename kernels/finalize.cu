@@ -28,8 +28,12 @@ extern "C" __global__ void project_f64(const double* __restrict__ spots,
     }
 }
 
-// One block per (core bin, patch): chi2pix = sum A (p - model)^2 w / sum A [w > 0] over the
-// spot's pixels in the box, w = 1 / ((psferr model + 1e-32)^2 + 1/ivar) where ivar > 0.
+// Core bins whose chi2pix one block of chi2pix_f64 computes, a warp each.
+#define SPEX_CHI2_BINS 8
+
+// One warp per (core bin, patch), SPEX_CHI2_BINS bins to a block: chi2pix = sum A (p -
+// model)^2 w / sum A [w > 0] over the spot's pixels in the box, w = 1 / ((psferr model +
+// 1e-32)^2 + 1/ivar) where ivar > 0. (A block of 64 threads per bin took 8% longer.)
 extern "C" __global__ void chi2pix_f64(const double* __restrict__ spots,
                                        const int* __restrict__ corners,
                                        const int* __restrict__ colspot,
@@ -42,12 +46,13 @@ extern "C" __global__ void chi2pix_f64(const double* __restrict__ spots,
                                        int m, int nx, int ny, int nwavetot, int ncore,
                                        int wavepad, int nwavestep, double psferr,
                                        double* __restrict__ chi2) {
-    __shared__ double red[32];
-    int cj = blockIdx.x, p = blockIdx.y;
+    int lane = threadIdx.x % SPEX_WARP;
+    int cj = blockIdx.x * SPEX_CHI2_BINS + threadIdx.x / SPEX_WARP, p = blockIdx.y;
+    if (cj >= ncore * nwavestep) return;
     int c = cj / nwavestep, j = cj % nwavestep;
     size_t o = ((size_t)p * ncore + c) * nwavestep + j;
     if (j >= nkeep[p]) {
-        if (threadIdx.x == 0) chi2[o] = 0.0;
+        if (lane == 0) chi2[o] = 0.0;
         return;
     }
     int nblk = m / nwavetot;
@@ -59,8 +64,16 @@ extern "C" __global__ void chi2pix_f64(const double* __restrict__ spots,
     const double* a = spots + (size_t)sid * nx * ny;
     const double* mod = model + boxoff[p];
     double num = 0.0, den = 0.0;
-    for (int s = threadIdx.x; s < nx * ny; s += blockDim.x) {
-        int rr = yc + s / nx, cc = xc + s % nx;
+    // pixel lane + 32 i of the spot, row iy and column ix, stepped without a division
+    int sy = SPEX_WARP / nx, sx = SPEX_WARP - sy * nx;
+    int iy = lane / nx, ix = lane - iy * nx;
+    for (; iy < ny; ix += sx, iy += sy) {
+        if (ix >= nx) {
+            ix -= nx;
+            iy += 1;
+            if (iy >= ny) break;
+        }
+        int s = iy * nx + ix, rr = yc + iy, cc = xc + ix;
         if (rr >= r0 && rr < r1 && cc >= c0 && cc < c1) {
             size_t k = (size_t)(rr - sub_row0) * sub_w + (cc - sub_col0);
             double iv = (double)ivar[k];
@@ -74,7 +87,7 @@ extern "C" __global__ void chi2pix_f64(const double* __restrict__ spots,
             }
         }
     }
-    num = block_sum(num, red);
-    den = block_sum(den, red);
-    if (threadIdx.x == 0) chi2[o] = den > 0.0 ? num / den : 0.0;
+    num = warp_sum(num);
+    den = warp_sum(den);
+    if (lane == 0) chi2[o] = den > 0.0 ? num / den : 0.0;
 }

@@ -321,6 +321,9 @@ pub(crate) fn project(g: Gpu<'_>, n: usize, ws: &Workspace, x: &DevBuf<f64>) -> 
     )
 }
 
+/// Core bins per block of chi2pix, a warp each (`SPEX_CHI2_BINS` in kernels/finalize.cu).
+const CHI2_BINS: usize = 8;
+
 /// chi2pix of the core bins of the `n` patches against their model boxes.
 pub(crate) fn chi2pix(
     g: Gpu<'_>,
@@ -334,8 +337,8 @@ pub(crate) fn chi2pix(
         g.dev,
         &g.k.chi2pix,
         "chi2pix_f64",
-        ((sh.ncore * sh.nws) as u32, n as u32, 1),
-        64,
+        ((sh.ncore * sh.nws).div_ceil(CHI2_BINS) as u32, n as u32, 1),
+        (CHI2_BINS * 32) as u32,
         0,
         Args::new()
             .ptr(ws.spots.get().ptr)
