@@ -78,8 +78,8 @@ pub struct CudaBackend {
     tuning: Tuning,
     timings: GpuTimings,
     workspace: workspace::Workspace,
-    /// Host buffers of the image regions kept between calls (two take turns).
-    images: Vec<staging::Staging<f32>>,
+    /// Host buffers of the chunks' uploads kept between calls (three take turns).
+    uploads: Vec<tables::Uploads>,
     /// Threads of the backend's host work (chunk tables, results): a pool of its own, so
     /// that this work, which the device waits for, does not queue behind the long tasks
     /// (reading, writing, checksums) that other frames put on rayon's global pool.
@@ -154,7 +154,7 @@ impl CudaBackend {
             max_chunk,
             tuning,
             timings: GpuTimings::default(),
-            images: Vec::new(),
+            uploads: Vec::new(),
             host: host_pool()?,
         })
     }
@@ -172,7 +172,7 @@ impl CudaBackend {
             max_chunk: self.max_chunk,
             tuning: self.tuning,
             timings: GpuTimings::default(),
-            images: Vec::new(),
+            uploads: Vec::new(),
             host: host_pool()?,
         })
     }
@@ -337,7 +337,7 @@ impl Backend for CudaBackend {
 }
 
 /// Most patches per chunk, whatever the memory budget allows. Larger chunks shorten the
-/// sweeps (fewer partial waves of blocks), but in a backend's first call its image buffers are
+/// sweeps (fewer partial waves of blocks), but in a backend's first call its upload buffers are
 /// pageable (staging.rs), so that the host waits for each upload, and its buffers of the copies
 /// back are pinned, which holds up the launches, both the longer the larger the chunk; and a
 /// later call whose chunks outgrow the first's pins its buffers again. Full r frames on an
@@ -367,7 +367,7 @@ impl CudaBackend {
     /// while the device solves chunk i; once chunk i's kernels are queued, the results of
     /// chunk i - 1 are unpacked while the device runs them, then chunk i's copies back are
     /// queued into the host buffers chunk i - 1 has left, and chunk i + 1 is uploaded on the
-    /// copy stream. Three image buffers and two sets of device inputs take turns.
+    /// copy stream. Three sets of upload buffers and two of device inputs take turns.
     #[allow(clippy::too_many_arguments)]
     fn solve_chunks(
         &mut self,
@@ -375,13 +375,13 @@ impl CudaBackend {
         sh: &Shape,
         chunks: &[Vec<&Patch>],
         ids: &[&[usize]],
-        pool: &mut Vec<staging::Staging<f32>>,
+        pool: &mut Vec<tables::Uploads>,
         results: &mut [Option<PatchResult>],
         timings: &mut GpuTimings,
         progress: &Progress,
     ) -> Result<()> {
         while pool.len() < 3 {
-            pool.push(staging::Staging::new(self.dev.ctx.clone()));
+            pool.push(tables::Uploads::new(&self.dev.ctx));
         }
         // the stream's idle time counts from here: the first chunk's tables and upload
         let mut called = PhaseClock::new(&self.dev);
@@ -428,7 +428,7 @@ impl CudaBackend {
                     results: &mut *results,
                     last_mark: &mut last_mark,
                     timings: &mut *timings,
-                    images: &mut *pool,
+                    uploads: &mut *pool,
                     progress,
                 };
                 solve::solve_chunk(
@@ -450,7 +450,7 @@ impl CudaBackend {
                 results,
                 last_mark: &mut last_mark,
                 timings,
-                images: pool,
+                uploads: pool,
                 progress,
             };
             solve::finish(gpu, &self.workspace, input, p, &mut sink)?;
@@ -531,7 +531,7 @@ impl CudaBackend {
             .reserve((2 * sh.ncore + schur::VERDICTS_PER_PATCH) * size);
         ws.coupling_back.reserve(size);
         let mut results: Vec<Option<PatchResult>> = vec![None; patches.len()];
-        let mut pool = std::mem::take(&mut self.images);
+        let mut pool = std::mem::take(&mut self.uploads);
         let solved = self.solve_chunks(
             &input,
             &sh,
@@ -549,11 +549,11 @@ impl CudaBackend {
             let _ = self.dev.sync("after a failed chunk");
         }
         solved?;
-        // later frames transfer from pinned image buffers, pinned in the background
-        for staging in &mut pool {
-            staging.allow_pinning();
+        // later frames upload from pinned buffers, pinned in the background
+        for buffers in &mut pool {
+            buffers.allow_pinning();
         }
-        self.images = pool;
+        self.uploads = pool;
         self.dev.bind()?;
         timings.patches = patches.len();
         timings.peak_bytes = self.dev.stats.peak();

@@ -28,8 +28,7 @@ use super::dense::{self, Factorization, Keep};
 use super::launchers::{self, CoreIn, CoreOut, Gpu, TILE_MAX_ORDER};
 use super::results::{self, Back};
 use super::schur;
-use super::staging::Staging;
-use super::tables::ChunkHost;
+use super::tables::{ChunkHost, Uploads};
 use super::timings::{GpuTimings, PhaseClock};
 use super::tuning::{Solve, Tuning};
 use super::workspace::{Region, Shape, Workspace};
@@ -47,7 +46,7 @@ fn copy_in(g: Gpu<'_>, ws: &mut Workspace, host: &ChunkHost, solve: Solve) -> Re
     if let Some((early, _)) = &ws.read_back {
         dev.compute_after(early)?;
     }
-    if ws.spots.ensure(dev, host.xy.len() / 2 * sh.nx * sh.ny)? {
+    if ws.spots.ensure(dev, host.nspots * sh.nx * sh.ny)? {
         ws.last_spots = None;
     }
     ws.icov.ensure(dev, n * m * sh.icov_row_len(solve))?;
@@ -79,7 +78,7 @@ fn spots(g: Gpu<'_>, ws: &mut Workspace, input: &FrameInput<'_>, host: &ChunkHos
             first = per_bundle;
         }
     }
-    launchers::spots(g, input.psf, ws, first, host.xy.len() / 2)?;
+    launchers::spots(g, input.psf, ws, first, host.nspots)?;
     if let Some(&last) = host.bundles.last() {
         ws.last_spots = Some((last, (host.bundles.len() - 1) * per_bundle * size));
     }
@@ -261,14 +260,14 @@ pub(crate) struct Chunk<'a> {
     pub(crate) ids: &'a [usize],
 }
 
-/// Where finished chunks go: the call's results by patch, its timings, the image buffers free
-/// again, and the progress of the call.
+/// Where finished chunks go: the call's results by patch, its timings, the upload buffers
+/// free again, and the progress of the call.
 pub(crate) struct Sink<'s> {
     pub(crate) results: &'s mut [Option<PatchResult>],
     /// The last mark of the chunk finished before, for the device's idle time between chunks.
     pub(crate) last_mark: &'s mut Option<CudaEvent>,
     pub(crate) timings: &'s mut GpuTimings,
-    pub(crate) images: &'s mut Vec<Staging<f32>>,
+    pub(crate) uploads: &'s mut Vec<Uploads>,
     pub(crate) progress: &'s Progress,
 }
 
@@ -330,7 +329,7 @@ pub(crate) fn solve_chunk<'a>(
         sink.results[chunk.ids[i]] = Some(r);
     }
     let mut pending = if host.live.is_empty() {
-        sink.images.push(host.image);
+        sink.uploads.push(host.buffers);
         sink.progress.add(chunk.patches.len());
         None
     } else {
@@ -434,7 +433,7 @@ fn solve_live<'a>(
 
 /// Finishes a chunk once the device has passed its last mark: counters and phase times, then
 /// one result per patch (by the CPU reference for those the device handed over), and its
-/// image buffer back to the free ones.
+/// upload buffers back to the free ones.
 pub(crate) fn finish(
     g: Gpu<'_>,
     ws: &Workspace,
@@ -506,7 +505,7 @@ pub(crate) fn finish(
     }
     sink.timings
         .add("host results", t_res.elapsed().as_secs_f64() * 1e3);
-    sink.images.push(p.host.image);
+    sink.uploads.push(p.host.buffers);
     sink.progress.add(p.chunk.patches.len());
     Ok(())
 }

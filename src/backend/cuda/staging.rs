@@ -4,7 +4,7 @@
 //! pageable (the driver stages its copies) until a background thread has pinned one of the
 //! size asked; from then on the transfers go at full bus speed and overlap with the kernels.
 //! Pinning starts only once [`Staging::allow_pinning`] has been called, which the backend
-//! does for its image buffers after its first frame: while it runs, the driver work of
+//! does for its upload buffers after its first frame: while it runs, the driver work of
 //! pinning them delays that frame's launches, and a process of one frame would gain nothing
 //! from it.
 

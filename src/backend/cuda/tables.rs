@@ -1,12 +1,15 @@
 //! The host tables of a chunk of patches: trace positions and spot corners of its bundles,
 //! the PSF's Legendre coefficients, each patch's pixel box and column table, and its image
-//! region packed into a pinned buffer. Built on a helper thread while the device solves the
-//! previous chunk.
+//! region. Built on a helper thread while the device solves the previous chunk, the larger
+//! ones straight into the buffers they are uploaded from, which become pinned.
 
 use std::time::Instant;
 
 use ndarray::{s, ArrayViewMut1};
 use rayon::prelude::*;
+
+use cudarc::driver::CudaContext;
+use std::sync::Arc;
 
 use super::staging::Staging;
 use super::workspace::Shape;
@@ -16,6 +19,37 @@ use crate::extract::{PatchGeometry, PatchResult, PatchStatus};
 use crate::plan::Patch;
 use crate::psf::{Corners, GaussHermitePsf};
 
+/// The host buffers a chunk is uploaded from: its image region and its larger tables. They
+/// become pinned once allowed (staging.rs), after a backend's first frame; from pageable
+/// memory the driver copies each upload through a buffer of its own before it returns, which
+/// took about 1 ms of the host's time per chunk of a full frame for the tables alone, time
+/// in which the host queues nothing.
+pub(crate) struct Uploads {
+    /// Pixels, then inverse variances, row by row.
+    image: Staging<f32>,
+    /// Trace positions, then Legendre coefficients.
+    reals: Staging<f64>,
+    /// Spot corners, then the column table.
+    ints: Staging<i32>,
+}
+
+impl Uploads {
+    pub(crate) fn new(ctx: &Arc<CudaContext>) -> Self {
+        Uploads {
+            image: Staging::new(ctx.clone()),
+            reals: Staging::new(ctx.clone()),
+            ints: Staging::new(ctx.clone()),
+        }
+    }
+
+    /// Lets the buffers be pinned in the background from their next use on.
+    pub(crate) fn allow_pinning(&mut self) {
+        self.image.allow_pinning();
+        self.reals.allow_pinning();
+        self.ints.allow_pinning();
+    }
+}
+
 /// Host-side tables of a chunk.
 pub(crate) struct ChunkHost {
     /// Patches of the chunk that have pixels, with their geometry and bundle slot.
@@ -23,22 +57,53 @@ pub(crate) struct ChunkHost {
     /// Results of patches without pixels (off the CCD), by position in the chunk.
     pub(crate) off: Vec<(usize, PatchResult)>,
     pub(crate) bundles: Vec<usize>,
-    /// Trace positions `[spot][x, y]`, spot = (bundle slot * bundlesize + fiber) * nfull + wave.
-    pub(crate) xy: Vec<f64>,
-    /// Legendre coefficients of GHSIGX, GHSIGY and the GH-i-j, `[fiber][param][k]`.
-    pub(crate) coef: Vec<f64>,
-    pub(crate) corners: Vec<i32>,
-    pub(crate) colspot: Vec<i32>,
+    /// Spots of the chunk's bundles: (bundle slot * bundlesize + fiber) * nfull + wave.
+    pub(crate) nspots: usize,
+    /// Length of the Legendre coefficients.
+    ncoef: usize,
+    /// Patches with a column table (the live ones).
+    ncolumns: usize,
     pub(crate) boxes: Vec<i32>,
     pub(crate) nkeep: Vec<i32>,
     pub(crate) boxoff: Vec<i64>,
     pub(crate) box_total: usize,
     pub(crate) region: (usize, usize, usize, usize),
-    /// The image region: pixels, then inverse variances, row by row (for the upload; unused
-    /// when no patch has pixels).
-    pub(crate) image: Staging<f32>,
+    /// The buffers of the upload (the image unused when no patch has pixels).
+    pub(crate) buffers: Uploads,
     /// Host time spent preparing the chunk, milliseconds.
     pub(crate) prep_ms: f64,
+}
+
+impl ChunkHost {
+    /// Trace positions `[spot][x, y]`.
+    pub(crate) fn xy(&self) -> &[f64] {
+        &self.buffers.reals.current(2 * self.nspots + self.ncoef)[..2 * self.nspots]
+    }
+
+    /// Legendre coefficients of GHSIGX, GHSIGY and the GH-i-j, `[fiber][param][k]`.
+    pub(crate) fn coef(&self) -> &[f64] {
+        &self.buffers.reals.current(2 * self.nspots + self.ncoef)[2 * self.nspots..]
+    }
+
+    /// Spot corners `[spot][column, row]`.
+    pub(crate) fn corners(&self) -> &[i32] {
+        &self.ints()[..2 * self.nspots]
+    }
+
+    /// Column tables `[live patch][column]`: the spot of each column, -1 for none.
+    pub(crate) fn colspot(&self) -> &[i32] {
+        &self.ints()[2 * self.nspots..]
+    }
+
+    fn ints(&self) -> &[i32] {
+        let len = 2 * self.nspots + self.ncolumns;
+        self.buffers.ints.current(len)
+    }
+
+    /// The image region, `npix` pixels then as many inverse variances.
+    pub(crate) fn image(&self, npix: usize) -> &[f32] {
+        self.buffers.image.current(2 * npix)
+    }
 }
 
 /// Trace positions of one fiber on the padded grid, `[wave][x, y]`, into `xy`, and its
@@ -65,15 +130,30 @@ fn fiber_trace(
 
 /// The trace positions and spot corners of `fibers` (`[fiber][wave][2]` each), in parallel,
 /// straight into the tables that go to the device.
-fn traces(psf: &GaussHermitePsf, fibers: &[usize], waves: &[f64]) -> (Vec<f64>, Vec<i32>) {
+fn traces(
+    psf: &GaussHermitePsf,
+    fibers: &[usize],
+    waves: &[f64],
+    xy: &mut [f64],
+    corners: &mut [i32],
+) {
     let per = 2 * waves.len();
-    let mut xy = vec![0.0; fibers.len() * per];
-    let mut corners = vec![0; fibers.len() * per];
     xy.par_chunks_mut(per)
         .zip(corners.par_chunks_mut(per))
         .zip(fibers)
         .for_each(|((xy, c), &f)| fiber_trace(psf, f, waves, xy, c));
-    (xy, corners)
+}
+
+/// The Legendre coefficients of GHSIGX, GHSIGY and the GH-i-j of `fibers`, `[fiber][param][k]`.
+fn coefficients(psf: &GaussHermitePsf, fibers: &[usize], coef: &mut [f64]) {
+    let ncoef = psf.ghsigx.ncoef;
+    let params = [&psf.ghsigx, &psf.ghsigy].into_iter().chain(psf.gh.iter());
+    let per_fiber = params.clone().count() * ncoef;
+    for (&f, out) in fibers.iter().zip(coef.chunks_exact_mut(per_fiber)) {
+        for (l, o) in params.clone().zip(out.chunks_exact_mut(ncoef)) {
+            o.copy_from_slice(&l.coeff[f * ncoef..(f + 1) * ncoef]);
+        }
+    }
 }
 
 /// The corners of each bundle's spots, for the patches' layout, from the chunk's table of
@@ -99,13 +179,13 @@ fn bundle_corners(
         .collect()
 }
 
-/// Builds the host tables of a chunk and packs its image region into `pinned` (grown if
-/// needed). Runs on a helper thread while the device solves the previous chunk.
+/// Builds the host tables of a chunk, the larger ones and its image region into `buffers`
+/// (grown if needed). Runs on a helper thread while the device solves the previous chunk.
 pub(crate) fn prepare(
     input: &FrameInput<'_>,
     chunk: &[&Patch],
     sh: &Shape,
-    mut image: Staging<f32>,
+    mut buffers: Uploads,
 ) -> Result<ChunkHost> {
     let t0 = Instant::now();
     let _r = nvtx::LocalRange::new(c"host tables");
@@ -115,11 +195,21 @@ pub(crate) fn prepare(
     bundles.sort_unstable();
     bundles.dedup();
     let fibers: Vec<usize> = bundles.iter().flat_map(|&b| b..b + sh.bundlesize).collect();
-    let (xy, corners) = traces(psf, &fibers, &plan.fullwave);
-    let per_bundle = bundle_corners(&corners, &bundles, sh, psf.spot_shape());
+    let m = sh.m();
+    let nspots = fibers.len() * plan.fullwave.len();
+    let ncoef = fibers.len() * (2 + psf.ngh()) * psf.ghsigx.ncoef;
+    // corners, then room for a column table per patch
+    let ints = buffers.ints.get(2 * nspots + chunk.len() * m);
+    let (corners, colspot) = ints.split_at_mut(2 * nspots);
+    let (xy, coef) = buffers
+        .reals
+        .get(2 * nspots + ncoef)
+        .split_at_mut(2 * nspots);
+    traces(psf, &fibers, &plan.fullwave, xy, corners);
+    coefficients(psf, &fibers, coef);
+    let per_bundle = bundle_corners(corners, &bundles, sh, psf.spot_shape());
     let t_traces = t0.elapsed().as_secs_f64() * 1e3;
     let ccd = (input.image.nrows, input.image.ncols);
-    let m = sh.m();
     let laid_out: Vec<(usize, PatchGeometry, usize)> = chunk
         .par_iter()
         .enumerate()
@@ -138,7 +228,8 @@ pub(crate) fn prepare(
             (i, r)
         })
         .collect();
-    let mut colspot = vec![-1i32; live.len() * m];
+    let colspot = &mut colspot[..live.len() * m];
+    colspot.fill(-1);
     colspot
         .par_chunks_mut(m)
         .zip(&live)
@@ -173,17 +264,10 @@ pub(crate) fn prepare(
             region.3.max(g.cols.end),
         );
     }
-    let ncoef = psf.ghsigx.ncoef;
-    let mut coef = Vec::with_capacity(fibers.len() * (2 + psf.ngh()) * ncoef);
-    for &f in &fibers {
-        for l in [&psf.ghsigx, &psf.ghsigy].into_iter().chain(psf.gh.iter()) {
-            coef.extend_from_slice(&l.coeff[f * ncoef..(f + 1) * ncoef]);
-        }
-    }
     let t_tables = t0.elapsed().as_secs_f64() * 1e3;
     // the image region, pixels then inverse variances
     if !live.is_empty() {
-        pack_image(input, region, &mut image);
+        pack_image(input, region, &mut buffers.image);
     }
     let prep_ms = t0.elapsed().as_secs_f64() * 1e3;
     tracing::debug!(
@@ -192,26 +276,26 @@ pub(crate) fn prepare(
         chunk.len(),
         t_tables - t_traces,
         prep_ms - t_tables,
-        if image.is_pinned() {
+        if buffers.image.is_pinned() && buffers.ints.is_pinned() && buffers.reals.is_pinned() {
             "pinned"
         } else {
             "pageable"
         }
     );
+    let ncolumns = live.len() * m;
     Ok(ChunkHost {
         live,
         off,
         bundles,
-        xy,
-        coef,
-        corners,
-        colspot,
+        nspots,
+        ncoef,
+        ncolumns,
         boxes,
         nkeep,
         boxoff,
         box_total,
         region,
-        image,
+        buffers,
         prep_ms,
     })
 }

@@ -242,26 +242,26 @@ impl Inputs {
         let n = host.live.len();
         let (r0, r1, c0, c1) = host.region;
         let npix = (r1 - r0) * (c1 - c0);
-        self.xy.ensure(dev, host.xy.len())?;
-        self.coef.ensure(dev, host.coef.len())?;
+        self.xy.ensure(dev, host.xy().len())?;
+        self.coef.ensure(dev, host.coef().len())?;
         self.waves.ensure(dev, input.plan.fullwave.len())?;
-        self.corners.ensure(dev, host.corners.len())?;
-        self.colspot.ensure(dev, host.colspot.len())?;
+        self.corners.ensure(dev, host.corners().len())?;
+        self.colspot.ensure(dev, host.colspot().len())?;
         self.boxes.ensure(dev, host.boxes.len())?;
         self.nkeep.ensure(dev, n)?;
         self.boxoff.ensure(dev, n)?;
         self.pix.ensure(dev, npix)?;
         self.ivar.ensure(dev, npix)?;
-        dev.upload_to(self.xy.get(), &host.xy, "trace positions")?;
-        dev.upload_to(self.coef.get(), &host.coef, "PSF coefficients")?;
+        dev.upload_to(self.xy.get(), host.xy(), "trace positions")?;
+        dev.upload_to(self.coef.get(), host.coef(), "PSF coefficients")?;
         dev.upload_to(self.waves.get(), &input.plan.fullwave, "wavelength grid")?;
-        dev.upload_to(self.corners.get(), &host.corners, "spot corners")?;
-        dev.upload_to(self.colspot.get(), &host.colspot, "column table")?;
+        dev.upload_to(self.corners.get(), host.corners(), "spot corners")?;
+        dev.upload_to(self.colspot.get(), host.colspot(), "column table")?;
         dev.upload_to(self.boxes.get(), &host.boxes, "pixel boxes")?;
         dev.upload_to(self.nkeep.get(), &host.nkeep, "kept bins")?;
         dev.upload_to(self.boxoff.get(), &host.boxoff, "box offsets")?;
         if n > 0 {
-            let (pp, pv) = host.image.current(2 * npix).split_at(npix);
+            let (pp, pv) = host.image(npix).split_at(npix);
             dev.upload_to(self.pix.get(), pp, "image pixels")?;
             dev.upload_to(self.ivar.get(), pv, "image inverse variance")?;
         }
