@@ -146,8 +146,9 @@ extern "C" __global__ void __launch_bounds__(SPEX_COLUMNS * SPEX_WARP, 12) assem
     const double* a1 = spots + (size_t)sid1 * size;
 
     double sy = 0.0, sw = 0.0, smask = 0.0;
-    for (int s = lane; s < size; s += SPEX_WARP) {
-        int iy = s / nx, ix = s % nx;
+    StridedWalk px(lane, SPEX_WARP, nx);
+    for (int s = lane; s < size; s += SPEX_WARP, px.next()) {
+        int iy = px.row, ix = px.col;
         int rr = y1 + iy, cc = x1 + ix;
         double w = 0.0;
         if (rr >= r0 && rr < r1 && cc >= c0 && cc < c1) {

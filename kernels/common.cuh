@@ -67,6 +67,28 @@ __device__ __forceinline__ double warp_sum(double v) {
     return v;
 }
 
+// Row and column of the elements first, first + stride, ... of a row-major array `width`
+// wide, stepped with one integer division at the start instead of one per element (the
+// divisions by a run-time width cost the spot and chi2pix kernels more instructions than
+// their arithmetic): `next()` moves to the following element.
+struct StridedWalk {
+    int row, col, srow, scol, width;
+    __device__ __forceinline__ StridedWalk(int first, int stride, int width_) : width(width_) {
+        row = first / width;
+        col = first - row * width;
+        srow = stride / width;
+        scol = stride - srow * width;
+    }
+    __device__ __forceinline__ void next() {
+        col += scol;
+        row += srow;
+        if (col >= width) {
+            col -= width;
+            row += 1;
+        }
+    }
+};
+
 // The patch a block works on: an entry of `patch_ids` when given, else the block's own index.
 // A list built on the device (the retry's) is padded with -1: blocks given -1 have nothing to
 // do and return at once.

@@ -21,8 +21,9 @@ extern "C" __global__ void project_f64(const double* __restrict__ spots,
     int xc = corners[2 * sid], yc = corners[2 * sid + 1];
     const double* a = spots + (size_t)sid * nx * ny;
     double* out = model + boxoff[p];
-    for (int s = threadIdx.x; s < nx * ny; s += blockDim.x) {
-        int rr = yc + s / nx, cc = xc + s % nx;
+    StridedWalk px(threadIdx.x, blockDim.x, nx);
+    for (int s = threadIdx.x; s < nx * ny; s += blockDim.x, px.next()) {
+        int rr = yc + px.row, cc = xc + px.col;
         if (rr >= r0 && rr < r1 && cc >= c0 && cc < c1)
             atomicAdd(out + (size_t)(rr - r0) * w + (cc - c0), a[s] * xj);
     }
@@ -64,16 +65,8 @@ extern "C" __global__ void chi2pix_f64(const double* __restrict__ spots,
     const double* a = spots + (size_t)sid * nx * ny;
     const double* mod = model + boxoff[p];
     double num = 0.0, den = 0.0;
-    // pixel lane + 32 i of the spot, row iy and column ix, stepped without a division
-    int sy = SPEX_WARP / nx, sx = SPEX_WARP - sy * nx;
-    int iy = lane / nx, ix = lane - iy * nx;
-    for (; iy < ny; ix += sx, iy += sy) {
-        if (ix >= nx) {
-            ix -= nx;
-            iy += 1;
-            if (iy >= ny) break;
-        }
-        int s = iy * nx + ix, rr = yc + iy, cc = xc + ix;
+    for (StridedWalk px(lane, SPEX_WARP, nx); px.row < ny; px.next()) {
+        int s = px.row * nx + px.col, rr = yc + px.row, cc = xc + px.col;
         if (rr >= r0 && rr < r1 && cc >= c0 && cc < c1) {
             size_t k = (size_t)(rr - sub_row0) * sub_w + (cc - sub_col0);
             double iv = (double)ivar[k];

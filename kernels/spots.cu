@@ -30,8 +30,9 @@ __device__ void axis_pgh(double center, double sigma, int deg, int n, double* er
         }
     }
     __syncwarp();
-    for (int idx = lane; idx < (deg + 1) * n; idx += SPEX_WARP) {
-        int k = idx / n, i = idx % n;
+    StridedWalk at(lane, SPEX_WARP, n);
+    for (int idx = lane; idx < (deg + 1) * n; idx += SPEX_WARP, at.next()) {
+        int k = at.row, i = at.col;
         pgh[idx] = k == 0 ? 0.5 * (erfv[i + 1] - erfv[i])
                           : ghv[(k - 1) * (n + 1) + i] - ghv[(k - 1) * (n + 1) + i + 1];
     }
@@ -89,8 +90,9 @@ extern "C" __global__ void spots_f64(const double* __restrict__ xy, const double
     axis_pgh(xy[2 * sid], par[0], ghdegx, nx, erfx, ghx, pghx, lane);
     axis_pgh(xy[2 * sid + 1], par[1], ghdegy, ny, erfy, ghy, pghy, lane);
     __syncwarp();
-    for (int idx = lane; idx < ngx * ny; idx += SPEX_WARP) {
-        int i = idx / ny, iy = idx % ny;
+    StridedWalk at(lane, SPEX_WARP, ny);
+    for (int idx = lane; idx < ngx * ny; idx += SPEX_WARP, at.next()) {
+        int i = at.row, iy = at.col;
         double s = 0.0;
         for (int j = 0; j < ngy; ++j) s += coefgh[i * ngy + j] * pghy[j * ny + iy];
         tmp[idx] = s;
@@ -99,8 +101,9 @@ extern "C" __global__ void spots_f64(const double* __restrict__ xy, const double
     int size = nx * ny;
     double* o = out + (size_t)sid * size;
     double total = 0.0;
-    for (int s = lane; s < size; s += SPEX_WARP) {
-        int iy = s / nx, ix = s % nx;
+    StridedWalk px(lane, SPEX_WARP, nx);
+    for (int s = lane; s < size; s += SPEX_WARP, px.next()) {
+        int iy = px.row, ix = px.col;
         double v = 0.0;
         for (int i = 0; i < ngx; ++i) v += tmp[i * ny + iy] * pghx[i * nx + ix];
         v = fmax(v, 0.0);
