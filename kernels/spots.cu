@@ -7,34 +7,57 @@
 #define SPEX_MAXDEG 21
 #define SPEX_MAXEDGE 130
 
-// Edge values of one axis: erf(t/sqrt2) and He_k(t) phi(t) for k < deg at the n + 1 pixel
-// edges, then the pixel integrals pgh[k * n + i]; by the calling warp (lane `lane`).
-__device__ void axis_pgh(double center, double sigma, int deg, int n, double* erfv, double* ghv,
-                         double* pgh, int lane) {
+// One axis of a spot: its pixels, its Gauss-Hermite degree, what maps a pixel edge to t (the
+// middle pixel, where the center falls within its pixel, the width), and its arrays in shared
+// memory (edge values, then pixel integrals).
+struct Axis {
+    int n, deg;
+    double half, frac, sigma;
+    double *erfv, *ghv, *pgh;
+};
+
+__device__ Axis make_axis(double center, double sigma, int deg, int n, double* erfv, double* ghv,
+                          double* pgh) {
     double frac = fmod(center + 0.5, 1.0);
     if (frac < 0.0) frac += 1.0;
     frac -= 0.5;
-    double half = (double)(n / 2);
-    for (int e = lane; e <= n; e += SPEX_WARP) {
-        double t = ((double)e - half - 0.5 - frac) / sigma;
-        erfv[e] = erf(t * 0.70710678118654752440);
-        double phi = exp(-0.5 * t * t) * 0.39894228040143267794;
-        double h0 = 1.0, h1 = t;
-        if (deg >= 1) ghv[0 * (n + 1) + e] = h0 * phi;
-        if (deg >= 2) ghv[1 * (n + 1) + e] = h1 * phi;
-        for (int k = 2; k < deg; ++k) {
-            double h2 = t * h1 - (double)(k - 1) * h0;
-            ghv[k * (n + 1) + e] = h2 * phi;
-            h0 = h1;
-            h1 = h2;
-        }
+    return Axis{n, deg, (double)(n / 2), frac, sigma, erfv, ghv, pgh};
+}
+
+// erf(t/sqrt2) and He_k(t) phi(t) for k < deg at edge e of axis a.
+__device__ __forceinline__ void axis_edge(const Axis& a, int e) {
+    double t = ((double)e - a.half - 0.5 - a.frac) / a.sigma;
+    a.erfv[e] = erf(t * 0.70710678118654752440);
+    double phi = exp(-0.5 * t * t) * 0.39894228040143267794;
+    double h0 = 1.0, h1 = t;
+    if (a.deg >= 1) a.ghv[0 * (a.n + 1) + e] = h0 * phi;
+    if (a.deg >= 2) a.ghv[1 * (a.n + 1) + e] = h1 * phi;
+    for (int k = 2; k < a.deg; ++k) {
+        double h2 = t * h1 - (double)(k - 1) * h0;
+        a.ghv[k * (a.n + 1) + e] = h2 * phi;
+        h0 = h1;
+        h1 = h2;
+    }
+}
+
+// Edge values of both axes, x's on the first nx + 1 lanes and y's on the next ny + 1 (the two
+// axes in turn left half of the lanes idle at the erf and exp), then each axis's pixel
+// integrals pgh[k * n + i]; by the calling warp (lane `lane`).
+__device__ void axes_pgh(const Axis& ax, const Axis& ay, int lane) {
+    for (int e = lane; e < ax.n + ay.n + 2; e += SPEX_WARP) {
+        bool onx = e <= ax.n;
+        Axis a = onx ? ax : ay;
+        axis_edge(a, onx ? e : e - ax.n - 1);
     }
     __syncwarp();
-    StridedWalk at(lane, SPEX_WARP, n);
-    for (int idx = lane; idx < (deg + 1) * n; idx += SPEX_WARP, at.next()) {
-        int k = at.row, i = at.col;
-        pgh[idx] = k == 0 ? 0.5 * (erfv[i + 1] - erfv[i])
-                          : ghv[(k - 1) * (n + 1) + i] - ghv[(k - 1) * (n + 1) + i + 1];
+    for (const Axis* a : {&ax, &ay}) {
+        int n = a->n;
+        StridedWalk at(lane, SPEX_WARP, n);
+        for (int idx = lane; idx < (a->deg + 1) * n; idx += SPEX_WARP, at.next()) {
+            int k = at.row, i = at.col;
+            a->pgh[idx] = k == 0 ? 0.5 * (a->erfv[i + 1] - a->erfv[i])
+                                 : a->ghv[(k - 1) * (n + 1) + i] - a->ghv[(k - 1) * (n + 1) + i + 1];
+        }
     }
 }
 
@@ -87,8 +110,9 @@ extern "C" __global__ void spots_f64(const double* __restrict__ xy, const double
         par[i] = legendre(coef + ((size_t)fslot * nparam + i) * ncoef, ncoef, u);
     __syncwarp();
     const double* coefgh = par + 2;
-    axis_pgh(xy[2 * sid], par[0], ghdegx, nx, erfx, ghx, pghx, lane);
-    axis_pgh(xy[2 * sid + 1], par[1], ghdegy, ny, erfy, ghy, pghy, lane);
+    Axis ax = make_axis(xy[2 * sid], par[0], ghdegx, nx, erfx, ghx, pghx);
+    Axis ay = make_axis(xy[2 * sid + 1], par[1], ghdegy, ny, erfy, ghy, pghy);
+    axes_pgh(ax, ay, lane);
     __syncwarp();
     StridedWalk at(lane, SPEX_WARP, ny);
     for (int idx = lane; idx < ngx * ny; idx += SPEX_WARP, at.next()) {
