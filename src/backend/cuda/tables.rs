@@ -3,13 +3,12 @@
 //! region. Built on a helper thread while the device solves the previous chunk, the larger
 //! ones straight into the buffers they are uploaded from, which become pinned.
 
+use std::sync::Arc;
 use std::time::Instant;
 
+use cudarc::driver::CudaContext;
 use ndarray::{s, ArrayViewMut1};
 use rayon::prelude::*;
-
-use cudarc::driver::CudaContext;
-use std::sync::Arc;
 
 use super::staging::Staging;
 use super::workspace::Shape;
@@ -59,8 +58,8 @@ pub(crate) struct ChunkHost {
     pub(crate) bundles: Vec<usize>,
     /// Spots of the chunk's bundles: (bundle slot * bundlesize + fiber) * nfull + wave.
     pub(crate) nspots: usize,
-    /// Length of the Legendre coefficients.
-    ncoef: usize,
+    /// Values in the table of Legendre coefficients.
+    coef_len: usize,
     /// Patches with a column table (the live ones).
     ncolumns: usize,
     pub(crate) boxes: Vec<i32>,
@@ -77,12 +76,12 @@ pub(crate) struct ChunkHost {
 impl ChunkHost {
     /// Trace positions `[spot][x, y]`.
     pub(crate) fn xy(&self) -> &[f64] {
-        &self.buffers.reals.current(2 * self.nspots + self.ncoef)[..2 * self.nspots]
+        &self.reals()[..2 * self.nspots]
     }
 
     /// Legendre coefficients of GHSIGX, GHSIGY and the GH-i-j, `[fiber][param][k]`.
     pub(crate) fn coef(&self) -> &[f64] {
-        &self.buffers.reals.current(2 * self.nspots + self.ncoef)[2 * self.nspots..]
+        &self.reals()[2 * self.nspots..]
     }
 
     /// Spot corners `[spot][column, row]`.
@@ -93,6 +92,10 @@ impl ChunkHost {
     /// Column tables `[live patch][column]`: the spot of each column, -1 for none.
     pub(crate) fn colspot(&self) -> &[i32] {
         &self.ints()[2 * self.nspots..]
+    }
+
+    fn reals(&self) -> &[f64] {
+        self.buffers.reals.current(2 * self.nspots + self.coef_len)
     }
 
     fn ints(&self) -> &[i32] {
@@ -197,13 +200,13 @@ pub(crate) fn prepare(
     let fibers: Vec<usize> = bundles.iter().flat_map(|&b| b..b + sh.bundlesize).collect();
     let m = sh.m();
     let nspots = fibers.len() * plan.fullwave.len();
-    let ncoef = fibers.len() * (2 + psf.ngh()) * psf.ghsigx.ncoef;
+    let coef_len = fibers.len() * (2 + psf.ngh()) * psf.ghsigx.ncoef;
     // corners, then room for a column table per patch
     let ints = buffers.ints.get(2 * nspots + chunk.len() * m);
     let (corners, colspot) = ints.split_at_mut(2 * nspots);
     let (xy, coef) = buffers
         .reals
-        .get(2 * nspots + ncoef)
+        .get(2 * nspots + coef_len)
         .split_at_mut(2 * nspots);
     traces(psf, &fibers, &plan.fullwave, xy, corners);
     coefficients(psf, &fibers, coef);
@@ -288,7 +291,7 @@ pub(crate) fn prepare(
         off,
         bundles,
         nspots,
-        ncoef,
+        coef_len,
         ncolumns,
         boxes,
         nkeep,
