@@ -146,6 +146,10 @@ pub(crate) struct Device {
     /// the next chunk.
     back: Arc<CudaStream>,
     libraries: std::cell::OnceCell<Libraries>,
+    /// Buffers replaced by larger ones during a call, freed at its end
+    /// ([`Device::free_retired`]): cuMemFree waits for the whole device, which stalled the
+    /// chunks in flight wherever a backend's first call outgrew its first chunk's buffers.
+    retired: std::cell::RefCell<Vec<DevBuf<u8>>>,
     pub ordinal: usize,
     pub name: String,
     pub arch: (i32, i32),
@@ -216,6 +220,7 @@ impl Device {
             copies,
             back,
             libraries: std::cell::OnceCell::new(),
+            retired: std::cell::RefCell::new(Vec::new()),
             ordinal,
             name,
             arch,
@@ -300,6 +305,16 @@ impl Device {
                 )))
             }
         }
+    }
+
+    /// Keeps `b` until [`Device::free_retired`]: freeing it now would wait for the device.
+    pub(crate) fn retire<T>(&self, b: DevBuf<T>) {
+        self.retired.borrow_mut().push(b.erased());
+    }
+
+    /// Frees the buffers retired during a call, once the device is done with them.
+    pub(crate) fn free_retired(&self) {
+        self.retired.borrow_mut().clear();
     }
 
     /// Allocates device memory set to zero bytes.
@@ -511,6 +526,19 @@ pub(crate) struct DevBuf<T> {
 }
 
 impl<T> DevBuf<T> {
+    /// The same memory as bytes.
+    fn erased(self) -> DevBuf<u8> {
+        let b = std::mem::ManuallyDrop::new(self);
+        DevBuf {
+            ptr: b.ptr,
+            len: b.bytes,
+            bytes: b.bytes,
+            // SAFETY: moved out of `b`, which is never dropped.
+            stats: unsafe { std::ptr::read(&b.stats) },
+            _t: PhantomData,
+        }
+    }
+
     /// Device address of element `i`.
     pub(crate) fn at(&self, i: usize) -> u64 {
         self.ptr + (i * std::mem::size_of::<T>()) as u64
@@ -590,7 +618,9 @@ impl<T> Slot<T> {
     /// which loses its contents (a grown buffer does not keep them).
     pub(crate) fn ensure(&mut self, dev: &Device, len: usize) -> Result<bool> {
         if self.buf.as_ref().is_none_or(|b| b.len < len) {
-            self.buf = None;
+            if let Some(old) = self.buf.take() {
+                dev.retire(old);
+            }
             self.buf = Some(dev.alloc(len, self.what)?);
             return Ok(true);
         }

@@ -305,6 +305,7 @@ impl CudaBackend {
         d.copy_from(&mut qs, &q, 0, "inverse square roots")?;
         d.copy_from(&mut st, &steps, 0, "polar steps")?;
         d.sync("inverse square roots")?;
+        d.free_retired();
         Ok((qs, st))
     }
 }
@@ -548,6 +549,8 @@ impl CudaBackend {
             let _ = self.dev.sync_back();
             let _ = self.dev.sync("after a failed chunk");
         }
+        // every chunk is done (or the device synchronised above)
+        self.dev.free_retired();
         solved?;
         // later frames upload from pinned buffers, pinned in the background
         for buffers in &mut pool {
