@@ -527,6 +527,7 @@ impl CudaBackend {
         // their buffers (the model boxes, when asked, may need larger ones later).
         let per = size * sh.ncore * sh.nws;
         let ws = &mut self.workspace;
+        ws.patches = ids.iter().map(|c| c.len()).max().unwrap_or(0);
         ws.back.reserve(results::Back::len(per, sh.nd(), 0));
         ws.verdicts
             .reserve((2 * sh.ncore + schur::VERDICTS_PER_PATCH) * size);

@@ -112,6 +112,7 @@ fn per_fiber_args(g: Gpu<'_>, ws: &Workspace, ids_ptr: u64) -> Args {
 pub(crate) fn ensure(g: Gpu<'_>, ws: &mut Workspace, n: usize, capacity: usize) -> Result<()> {
     let sh = g.sh;
     let (nt, nb) = (sh.nt, sh.nblock);
+    let n = ws.sized(n);
     ws.end_factors.ensure(g.dev, n * 2 * nt * nt)?;
     ws.sv.ensure(g.dev, n * 2 * nb * nt)?;
     // the core blocks' updates from the left, then their complements

@@ -49,13 +49,14 @@ fn copy_in(g: Gpu<'_>, ws: &mut Workspace, host: &ChunkHost, solve: Solve) -> Re
     if ws.spots.ensure(dev, host.nspots * sh.nx * sh.ny)? {
         ws.last_spots = None;
     }
-    ws.icov.ensure(dev, n * m * sh.icov_row_len(solve))?;
-    ws.y.ensure(dev, n * m)?;
-    ws.fw.ensure(dev, n * m)?;
-    ws.diag0.ensure(dev, n * m)?;
-    ws.pixmask.ensure(dev, n * ncore * nws)?;
-    ws.masked.ensure(dev, n)?;
-    ws.x.ensure(dev, n * m)?;
+    let size = ws.sized(n);
+    ws.icov.ensure(dev, size * m * sh.icov_row_len(solve))?;
+    ws.y.ensure(dev, size * m)?;
+    ws.fw.ensure(dev, size * m)?;
+    ws.diag0.ensure(dev, size * m)?;
+    ws.pixmask.ensure(dev, size * ncore * nws)?;
+    ws.masked.ensure(dev, size)?;
+    ws.x.ensure(dev, size * m)?;
     dev.join_copies()?;
     dev.zero_prefix(ws.pixmask.get(), n * ncore * nws)?;
     dev.zero_prefix(ws.masked.get(), n)
@@ -99,14 +100,15 @@ fn decorrelate_chunk(
         dev.compute_after(all)?;
     }
     let nblocks = n * sh.ncore;
-    let per = nblocks * sh.nws;
-    ws.flux.ensure(dev, per)?;
-    ws.ivar_out.ensure(dev, per)?;
-    ws.res.ensure(dev, per * sh.nd())?;
-    ws.fluxcol.ensure(dev, n * sh.m())?;
-    ws.sweeps.ensure(dev, nblocks)?;
-    ws.steps.ensure(dev, nblocks)?;
-    ws.pbuf.ensure(dev, nblocks * sh.nt * sh.nt)?;
+    // sizes for the call's largest chunk
+    let blocks = ws.sized(n) * sh.ncore;
+    ws.flux.ensure(dev, blocks * sh.nws)?;
+    ws.ivar_out.ensure(dev, blocks * sh.nws)?;
+    ws.res.ensure(dev, blocks * sh.nws * sh.nd())?;
+    ws.fluxcol.ensure(dev, ws.sized(n) * sh.m())?;
+    ws.sweeps.ensure(dev, blocks)?;
+    ws.steps.ensure(dev, blocks)?;
+    ws.pbuf.ensure(dev, blocks * sh.nt * sh.nt)?;
     dev.zero_prefix(ws.fluxcol.get(), n * sh.m())?;
     dev.zero_prefix(ws.sweeps.get(), nblocks)?;
     dev.zero_prefix(ws.steps.get(), nblocks)?;
@@ -149,7 +151,7 @@ fn finalize(
 ) -> Result<()> {
     let n = host.live.len();
     ws.model.ensure(g.dev, host.box_total)?;
-    ws.chi2.ensure(g.dev, n * g.sh.ncore * g.sh.nws)?;
+    ws.chi2.ensure(g.dev, ws.sized(n) * g.sh.ncore * g.sh.nws)?;
     g.dev.zero_prefix(ws.model.get(), host.box_total)?;
     launchers::project(g, n, ws, ws.x.get())?;
     launchers::chi2pix(g, n, ws, region, input.options.psferr)?;
@@ -244,7 +246,7 @@ fn dense_steps(
     keep: &mut Keep,
 ) -> Result<Factorization> {
     let n = live.len();
-    ws.xinv.ensure(g.dev, n * g.sh.mc() * g.sh.mc())?;
+    ws.xinv.ensure(g.dev, ws.sized(n) * g.sh.mc() * g.sh.mc())?;
     let fact = dense::factorize(g, ws, live, region, input.options.regularize)?;
     clock.mark("factorize")?;
     dense::solve_flux(g, ws, n, keep)?;

@@ -119,6 +119,10 @@ pub(crate) struct Workspace {
     /// they start; None at the start of a call (another frame's PSF) and when `spots` was
     /// allocated anew.
     pub(crate) last_spots: Option<(usize, usize)>,
+    /// Patches the per-patch buffers are sized for, at least: the largest chunk of the call,
+    /// so that its first chunk, a smaller one, allocates them once for all (a buffer replaced
+    /// by a larger one is freed only at the end of the call, see `Device::retire`).
+    pub(crate) patches: usize,
     pub(crate) icov: Slot<f64>,
     pub(crate) y: Slot<f64>,
     pub(crate) fw: Slot<f64>,
@@ -165,6 +169,7 @@ impl Workspace {
             next: Inputs::new(),
             spots: Slot::new("spots"),
             last_spots: None,
+            patches: 0,
             icov: Slot::new("icov"),
             y: Slot::new("y"),
             fw: Slot::new("fluxweight"),
@@ -194,6 +199,11 @@ impl Workspace {
             coupling_back: pinned_from_the_start(Staging::new(ctx.clone())),
             read_back: None,
         }
+    }
+
+    /// Patches to size the per-patch buffers of a chunk of `n` for.
+    pub(crate) fn sized(&self, n: usize) -> usize {
+        n.max(self.patches)
     }
 }
 
