@@ -605,9 +605,12 @@ mod tests {
 
     #[test]
     fn a_quarter_chunk_first_then_equal_ones_within_the_size() {
-        // a full frame at the default budget
-        let lengths = chunk_lengths(4700, 1567);
-        assert_eq!(lengths, [392, 1436, 1436, 1436]);
+        // a full frame in chunks of at most MAX_CHUNK, and at what a 4 GB budget alone allows
+        assert_eq!(
+            chunk_lengths(4700, super::MAX_CHUNK),
+            [200, 750, 750, 750, 750, 750, 750]
+        );
+        assert_eq!(chunk_lengths(4700, 1567), [392, 1436, 1436, 1436]);
         for (n, size) in [
             (4700, 1567),
             (4700, 10_000),

@@ -101,11 +101,12 @@ fn decorrelate_chunk(
     }
     let nblocks = n * sh.ncore;
     // sizes for the call's largest chunk
-    let blocks = ws.sized(n) * sh.ncore;
+    let size = ws.sized(n);
+    let blocks = size * sh.ncore;
     ws.flux.ensure(dev, blocks * sh.nws)?;
     ws.ivar_out.ensure(dev, blocks * sh.nws)?;
     ws.res.ensure(dev, blocks * sh.nws * sh.nd())?;
-    ws.fluxcol.ensure(dev, ws.sized(n) * sh.m())?;
+    ws.fluxcol.ensure(dev, size * sh.m())?;
     ws.sweeps.ensure(dev, blocks)?;
     ws.steps.ensure(dev, blocks)?;
     ws.pbuf.ensure(dev, blocks * sh.nt * sh.nt)?;

@@ -92,6 +92,7 @@ impl Shape {
             + 64
     }
 }
+
 /// Fiber blocks per stored row of icov on the Schur route, `SPEX_BAND_BLOCKS` in
 /// kernels/common.cuh: the fiber's own block and those of the next two fibers along the CCD.
 pub(crate) const BAND_BLOCKS: usize = 3;
