@@ -332,6 +332,8 @@ pub(crate) fn solve_chunk<'a>(
         sink.results[chunk.ids[i]] = Some(r);
     }
     let mut pending = if host.live.is_empty() {
+        // no kernel waits for the chunk's upload, which may still read these (pinned) buffers
+        g.dev.sync_copies()?;
         sink.uploads.push(host.buffers);
         sink.progress.add(chunk.patches.len());
         None
