@@ -134,9 +134,10 @@ fn main() -> anyhow::Result<()> {
         let wall = t.elapsed().as_secs_f64();
         let tm = gpu.timings();
         println!(
-            "gpu run {rep}: {:.1} ms wall, {} chunks, peak buffers {:.2} GB, device in use {:.2} GB, retried {}, cpu fallback {} ({} coupled), polar blocks {} (max {} steps), polar fallback {} (max Jacobi sweeps {})",
+            "gpu run {rep}: {:.1} ms wall, {} chunks ({} pageable), peak buffers {:.2} GB, device in use {:.2} GB, retried {}, cpu fallback {} ({} coupled), polar blocks {} (max {} steps), polar fallback {} (max Jacobi sweeps {})",
             wall * 1e3,
             tm.chunks,
+            tm.pageable_chunks,
             tm.peak_bytes as f64 / 1e9,
             tm.device_used_bytes as f64 / 1e9,
             tm.retried,

@@ -119,6 +119,8 @@ impl CudaBackend {
             (cubins, opened.map(|dev| (dev, t_open)))
         });
         let (dev, t_open) = opened?;
+        // the buffers of the copies back are pinned while the kernels load
+        let workspace = workspace::Workspace::new(dev.ctx.clone());
         let (cubins, t_cubin) = cubins;
         let cubins = cubins?;
         let origin = kernels::describe_origins(cubins.iter().map(|c| c.1));
@@ -147,7 +149,7 @@ impl CudaBackend {
             arch_name(dev.arch)
         );
         Ok(CudaBackend {
-            workspace: workspace::Workspace::new(dev.ctx.clone()),
+            workspace,
             dev,
             kernels,
             budget,
@@ -554,19 +556,18 @@ impl CudaBackend {
         self.dev.free_retired();
         solved?;
         // later frames upload from pinned buffers, pinned in the background
-        for buffers in &mut pool {
-            buffers.allow_pinning();
-        }
+        tables::Uploads::allow_pinning(&mut pool);
         self.uploads = pool;
         self.dev.bind()?;
         timings.patches = patches.len();
         timings.peak_bytes = self.dev.stats.peak();
         timings.total_ms = t0.elapsed().as_secs_f64() * 1e3;
         tracing::info!(
-            "cuda: {} patches in {:.1} ms ({} chunks; {}); {:?} route, {} patches coupled to second neighbours (largest coupling {:.1e}); decorrelation: {} blocks polar (at most {} steps), {} by Jacobi after the polar route gave up; peak device memory {:.2} GB (process {:.2} GB)",
+            "cuda: {} patches in {:.1} ms ({} chunks, {} from pageable memory; {}); {:?} route, {} patches coupled to second neighbours (largest coupling {:.1e}); decorrelation: {} blocks polar (at most {} steps), {} by Jacobi after the polar route gave up; peak device memory {:.2} GB (process {:.2} GB)",
             patches.len(),
             timings.total_ms,
             timings.chunks,
+            timings.pageable_chunks,
             timings
                 .phases
                 .iter()

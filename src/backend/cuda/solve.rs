@@ -328,6 +328,7 @@ pub(crate) fn solve_chunk<'a>(
     sink: &mut Sink<'_>,
 ) -> Result<(Option<Pending<'a>>, Option<ChunkHost>)> {
     sink.timings.add("host tables", host.prep_ms);
+    sink.timings.pageable_chunks += usize::from(!host.pinned);
     for (i, r) in std::mem::take(&mut host.off) {
         sink.results[chunk.ids[i]] = Some(r);
     }

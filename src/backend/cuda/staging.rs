@@ -1,12 +1,16 @@
 //! Host buffers for transfers, page-locked once they can be: pinning host memory costs about
-//! a millisecond per megabyte on the machines measured (some 190 ms for the buffers of a
-//! full frame), which a process's first frame should not wait for. A [`Staging`] buffer is
-//! pageable (the driver stages its copies) until a background thread has pinned one of the
-//! size asked; from then on the transfers go at full bus speed and overlap with the kernels.
-//! Pinning starts only once [`Staging::allow_pinning`] has been called, which the backend
-//! does for its upload buffers after its first frame: while it runs, the driver work of
-//! pinning them delays that frame's launches, and a process of one frame would gain nothing
-//! from it.
+//! a millisecond per megabyte on the machines measured (some 130 ms for the buffers of a
+//! full frame), which no frame should wait for. A [`Staging`] buffer is pageable (the driver
+//! stages its copies, and the host waits for each) until a background thread has pinned one
+//! of the size asked; from then on the transfers go at full bus speed and overlap with the
+//! kernels.
+//!
+//! Small buffers whose size can be told in advance (the copies back) start pinning when the
+//! backend starts ([`Staging::pin_now`]), while it loads its kernels, and their first use
+//! waits for that pinning. The others (the uploads) are pinned once
+//! [`Staging::allow_pinning`] has been called, which the backend does after its first frame:
+//! pinning while a frame runs delays its launches, and pinning them all when the backend
+//! starts delayed its start by more than the first frame gained (workspace.rs, `EARLY_BACK`).
 
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -22,12 +26,24 @@ pub(crate) struct Staging<T: Copy + Default + Send + 'static> {
     ctx: Arc<CudaContext>,
     pinned: Option<PinnedBuf<T>>,
     pageable: Vec<T>,
-    /// A pinning under way, and the length asked.
-    pending: Option<(usize, JoinHandle<Result<PinnedBuf<T>>>)>,
+    /// A pinning under way.
+    pending: Option<Pinning<T>>,
     /// Whether the last [`Staging::get`] gave the pinned buffer.
     on_pinned: bool,
-    /// Whether a buffer may be pinned.
+    /// Whether a buffer may be pinned when one larger than the pinned one is asked for.
     pinning: bool,
+    /// The least length to pin (see [`Staging::allow_pinning`]).
+    pin_at_least: usize,
+    /// The largest length [`Staging::get`] was asked for.
+    largest: usize,
+}
+
+/// A pinning on a thread of its own.
+struct Pinning<T: Copy + Default> {
+    len: usize,
+    /// Started by [`Staging::pin_now`]: the first use waits for it.
+    early: bool,
+    thread: JoinHandle<Result<PinnedBuf<T>>>,
 }
 
 impl<T: Copy + Default + Send + 'static> Staging<T> {
@@ -39,18 +55,34 @@ impl<T: Copy + Default + Send + 'static> Staging<T> {
             pending: None,
             on_pinned: false,
             pinning: false,
+            pin_at_least: 0,
+            largest: 0,
         }
     }
 
-    /// Lets the next [`Staging::get`] or [`Staging::reserve`] start pinning a buffer.
-    pub(crate) fn allow_pinning(&mut self) {
+    /// Lets the next [`Staging::get`] or [`Staging::reserve`] start pinning a buffer, of at
+    /// least `len` values: buffers that serve chunks in turn are pinned at the largest size
+    /// any of them needed, so that a chunk larger than the one a buffer was pinned for does
+    /// not make it pageable and pin it again (which showed as 5-10 ms stalls of the host in a
+    /// backend's second to fourth frames).
+    pub(crate) fn allow_pinning(&mut self, len: usize) {
         self.pinning = true;
+        self.pin_at_least = self.pin_at_least.max(len);
+    }
+
+    /// The largest length [`Staging::get`] was asked for so far.
+    pub(crate) fn largest(&self) -> usize {
+        self.largest
     }
 
     /// A buffer of `len` values (contents unspecified): the pinned one if it is large enough,
     /// else a pageable one, and then (once pinning is allowed) a pinned one of `len` is asked
-    /// for the next time.
+    /// for the next time. An early pinning under way is waited for.
     pub(crate) fn get(&mut self, len: usize) -> &mut [T] {
+        self.largest = self.largest.max(len);
+        if self.pending.as_ref().is_some_and(|p| p.early) {
+            self.wait_pinned();
+        }
         self.adopt_finished();
         self.on_pinned = self.pinned.as_ref().is_some_and(|p| p.len() >= len);
         if self.on_pinned {
@@ -58,7 +90,7 @@ impl<T: Copy + Default + Send + 'static> Staging<T> {
             return &mut self.pinned.as_mut().expect("checked above").as_mut_slice()[..len];
         }
         if self.pending.is_none() && self.pinning {
-            self.pin_later(len);
+            self.pin_later(len, false);
         }
         if self.pageable.len() < len {
             self.pageable = vec![T::default(); len];
@@ -71,9 +103,17 @@ impl<T: Copy + Default + Send + 'static> Staging<T> {
     pub(crate) fn reserve(&mut self, len: usize) {
         self.adopt_finished();
         let pinned = self.pinned.as_ref().is_some_and(|p| p.len() >= len);
-        let coming = self.pending.as_ref().is_some_and(|(n, _)| *n >= len);
-        if !pinned && !coming && self.pending.is_none() && self.pinning {
-            self.pin_later(len);
+        if !pinned && self.pending.is_none() && self.pinning {
+            self.pin_later(len, false);
+        }
+    }
+
+    /// Starts pinning a buffer of `len` values now, whether or not pinning is allowed yet,
+    /// unless one is pinned or on its way: for a buffer whose size can be told before its
+    /// first use, which waits for it.
+    pub(crate) fn pin_now(&mut self, len: usize) {
+        if self.pinned.is_none() && self.pending.is_none() {
+            self.pin_later(len, true);
         }
     }
 
@@ -91,27 +131,43 @@ impl<T: Copy + Default + Send + 'static> Staging<T> {
     }
 
     /// Starts pinning a buffer of `len` values on a thread of its own.
-    fn pin_later(&mut self, len: usize) {
+    fn pin_later(&mut self, len: usize, early: bool) {
+        let len = len.max(self.pin_at_least);
         let ctx = self.ctx.clone();
-        let pinning = std::thread::spawn(move || {
+        let thread = std::thread::spawn(move || {
             ctx.bind_to_thread()
                 .map_err(error::driver("cannot bind the CUDA context"))?;
             PinnedBuf::new(len)
         });
-        self.pending = Some((len, pinning));
+        self.pending = Some(Pinning { len, early, thread });
     }
 
-    /// Takes the pinned buffer of a finished pinning (a failed one leaves the buffer
-    /// pageable, with a warning: transfers are slower, results the same).
-    fn adopt_finished(&mut self) {
-        if !self.pending.as_ref().is_some_and(|(_, h)| h.is_finished()) {
-            return;
+    /// Waits for a pinning under way and takes its buffer.
+    fn wait_pinned(&mut self) {
+        if let Some(pending) = self.pending.take() {
+            self.adopt(pending);
         }
-        let (len, pinning) = self.pending.take().expect("checked above");
-        match pinning.join() {
+    }
+
+    /// Takes the pinned buffer of a finished pinning.
+    fn adopt_finished(&mut self) {
+        if self
+            .pending
+            .as_ref()
+            .is_some_and(|p| p.thread.is_finished())
+        {
+            let pending = self.pending.take().expect("checked above");
+            self.adopt(pending);
+        }
+    }
+
+    /// Takes the buffer of a pinning, once finished (a failed one leaves the buffer pageable,
+    /// with a warning: transfers are slower, results the same).
+    fn adopt(&mut self, pending: Pinning<T>) {
+        match pending.thread.join() {
             Ok(Ok(buf)) => self.pinned = Some(buf),
             Ok(Err(e)) => tracing::warn!("{e}; host buffers stay pageable"),
-            Err(_) => tracing::warn!("pinning {len} values of host memory panicked"),
+            Err(_) => tracing::warn!("pinning {} values of host memory panicked", pending.len),
         }
     }
 }
@@ -119,8 +175,8 @@ impl<T: Copy + Default + Send + 'static> Staging<T> {
 impl<T: Copy + Default + Send + 'static> Drop for Staging<T> {
     fn drop(&mut self) {
         // A pinning under way ends before the context can go.
-        if let Some((_, pinning)) = self.pending.take() {
-            let _ = pinning.join();
+        if let Some(pending) = self.pending.take() {
+            let _ = pending.thread.join();
         }
     }
 }

@@ -41,11 +41,24 @@ impl Uploads {
         }
     }
 
-    /// Lets the buffers be pinned in the background from their next use on.
-    pub(crate) fn allow_pinning(&mut self) {
-        self.image.allow_pinning();
-        self.reals.allow_pinning();
-        self.ints.allow_pinning();
+    /// Whether the buffers of the last use are pinned (`image`: whether it was used).
+    fn is_pinned(&self, image: bool) -> bool {
+        self.reals.is_pinned() && self.ints.is_pinned() && (!image || self.image.is_pinned())
+    }
+
+    /// Lets the buffers of `pool`, which serve the chunks in turn, be pinned in the
+    /// background from their next use on, each as large as the largest of its kind so far.
+    pub(crate) fn allow_pinning(pool: &mut [Uploads]) {
+        let largest = |f: fn(&Uploads) -> usize| pool.iter().map(f).max().unwrap_or(0);
+        let image = largest(|u| u.image.largest());
+        let reals = largest(|u| u.reals.largest());
+        let ints = largest(|u| u.ints.largest());
+        tracing::debug!("largest uploads: image {image}, reals {reals}, ints {ints} values");
+        for u in pool {
+            u.image.allow_pinning(image);
+            u.reals.allow_pinning(reals);
+            u.ints.allow_pinning(ints);
+        }
     }
 }
 
@@ -69,6 +82,8 @@ pub(crate) struct ChunkHost {
     pub(crate) region: (usize, usize, usize, usize),
     /// The buffers of the upload (the image unused when no patch has pixels).
     pub(crate) buffers: Uploads,
+    /// Whether the upload goes from pinned buffers only.
+    pub(crate) pinned: bool,
     /// Host time spent preparing the chunk, milliseconds.
     pub(crate) prep_ms: f64,
 }
@@ -272,6 +287,7 @@ pub(crate) fn prepare(
     if !live.is_empty() {
         pack_image(input, region, &mut buffers.image);
     }
+    let pinned = buffers.is_pinned(!live.is_empty());
     let prep_ms = t0.elapsed().as_secs_f64() * 1e3;
     tracing::debug!(
         "host tables of {} patches: traces {t_traces:.1} ms, layout {:.1} ms, image {:.1} ms \
@@ -279,11 +295,7 @@ pub(crate) fn prepare(
         chunk.len(),
         t_tables - t_traces,
         prep_ms - t_tables,
-        if buffers.image.is_pinned() && buffers.ints.is_pinned() && buffers.reals.is_pinned() {
-            "pinned"
-        } else {
-            "pageable"
-        }
+        if pinned { "pinned" } else { "pageable" }
     );
     let ncolumns = live.len() * m;
     Ok(ChunkHost {
@@ -299,6 +311,7 @@ pub(crate) fn prepare(
         box_total,
         region,
         buffers,
+        pinned,
         prep_ms,
     })
 }

@@ -21,6 +21,9 @@ pub struct GpuTimings {
     /// largest chunk, bytes, from cuMemGetInfo.
     pub device_used_bytes: usize,
     pub chunks: usize,
+    /// Chunks uploaded from pageable host memory (buffers not yet pinned, or larger than
+    /// those pinned when the backend started), during which the host waits for each upload.
+    pub pageable_chunks: usize,
     pub patches: usize,
     /// Patches whose first factorisation failed and that were retried with regularize 1e-4.
     pub retried: usize,

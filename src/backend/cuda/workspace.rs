@@ -195,9 +195,9 @@ impl Workspace {
             steps: Slot::new("polar steps"),
             model: Slot::new("patch models"),
             chi2: Slot::new("chi2pix"),
-            back: pinned_from_the_start(Staging::new(ctx.clone())),
-            verdicts: pinned_from_the_start(Staging::new(ctx.clone())),
-            coupling_back: pinned_from_the_start(Staging::new(ctx.clone())),
+            back: pinned_from_the_start(Staging::new(ctx.clone()), EARLY_BACK),
+            verdicts: pinned_from_the_start(Staging::new(ctx.clone()), EARLY_VERDICTS),
+            coupling_back: pinned_from_the_start(Staging::new(ctx.clone()), EARLY_COUPLING),
             read_back: None,
         }
     }
@@ -280,16 +280,35 @@ impl Inputs {
     }
 }
 
-/// The buffers of the copies back may be pinned during the first frame: they are reserved
-/// when a call starts and first used after the first chunk's solve, by when the pinning is
-/// done (pinned, a full frame's copies back take 3 ms instead of 24-53 on an H100's host; the
-/// pinning of these buffers does not hold up the kernels the way that of the larger image
-/// buffers does). A copy into pageable memory would return only once the device is done with
-/// the chunk, so that the host could not unpack the chunk before meanwhile.
-fn pinned_from_the_start<T: Copy + Default + Send + 'static>(mut back: Staging<T>) -> Staging<T> {
-    back.allow_pinning();
+/// The buffers of the copies back may be pinned at any time: they start being pinned when
+/// the backend starts, at `early` values, and are reserved again when a call starts, which
+/// pins them anew when a call needs more (pinned, a full frame's copies back take 3 ms
+/// instead of 24-53 on an H100's host). A copy into pageable memory would return only once
+/// the device is done with the chunk, so that the host could not unpack the chunk before
+/// meanwhile.
+fn pinned_from_the_start<T: Copy + Default + Send + 'static>(
+    mut back: Staging<T>,
+    early: usize,
+) -> Staging<T> {
+    back.allow_pinning(0);
+    back.pin_now(early);
     back
 }
+
+/// Values of the copies back pinned when a backend starts: those of a chunk of 800 patches
+/// (the most, `MAX_CHUNK`) of DESI's sub-bundles, 5 fibers x 50 bins, with 11 resolution
+/// diagonals (3.0 million), and a margin. Pinned only once the first call had reserved them,
+/// these 22 MB held up the start of a full r frame by the time their pinning took: a
+/// single-frame run's extraction took 81-95 ms (median 84) on an H100 against 66-84 ms
+/// (median 70) with them pinned early, and the whole run was no longer (the pinning overlaps
+/// the loading of the kernels). Pinning the upload buffers early as well (about 110 MB)
+/// brought the extraction to 59-75 ms but made the backend start 0.06 s later, and the run
+/// longer.
+const EARLY_BACK: usize = 3_200_000;
+/// Verdicts of a chunk of 800 patches of 5 fibers, with a margin (see `EARLY_BACK`).
+const EARLY_VERDICTS: usize = 16_384;
+/// Second-neighbour couplings of a chunk of 800 patches, with a margin.
+const EARLY_COUPLING: usize = 1024;
 
 /// The region of the CCD uploaded for a chunk: rows, columns.
 #[derive(Clone, Copy)]
