@@ -276,6 +276,44 @@ fn chunks_that_split_a_bundle_agree() {
     gpu.set_max_chunk(None);
 }
 
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn chunks_off_the_ccd_agree() {
+    // The CCD cropped at the rows of 6200 A: the patches of longer wavelengths have no pixels.
+    // In chunks of two, whole chunks are off the CCD and solve nothing (their upload must be
+    // done before their buffers serve the next chunk), between chunks that do.
+    let mut gpu = backend();
+    let psf = psf();
+    let plan = Plan::new(PlanOptions::new(6000.0, 6400.0, 0.8, 0, 25)).unwrap();
+    let mut image = synthetic_image(&psf, &plan, 21);
+    let cut = psf.xy(0, 6200.0).1 as usize;
+    image.pix = image.pix.slice(ndarray::s![..cut, ..]).to_owned();
+    image.ivar = image.ivar.slice(ndarray::s![..cut, ..]).to_owned();
+    image.nrows = cut;
+    let options = solve_options(0.0, false);
+    let input = FrameInput::new(&plan, &psf, &image, &options);
+    gpu.set_max_chunk(Some(2));
+    // twice: the second call's chunks go through the buffers the first one pinned again
+    for _ in 0..2 {
+        let (g, cpu) = solve_both(&mut gpu, input);
+        let off = |r: &[PatchResult]| -> Vec<bool> {
+            r.iter()
+                .map(|r| r.status == PatchStatus::OffImage)
+                .collect()
+        };
+        let (off_gpu, off_cpu) = (off(&g), off(&cpu));
+        assert_eq!(off_gpu, off_cpu);
+        let n = off_cpu.iter().filter(|&&o| o).count();
+        assert!(
+            n >= 10 && n < cpu.len(),
+            "{n} of {} patches off the CCD",
+            cpu.len()
+        );
+        assert_agree(&g, &cpu);
+    }
+    gpu.set_max_chunk(None);
+}
+
 /// Solves two patches of `nwavestep` output bins (and 12 of padding on each side) per
 /// sub-bundle of one bundle on the GPU, checks them against the CPU and returns the backend's
 /// timings.
