@@ -96,6 +96,19 @@ __device__ __forceinline__ void overlap_columns(const double* __restrict__ spots
     }
 }
 
+// The column tables of `npatch` patches, `nb` blocks of `n` columns each: column b n + w of
+// patch p is the spot first[p nb + b] + w, or -1 (no spot) where first[p nb + b] is -1. The
+// host uploads a block's first spot only (7 values per patch of DESI's instead of 518).
+extern "C" __global__ void column_table(const int* __restrict__ first, int nb, int n, int npatch,
+                                        int* __restrict__ colspot) {
+    size_t total = (size_t)npatch * nb * n;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        int f = first[i / n];
+        colspot[i] = f < 0 ? -1 : f + (int)(i % n);
+    }
+}
+
 // One warp per (column j1, patch), SPEX_COLUMNS consecutive columns to a block: writes row j1
 // of icov's stored triangle, dense or band (`band`, kernels/common.cuh). The warps of a block
 // share no data and meet at no barrier, but neighbouring columns overlap nearly the same

@@ -28,7 +28,7 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
     (
         "assemble.cu",
         include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/assemble.cu")),
-        &["assemble_f64", "regularize_f64"],
+        &["column_table", "assemble_f64", "regularize_f64"],
     ),
     (
         "factor.cu",

@@ -245,6 +245,7 @@ pub(crate) fn cubins_for(arch: &'static str) -> Result<Vec<(Vec<u8>, Origin)>> {
 pub(crate) struct Kernels {
     _modules: Vec<std::sync::Arc<CudaModule>>,
     pub spots: CudaFunction,
+    pub column_table: CudaFunction,
     pub assemble: CudaFunction,
     pub regularize: CudaFunction,
     pub eye: CudaFunction,
@@ -301,6 +302,7 @@ impl Kernels {
         };
         Ok(Kernels {
             spots: take("spots_f64"),
+            column_table: take("column_table"),
             assemble: take("assemble_f64"),
             regularize: take("regularize_f64"),
             eye: take("eye_f64"),

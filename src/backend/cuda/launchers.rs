@@ -165,6 +165,29 @@ pub(crate) fn assemble(
     )
 }
 
+/// The column tables of a chunk's `n` live patches from the first spot of each fiber block.
+pub(crate) fn column_table(g: Gpu<'_>, ws: &Workspace, n: usize) -> Result<()> {
+    let (nb, nt) = (g.sh.nblock, g.sh.nt);
+    let total = n * nb * nt;
+    if total == 0 {
+        return Ok(());
+    }
+    launch(
+        g.dev,
+        &g.k.column_table,
+        "column_table",
+        (total.div_ceil(256).min(65535) as u32, 1, 1),
+        256,
+        0,
+        Args::new()
+            .ptr(ws.input.first_spots.get().ptr)
+            .i32(nb as i32)
+            .i32(nt as i32)
+            .i32(n as i32)
+            .ptr(ws.input.colspot.get().ptr),
+    )
+}
+
 /// `count` identity matrices of order `n` into `x`.
 pub(crate) fn eye(g: Gpu<'_>, x: &DevBuf<f64>, n: usize, count: usize) -> Result<()> {
     launch(

@@ -58,6 +58,7 @@ fn copy_in(g: Gpu<'_>, ws: &mut Workspace, host: &ChunkHost, solve: Solve) -> Re
     ws.masked.ensure(dev, size)?;
     ws.x.ensure(dev, size * m)?;
     dev.join_copies()?;
+    launchers::column_table(g, ws, n)?;
     dev.zero_prefix(ws.pixmask.get(), n * ncore * nws)?;
     dev.zero_prefix(ws.masked.get(), n)
 }

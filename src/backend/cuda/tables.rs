@@ -1,6 +1,6 @@
 //! The host tables of a chunk of patches: trace positions and spot corners of its bundles,
-//! the PSF's Legendre coefficients, each patch's pixel box and column table, and its image
-//! region. Built on a helper thread while the device solves the previous chunk, the larger
+//! the PSF's Legendre coefficients, each patch's pixel box and the first spot of each of its
+//! fiber blocks (from which the device writes its column table), and its image region. Built on a helper thread while the device solves the previous chunk, the larger
 //! ones straight into the buffers they are uploaded from, which become pinned.
 
 use std::sync::Arc;
@@ -28,7 +28,7 @@ pub(crate) struct Uploads {
     image: Staging<f32>,
     /// Trace positions, then Legendre coefficients.
     reals: Staging<f64>,
-    /// Spot corners, then the column table.
+    /// Spot corners, then the first spots of the fiber blocks.
     ints: Staging<i32>,
 }
 
@@ -73,8 +73,10 @@ pub(crate) struct ChunkHost {
     pub(crate) nspots: usize,
     /// Values in the table of Legendre coefficients.
     coef_len: usize,
-    /// Patches with a column table (the live ones).
-    ncolumns: usize,
+    /// Values in the column tables of the live patches (written on the device).
+    pub(crate) ncolumns: usize,
+    /// Values in the table of first spots (a fiber block per live patch each).
+    nfirst: usize,
     pub(crate) boxes: Vec<i32>,
     pub(crate) nkeep: Vec<i32>,
     pub(crate) boxoff: Vec<i64>,
@@ -104,8 +106,9 @@ impl ChunkHost {
         &self.ints()[..2 * self.nspots]
     }
 
-    /// Column tables `[live patch][column]`: the spot of each column, -1 for none.
-    pub(crate) fn colspot(&self) -> &[i32] {
+    /// The first spot of each fiber block `[live patch][block]`, -1 for none: the device
+    /// expands it into the column tables (`column_table`, kernels/assemble.cu).
+    pub(crate) fn first_spots(&self) -> &[i32] {
         &self.ints()[2 * self.nspots..]
     }
 
@@ -114,7 +117,7 @@ impl ChunkHost {
     }
 
     fn ints(&self) -> &[i32] {
-        let len = 2 * self.nspots + self.ncolumns;
+        let len = 2 * self.nspots + self.nfirst;
         self.buffers.ints.current(len)
     }
 
@@ -216,9 +219,9 @@ pub(crate) fn prepare(
     let m = sh.m();
     let nspots = fibers.len() * plan.fullwave.len();
     let coef_len = fibers.len() * (2 + psf.ngh()) * psf.ghsigx.ncoef;
-    // corners, then room for a column table per patch
-    let ints = buffers.ints.get(2 * nspots + chunk.len() * m);
-    let (corners, colspot) = ints.split_at_mut(2 * nspots);
+    // corners, then room for the first spots of each patch's fiber blocks
+    let ints = buffers.ints.get(2 * nspots + chunk.len() * sh.nblock);
+    let (corners, first) = ints.split_at_mut(2 * nspots);
     let (xy, coef) = buffers
         .reals
         .get(2 * nspots + coef_len)
@@ -246,20 +249,15 @@ pub(crate) fn prepare(
             (i, r)
         })
         .collect();
-    let colspot = &mut colspot[..live.len() * m];
-    colspot.fill(-1);
-    colspot
-        .par_chunks_mut(m)
-        .zip(&live)
-        .for_each(|(cs, (_, g, slot))| {
-            let lead = sh.nblock - g.block_fibers.len();
-            for (b, &f) in g.block_fibers.iter().enumerate() {
-                let base = (slot * sh.bundlesize + f) * sh.nfull + g.wave0;
-                for w in 0..sh.nt {
-                    cs[(lead + b) * sh.nt + w] = (base + w) as i32;
-                }
-            }
-        });
+    let nfirst = live.len() * sh.nblock;
+    let first = &mut first[..nfirst];
+    first.fill(-1);
+    for (fs, (_, g, slot)) in first.chunks_mut(sh.nblock).zip(&live) {
+        let lead = sh.nblock - g.block_fibers.len();
+        for (b, &f) in g.block_fibers.iter().enumerate() {
+            fs[lead + b] = ((slot * sh.bundlesize + f) * sh.nfull + g.wave0) as i32;
+        }
+    }
     let mut boxes = Vec::with_capacity(live.len() * 4);
     let mut nkeep = Vec::with_capacity(live.len());
     let mut boxoff = Vec::with_capacity(live.len());
@@ -305,6 +303,7 @@ pub(crate) fn prepare(
         nspots,
         coef_len,
         ncolumns,
+        nfirst,
         boxes,
         nkeep,
         boxoff,

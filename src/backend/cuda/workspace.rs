@@ -216,7 +216,9 @@ pub(crate) struct Inputs {
     pub(crate) coef: Slot<f64>,
     pub(crate) waves: Slot<f64>,
     pub(crate) corners: Slot<i32>,
+    /// Written on the device from `first_spots` (the first spot of each fiber block).
     pub(crate) colspot: Slot<i32>,
+    pub(crate) first_spots: Slot<i32>,
     pub(crate) boxes: Slot<i32>,
     pub(crate) nkeep: Slot<i32>,
     pub(crate) boxoff: Slot<i64>,
@@ -232,6 +234,7 @@ impl Inputs {
             waves: Slot::new("wavelength grid"),
             corners: Slot::new("spot corners"),
             colspot: Slot::new("column table"),
+            first_spots: Slot::new("first spots of the fiber blocks"),
             boxes: Slot::new("pixel boxes"),
             nkeep: Slot::new("kept bins"),
             boxoff: Slot::new("box offsets"),
@@ -257,7 +260,8 @@ impl Inputs {
         self.coef.ensure(dev, host.coef().len())?;
         self.waves.ensure(dev, input.plan.fullwave.len())?;
         self.corners.ensure(dev, host.corners().len())?;
-        self.colspot.ensure(dev, host.colspot().len())?;
+        self.colspot.ensure(dev, host.ncolumns)?;
+        self.first_spots.ensure(dev, host.first_spots().len())?;
         self.boxes.ensure(dev, host.boxes.len())?;
         self.nkeep.ensure(dev, n)?;
         self.boxoff.ensure(dev, n)?;
@@ -267,7 +271,11 @@ impl Inputs {
         dev.upload_to(self.coef.get(), host.coef(), "PSF coefficients")?;
         dev.upload_to(self.waves.get(), &input.plan.fullwave, "wavelength grid")?;
         dev.upload_to(self.corners.get(), host.corners(), "spot corners")?;
-        dev.upload_to(self.colspot.get(), host.colspot(), "column table")?;
+        dev.upload_to(
+            self.first_spots.get(),
+            host.first_spots(),
+            "first spots of the fiber blocks",
+        )?;
         dev.upload_to(self.boxes.get(), &host.boxes, "pixel boxes")?;
         dev.upload_to(self.nkeep.get(), &host.nkeep, "kept bins")?;
         dev.upload_to(self.boxoff.get(), &host.boxoff, "box offsets")?;
