@@ -1,7 +1,8 @@
 //! The host tables of a chunk of patches: trace positions and spot corners of its bundles,
 //! the PSF's Legendre coefficients, each patch's pixel box and the first spot of each of its
-//! fiber blocks (from which the device writes its column table), and its image region. Built on a helper thread while the device solves the previous chunk, the larger
-//! ones straight into the buffers they are uploaded from, which become pinned.
+//! fiber blocks (from which the device writes its column table), and its image region. Built
+//! on a helper thread while the device solves the previous chunk, the larger ones straight
+//! into the buffers they are uploaded from, which become pinned.
 
 use std::sync::Arc;
 use std::time::Instant;
