@@ -123,7 +123,7 @@ pub(crate) fn assemble(
         Args::new()
             .ptr(ws.spots.get().ptr)
             .ptr(ws.input.corners.get().ptr)
-            .ptr(ws.input.colspot.get().ptr)
+            .ptr(ws.colspot.get().ptr)
             .ptr(ws.input.boxes.get().ptr)
             .ptr(ids_ptr)
             .ptr(ws.input.pix.get().ptr)
@@ -184,7 +184,7 @@ pub(crate) fn column_table(g: Gpu<'_>, ws: &Workspace, n: usize) -> Result<()> {
             .i32(nb as i32)
             .i32(nt as i32)
             .i32(n as i32)
-            .ptr(ws.input.colspot.get().ptr),
+            .ptr(ws.colspot.get().ptr),
     )
 }
 
@@ -333,7 +333,7 @@ pub(crate) fn project(g: Gpu<'_>, n: usize, ws: &Workspace, x: &DevBuf<f64>) -> 
         Args::new()
             .ptr(ws.spots.get().ptr)
             .ptr(ws.input.corners.get().ptr)
-            .ptr(ws.input.colspot.get().ptr)
+            .ptr(ws.colspot.get().ptr)
             .ptr(ws.input.boxes.get().ptr)
             .ptr(ws.input.boxoff.get().ptr)
             .ptr(x.ptr)
@@ -366,7 +366,7 @@ pub(crate) fn chi2pix(
         Args::new()
             .ptr(ws.spots.get().ptr)
             .ptr(ws.input.corners.get().ptr)
-            .ptr(ws.input.colspot.get().ptr)
+            .ptr(ws.colspot.get().ptr)
             .ptr(ws.input.boxes.get().ptr)
             .ptr(ws.input.boxoff.get().ptr)
             .ptr(ws.model.get().ptr)

@@ -57,6 +57,7 @@ fn copy_in(g: Gpu<'_>, ws: &mut Workspace, host: &ChunkHost, solve: Solve) -> Re
     ws.pixmask.ensure(dev, size * ncore * nws)?;
     ws.masked.ensure(dev, size)?;
     ws.x.ensure(dev, size * m)?;
+    ws.colspot.ensure(dev, size * m)?;
     dev.join_copies()?;
     launchers::column_table(g, ws, n)?;
     dev.zero_prefix(ws.pixmask.get(), n * ncore * nws)?;

@@ -74,8 +74,6 @@ pub(crate) struct ChunkHost {
     pub(crate) nspots: usize,
     /// Values in the table of Legendre coefficients.
     coef_len: usize,
-    /// Values in the column tables of the live patches (written on the device).
-    pub(crate) ncolumns: usize,
     /// Values in the table of first spots (a fiber block per live patch each).
     nfirst: usize,
     pub(crate) boxes: Vec<i32>,
@@ -217,7 +215,6 @@ pub(crate) fn prepare(
     bundles.sort_unstable();
     bundles.dedup();
     let fibers: Vec<usize> = bundles.iter().flat_map(|&b| b..b + sh.bundlesize).collect();
-    let m = sh.m();
     let nspots = fibers.len() * plan.fullwave.len();
     let coef_len = fibers.len() * (2 + psf.ngh()) * psf.ghsigx.ncoef;
     // corners, then room for the first spots of each patch's fiber blocks
@@ -296,14 +293,12 @@ pub(crate) fn prepare(
         prep_ms - t_tables,
         if pinned { "pinned" } else { "pageable" }
     );
-    let ncolumns = live.len() * m;
     Ok(ChunkHost {
         live,
         off,
         bundles,
         nspots,
         coef_len,
-        ncolumns,
         nfirst,
         boxes,
         nkeep,

@@ -116,6 +116,10 @@ pub(crate) struct Workspace {
     /// The inputs of the next chunk, uploaded while this one is solved.
     pub(crate) next: Inputs,
     pub(crate) spots: Slot<f64>,
+    /// The column tables of the chunk's live patches, `[patch][column]`: the spot of each
+    /// column, -1 for none. Written on the device from the uploaded first spot of each fiber
+    /// block (`launchers::column_table`) once the chunk's upload is joined.
+    pub(crate) colspot: Slot<i32>,
     /// The bundle whose spots the chunk before evaluated last, and the index in `spots` where
     /// they start; None at the start of a call (another frame's PSF) and when `spots` was
     /// allocated anew.
@@ -169,6 +173,7 @@ impl Workspace {
             input: Inputs::new(),
             next: Inputs::new(),
             spots: Slot::new("spots"),
+            colspot: Slot::new("column table"),
             last_spots: None,
             patches: 0,
             icov: Slot::new("icov"),
@@ -216,8 +221,6 @@ pub(crate) struct Inputs {
     pub(crate) coef: Slot<f64>,
     pub(crate) waves: Slot<f64>,
     pub(crate) corners: Slot<i32>,
-    /// Written on the device from `first_spots` (the first spot of each fiber block).
-    pub(crate) colspot: Slot<i32>,
     pub(crate) first_spots: Slot<i32>,
     pub(crate) boxes: Slot<i32>,
     pub(crate) nkeep: Slot<i32>,
@@ -233,7 +236,6 @@ impl Inputs {
             coef: Slot::new("PSF coefficients"),
             waves: Slot::new("wavelength grid"),
             corners: Slot::new("spot corners"),
-            colspot: Slot::new("column table"),
             first_spots: Slot::new("first spots of the fiber blocks"),
             boxes: Slot::new("pixel boxes"),
             nkeep: Slot::new("kept bins"),
@@ -260,7 +262,6 @@ impl Inputs {
         self.coef.ensure(dev, host.coef().len())?;
         self.waves.ensure(dev, input.plan.fullwave.len())?;
         self.corners.ensure(dev, host.corners().len())?;
-        self.colspot.ensure(dev, host.ncolumns)?;
         self.first_spots.ensure(dev, host.first_spots().len())?;
         self.boxes.ensure(dev, host.boxes.len())?;
         self.nkeep.ensure(dev, n)?;
