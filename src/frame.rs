@@ -591,12 +591,9 @@ fn check_results(
     Ok((counts, by_fiber))
 }
 
+/// `v` in float32, as written; each value is written once (no zeroing of the copy first).
 fn f32s<D: Dimension>(v: &Array<f64, D>) -> Array<f32, D> {
-    let mut out = Array::zeros(v.raw_dim());
-    Zip::from(&mut out)
-        .and(v)
-        .par_for_each(|o, &x| *o = x as f32);
-    out
+    Zip::from(v).par_map_collect(|&x| x as f32)
 }
 
 /// Writes a model image (`-m`) as desi_extract_spectra does: the CCD-sized float64 image in
