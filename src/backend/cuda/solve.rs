@@ -301,6 +301,8 @@ impl Steps {
 /// has passed its last mark.
 pub(crate) struct Pending<'a> {
     chunk: Chunk<'a>,
+    /// The chunk's live patches, in the order of the device's batch.
+    live: Vec<&'a Patch>,
     host: ChunkHost,
     steps: Steps,
     /// Device arrays that queued library calls still read.
@@ -431,6 +433,7 @@ fn solve_live<'a>(
     clock.mark("finalize")?;
     Ok(Pending {
         chunk,
+        live,
         host,
         steps,
         keep,
@@ -479,9 +482,8 @@ pub(crate) fn finish(
             capacity,
             coupling_max,
         } => {
-            let live = live_patches(&p.chunk, &p.host);
             let coupling = ws.coupling_back.current(n);
-            let (fact, c) = schur::outcome(&live, sweeps, coupling, capacity, coupling_max);
+            let (fact, c) = schur::outcome(&p.live, sweeps, coupling, capacity, coupling_max);
             t.coupled += c.patches;
             t.max_coupling = t.max_coupling.max(c.largest);
             fact
