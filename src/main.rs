@@ -107,6 +107,7 @@ fn extract(args: &ExtractArgs) -> ExitCode {
     // size it to this rank's share of the node rather than to every core of it.
     if let Err(e) = rayon::ThreadPoolBuilder::new()
         .num_threads(layout.threads)
+        .thread_name(|i| format!("spex-pool-{i}"))
         .build_global()
     {
         tracing::debug!("rayon's global pool was already built: {e}");
