@@ -1,12 +1,15 @@
-//! Time to write a full r frame (500 fibers x 2326 bins, 11 resolution diagonals) as
-//! desispec's `frame-*.fits`, checksums included: the writer's share of every frame, which
-//! a GPU run repeats for each frame at a few times the device's pace. Frames are written one
-//! after another into the same directory, as a multi-frame run does, so that the allocator's
-//! reuse of the frame-sized buffers counts.
+//! The host's share of every frame around the extraction, which a GPU run repeats at a few
+//! times the device's pace: reading a full r-camera preproc image (IMAGE, IVAR, MASK of
+//! 4128 x 4114 pixels, uncompressed) with its mask rule, and writing a full r frame (500
+//! fibers x 2326 bins, 11 resolution diagonals) as desispec's `frame-*.fits`, checksums
+//! included. Each is repeated in one process, as a multi-frame run does, so that the
+//! allocator's reuse of frame-sized buffers counts.
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use ndarray::{Array2, Array3};
+use spex::fits::Fits;
 use spex::frame::{Frame, FrameMeta};
+use spex::image::{Image, MaskRule};
 
 // as in the spex binary
 #[global_allocator]
@@ -49,5 +52,32 @@ fn bench_write(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_write);
+/// A preproc image of the r camera's size: a smooth sky with a few masked pixels.
+fn write_preproc(path: &std::path::Path) {
+    let (ny, nx) = (4128, 4114);
+    let pix: Vec<f32> = (0..ny * nx)
+        .map(|i| 10.0 + (i % 977) as f32 * 0.01)
+        .collect();
+    let ivar: Vec<f32> = pix.iter().map(|p| 1.0 / (p + 9.0)).collect();
+    let mask: Vec<i32> = (0..ny * nx).map(|i| i32::from(i % 10007 == 0)).collect();
+    let mut f = Fits::create(path).expect("preproc created");
+    f.write_image("IMAGE", &[ny, nx], &pix).expect("IMAGE");
+    f.write_image("IVAR", &[ny, nx], &ivar).expect("IVAR");
+    f.write_image("MASK", &[ny, nx], &mask).expect("MASK");
+    f.close().expect("preproc closed");
+}
+
+fn bench_read(c: &mut Criterion) {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let path = dir.path().join("preproc.fits");
+    write_preproc(&path);
+    let mut group = c.benchmark_group("frame");
+    group.sample_size(10);
+    group.bench_function("read full r preproc", |b| {
+        b.iter(|| Image::read(&path, MaskRule::Bits(767)).expect("preproc read"))
+    });
+    group.finish();
+}
+
+criterion_group!(benches, bench_read, bench_write);
 criterion_main!(benches);

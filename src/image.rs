@@ -20,10 +20,11 @@ pub enum MaskRule {
 }
 
 impl MaskRule {
-    fn is_bad(self, mask: i32) -> bool {
+    /// The MASK bits that reject a pixel (any bit: all of them).
+    fn bits(self) -> u32 {
         match self {
-            MaskRule::AnyBit => mask != 0,
-            MaskRule::Bits(bits) => (mask as u32) & bits != 0,
+            MaskRule::AnyBit => u32::MAX,
+            MaskRule::Bits(bits) => bits,
         }
     }
 }
@@ -74,21 +75,25 @@ fn apply_mask(pix: &mut [f32], ivar: &mut [f32], mask: &[i32], rule: MaskRule) -
     pix.par_chunks_mut(CHUNK)
         .zip(ivar.par_chunks_mut(CHUNK))
         .zip(mask.par_chunks(CHUNK))
-        .map(|((pix, ivar), mask)| {
-            let (mut nmasked, mut nnonfinite) = (0, 0);
-            for ((p, v), &m) in pix.iter_mut().zip(ivar.iter_mut()).zip(mask) {
-                if !p.is_finite() || !v.is_finite() || *v < 0.0 {
-                    *p = 0.0;
-                    *v = 0.0;
-                    nnonfinite += 1;
-                } else if rule.is_bad(m) {
-                    *v = 0.0;
-                    nmasked += 1;
-                }
-            }
-            (nmasked, nnonfinite)
-        })
+        .map(|((pix, ivar), mask)| mask_chunk(pix, ivar, mask, rule.bits()))
         .reduce(|| (0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
+}
+
+/// [`apply_mask`] on one chunk, `bits` the MASK bits that reject a pixel: the counts of
+/// masked and non-finite pixels. Written without branches, so that the compiler vectorises
+/// it (a sixth of the time of reading a preproc image went to the branchy loop).
+fn mask_chunk(pix: &mut [f32], ivar: &mut [f32], mask: &[i32], bits: u32) -> (usize, usize) {
+    let (mut nmasked, mut nnonfinite) = (0, 0);
+    for ((p, v), &m) in pix.iter_mut().zip(ivar.iter_mut()).zip(mask) {
+        // a NaN ivar fails `>= 0` too
+        let nonfinite = !(p.is_finite() && *v >= 0.0 && *v != f32::INFINITY);
+        let masked = !nonfinite & ((m as u32) & bits != 0);
+        *p = if nonfinite { 0.0 } else { *p };
+        *v = if nonfinite | masked { 0.0 } else { *v };
+        nnonfinite += usize::from(nonfinite);
+        nmasked += usize::from(masked);
+    }
+    (nmasked, nnonfinite)
 }
 
 impl Image {

@@ -424,10 +424,16 @@ impl Fits {
     /// A zeroed buffer of `n` elements, or an error instead of an abort when a corrupt header
     /// asks for more memory than there is.
     fn buffer<T: Element>(&self, n: usize, what: &str) -> Result<Vec<T>> {
+        let mut data = self.uninit_buffer(n, what)?;
+        data.resize(n, T::default());
+        Ok(data)
+    }
+
+    /// An empty buffer with room for `n` elements, or an error as [`Fits::buffer`] gives.
+    fn uninit_buffer<T: Element>(&self, n: usize, what: &str) -> Result<Vec<T>> {
         let mut data = Vec::new();
         data.try_reserve_exact(n)
             .map_err(|_| self.error(what, format!("{n} elements do not fit in memory")))?;
-        data.resize(n, T::default());
         Ok(data)
     }
 
