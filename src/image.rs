@@ -80,8 +80,9 @@ fn apply_mask(pix: &mut [f32], ivar: &mut [f32], mask: &[i32], rule: MaskRule) -
 }
 
 /// [`apply_mask`] on one chunk, `bits` the MASK bits that reject a pixel: the counts of
-/// masked and non-finite pixels. Written without branches, so that the compiler vectorises
-/// it (a sixth of the time of reading a preproc image went to the branchy loop).
+/// masked and non-finite pixels. Written without branches; the pass is bound by its memory
+/// traffic either way (under perf, 14.5 ms of a full preproc's 59 ms read on 2 cores, against
+/// 16.4 ms for the loop with branches).
 fn mask_chunk(pix: &mut [f32], ivar: &mut [f32], mask: &[i32], bits: u32) -> (usize, usize) {
     let (mut nmasked, mut nnonfinite) = (0, 0);
     for ((p, v), &m) in pix.iter_mut().zip(ivar.iter_mut()).zip(mask) {
