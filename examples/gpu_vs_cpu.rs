@@ -26,7 +26,7 @@ use spex::psf::GaussHermitePsf;
 use spex::simulate::{simulate, SimulateOptions};
 
 // The allocator of the spex binary, so that the host's share of a frame is timed as in
-// production (with the system allocator, the chunks' tables fault in fresh pages every time).
+// production (with the system allocator, the frame's tables fault in fresh pages every time).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -134,10 +134,10 @@ fn main() -> anyhow::Result<()> {
         let wall = t.elapsed().as_secs_f64();
         let tm = gpu.timings();
         println!(
-            "gpu run {rep}: {:.1} ms wall, {} chunks ({} pageable), peak buffers {:.2} GB, device in use {:.2} GB, retried {}, cpu fallback {} ({} coupled), polar blocks {} (max {} steps), polar fallback {} (max Jacobi sweeps {})",
+            "gpu run {rep}: {:.1} ms wall, {} waves (upload {}), peak buffers {:.2} GB, device in use {:.2} GB, retried {}, cpu fallback {} ({} coupled), polar blocks {} (max {} steps), polar fallback {} (max Jacobi sweeps {})",
             wall * 1e3,
-            tm.chunks,
-            tm.pageable_chunks,
+            tm.waves,
+            if tm.pageable_upload { "pageable" } else { "pinned" },
             tm.peak_bytes as f64 / 1e9,
             tm.device_used_bytes as f64 / 1e9,
             tm.retried,

@@ -193,11 +193,11 @@ fn gpu_matches_cpu_reference() {
             "no masked pixel"
         );
         assert_agree(&g, &cpu);
-        // a subset, in another order, in small chunks
+        // a subset, in another order, in small waves
         let subset: Vec<_> = plan.patches.iter().rev().step_by(2).cloned().collect();
-        gpu.set_max_chunk(Some(3));
+        gpu.set_max_wave(Some(3));
         let g2 = gpu.extract(input, &subset, &Progress::silent()).unwrap();
-        gpu.set_max_chunk(None);
+        gpu.set_max_wave(None);
         let c2: Vec<_> = subset.iter().map(|p| cpu[p.index].clone()).collect();
         assert_agree(&g2, &c2);
     }
@@ -234,14 +234,14 @@ fn every_route_matches_the_cpu_reference() {
             cuda::Route::Jacobi => assert!(t.polar_blocks == 0 && t.max_sweeps > 0),
         }
         assert_eq!(t.dense_route, solve == cuda::Solve::Dense);
-        // in chunks of five: each chunk's results are unpacked while the next one runs
-        gpu.set_max_chunk(Some(5));
-        let chunked = gpu
+        // in waves of five: each wave's results are unpacked while the next ones run
+        gpu.set_max_wave(Some(5));
+        let in_waves = gpu
             .extract(input, &plan.patches, &Progress::silent())
             .unwrap();
-        gpu.set_max_chunk(None);
-        assert!(gpu.timings().chunks > 2);
-        assert_agree(&chunked, &cpu);
+        gpu.set_max_wave(None);
+        assert!(gpu.timings().waves > 2);
+        assert_agree(&in_waves, &cpu);
     }
     gpu.set_solve(cuda::Solve::Schur);
     gpu.set_route(cuda::Route::Polar);
@@ -249,17 +249,17 @@ fn every_route_matches_the_cpu_reference() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
-fn chunks_that_split_a_bundle_agree() {
-    // Two bundles in chunks of ten patches: the second chunk ends in the second bundle and
-    // the third starts in it, so that the third takes that bundle's spots from the second
-    // chunk's instead of evaluating them. The next call starts with the same bundle on other
+fn waves_that_split_a_bundle_agree() {
+    // Two bundles in waves of at most ten patches: a wave ends in the second bundle and the
+    // next starts in it, so that the next takes that bundle's spots from the wave before
+    // instead of evaluating them. The next call starts with the same bundle on other
     // wavelengths: it must evaluate its spots. icov starts as NaN: the assembly writes one
     // triangle only, and the Schur route's kernels must read nothing else.
     let mut gpu = backend();
     gpu.set_poison(true);
     let psf = psf();
     let options = solve_options(0.0, true);
-    gpu.set_max_chunk(Some(10));
+    gpu.set_max_wave(Some(10));
     for (plan, seed) in [
         (PlanOptions::new(6000.0, 6100.0, 0.8, 0, 50), 17),
         (PlanOptions::new(6100.0, 6200.0, 0.8, 25, 25), 18),
@@ -269,19 +269,18 @@ fn chunks_that_split_a_bundle_agree() {
         let input = FrameInput::new(&plan, &psf, &image, &options);
         let (g, cpu) = solve_both(&mut gpu, input);
         let t = gpu.timings();
-        assert!(t.chunks >= 2);
+        assert!(t.waves >= 2);
         assert_eq!((t.cpu_fallback, t.coupled), (0, 0));
         assert_agree(&g, &cpu);
     }
-    gpu.set_max_chunk(None);
+    gpu.set_max_wave(None);
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
-fn chunks_off_the_ccd_agree() {
-    // The CCD cropped at the rows of 6200 A: the patches of longer wavelengths have no pixels.
-    // In chunks of two, whole chunks are off the CCD and solve nothing (their upload must be
-    // done before their buffers serve the next chunk), between chunks that do.
+fn patches_off_the_ccd_agree() {
+    // The CCD cropped at the rows of 6200 A: the patches of longer wavelengths have no pixels,
+    // and the frame's waves of two leave them out: their results are made on the host.
     let mut gpu = backend();
     let psf = psf();
     let plan = Plan::new(PlanOptions::new(6000.0, 6400.0, 0.8, 0, 25)).unwrap();
@@ -292,8 +291,8 @@ fn chunks_off_the_ccd_agree() {
     image.nrows = cut;
     let options = solve_options(0.0, false);
     let input = FrameInput::new(&plan, &psf, &image, &options);
-    gpu.set_max_chunk(Some(2));
-    // twice: the second call's chunks go through the buffers the first one pinned again
+    gpu.set_max_wave(Some(2));
+    // twice: the second call uploads through the buffers the first one let be pinned
     for _ in 0..2 {
         let (g, cpu) = solve_both(&mut gpu, input);
         let off = |r: &[PatchResult]| -> Vec<bool> {
@@ -311,7 +310,7 @@ fn chunks_off_the_ccd_agree() {
         );
         assert_agree(&g, &cpu);
     }
-    gpu.set_max_chunk(None);
+    gpu.set_max_wave(None);
 }
 
 /// Solves two patches of `nwavestep` output bins (and 12 of padding on each side) per
@@ -570,7 +569,7 @@ fn regularised_retry_matches_the_cpu_on_both_routes() {
         assert_eq!(tm.cpu_fallback, 0);
         assert_agree(&g, &cpu);
     }
-    // The Schur route retries on the device only as many patches per chunk as its list
+    // The Schur route retries on the device only as many patches per wave as its list
     // holds; with room for none, the failures go to the CPU reference, with the same results.
     gpu.set_solve(cuda::Solve::Schur);
     gpu.set_retry_capacity(0);

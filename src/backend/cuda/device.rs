@@ -393,15 +393,27 @@ impl Device {
             .map_err(error::driver("copies back after the kernels"))
     }
 
-    /// [`Device::copy_from`] (from the start of `b`) on the stream of the copies back; the
-    /// host buffer must live until a [`Device::back_event`] recorded after it has passed.
+    /// Makes the stream of the copies back wait for `event` (of the compute stream).
+    pub(crate) fn back_after(&self, event: Option<&CudaEvent>) -> Result<()> {
+        match event {
+            Some(e) => self
+                .back
+                .wait(e)
+                .map_err(error::driver("copies back after the kernels")),
+            None => self.back_after_compute(),
+        }
+    }
+
+    /// [`Device::copy_from`] (from index `offset` of `b`) on the stream of the copies back;
+    /// the host buffer must live until a [`Device::back_event`] recorded after it has passed.
     pub(crate) fn copy_back<T: Copy>(
         &self,
         host: &mut [T],
         b: &DevBuf<T>,
+        offset: usize,
         what: &str,
     ) -> Result<()> {
-        dtoh(host, b, 0, self.back.cu_stream(), what)
+        dtoh(host, b, offset, self.back.cu_stream(), what)
     }
 
     /// An event (with timing) at the work queued so far on the stream of the copies back.
@@ -409,13 +421,6 @@ impl Device {
         self.back
             .record_event(Some(drv_sys::CUevent_flags::CU_EVENT_DEFAULT))
             .map_err(error::driver("cuEventRecord"))
-    }
-
-    /// Makes the compute stream wait for `event` (of another stream).
-    pub(crate) fn compute_after(&self, event: &CudaEvent) -> Result<()> {
-        self.stream
-            .wait(event)
-            .map_err(error::driver("wait for the copies back"))
     }
 
     /// Waits for the copies back queued so far.

@@ -7,25 +7,26 @@
 //! with it to rounding, except that the decorrelation takes the polar route where the CPU
 //! diagonalises (the two agree to 1e-9 sigma or better).
 //!
-//! All patches of a call are solved in chunks as large as the device memory budget allows
-//! (`SPEX_GPU_MEMORY_GB`, default 4 GB per backend), up to 800 patches, so that one batch
-//! covers hundreds of patches, after a first chunk a quarter as large, so that the device
-//! starts early; the host tables of the next chunk are built, and the results of
-//! the chunk before unpacked, while the device works. On the default (Schur) route the host
-//! queues a chunk's steps without waiting for any of them: even the retry of failed
-//! factorisations is decided on the device.
+//! A frame is one chunk: its host tables are built once, its image and tables uploaded once,
+//! and the device walks its patches in waves of up to 800, through per-patch buffers reused
+//! from wave to wave within the memory budget (`SPEX_GPU_MEMORY_GB`, default 4 GB per
+//! backend). Every wave is queued before the host reads any result, and each wave's results
+//! are gathered on the device into the frame's, so that on the default (Schur) route the
+//! device never waits for the host within a frame: even the retry of failed factorisations is
+//! decided on the device. The host copies each wave's results back and unpacks them while the
+//! device runs the waves after.
 //! Device and pinned buffers are kept between calls (a process extracts frame after frame).
 //!
 //! The code is split by concern: `workspace` (buffers kept between calls and shapes),
 //! `staging` (host buffers of the transfers, pinned in the background), `tables` (host
-//! tables of a chunk), `launchers` (one typed launcher per kernel), `dense`
+//! tables of a frame and its waves), `launchers` (one typed launcher per kernel), `dense`
 //! (factorisation and core covariance through cuSOLVER and cuBLAS), `schur` (the same by
 //! per-fiber Schur complements), `decorrelate` (polar route and Jacobi fallback), `results`
-//! (host-side results and the CPU fallback), `solve` (the steps of a chunk in order),
+//! (host-side results and the CPU fallback), `solve` (the steps of a wave in order),
 //! `tuning` and `timings`.
 //!
 //! Tuning variables, for measurements rather than production, are read once when a backend is
-//! created: `SPEX_GPU_CHUNK` (most patches per chunk) and those of `tuning` (`SPEX_GPU_SOLVE`,
+//! created: `SPEX_GPU_WAVE` (most patches per wave) and those of `tuning` (`SPEX_GPU_SOLVE`,
 //! `SPEX_GPU_COUPLING_MAX`, `SPEX_GPU_RETRY_CAPACITY`, `SPEX_GPU_DECORRELATE`,
 //! `SPEX_GPU_JACOBI_THREADS`, `SPEX_GPU_JACOBI_TOL`).
 
@@ -74,13 +75,13 @@ pub struct CudaBackend {
     dev: Device,
     kernels: Kernels,
     budget: usize,
-    max_chunk: Option<usize>,
+    max_wave: Option<usize>,
     tuning: Tuning,
     timings: GpuTimings,
     workspace: workspace::Workspace,
-    /// Host buffers of the chunks' uploads kept between calls (three take turns).
-    uploads: Vec<tables::Uploads>,
-    /// Threads of the backend's host work (chunk tables, results): a pool of its own, so
+    /// Host buffers of the frames' uploads, kept between calls.
+    uploads: Option<tables::Uploads>,
+    /// Threads of the backend's host work (frame tables, results): a pool of its own, so
     /// that this work, which the device waits for, does not queue behind the long tasks
     /// (reading, writing, checksums) that other frames put on rayon's global pool.
     host: Arc<rayon::ThreadPool>,
@@ -136,7 +137,7 @@ impl CudaBackend {
             }
             Err(_) => DEFAULT_BUDGET as usize,
         };
-        let max_chunk = std::env::var("SPEX_GPU_CHUNK")
+        let max_wave = std::env::var("SPEX_GPU_WAVE")
             .ok()
             .and_then(|v| v.trim().parse().ok());
         let tuning = Tuning::from_env()?;
@@ -153,10 +154,10 @@ impl CudaBackend {
             dev,
             kernels,
             budget,
-            max_chunk,
+            max_wave,
             tuning,
             timings: GpuTimings::default(),
-            uploads: Vec::new(),
+            uploads: None,
             host: host_pool()?,
         })
     }
@@ -171,15 +172,15 @@ impl CudaBackend {
             dev,
             kernels: self.kernels.clone(),
             budget: self.budget,
-            max_chunk: self.max_chunk,
+            max_wave: self.max_wave,
             tuning: self.tuning,
             timings: GpuTimings::default(),
-            uploads: Vec::new(),
+            uploads: None,
             host: host_pool()?,
         })
     }
 
-    /// Phase timings, chunking and memory of the last `extract` call.
+    /// Phase timings, waves and memory of the last `extract` call.
     pub fn timings(&self) -> &GpuTimings {
         &self.timings
     }
@@ -200,33 +201,31 @@ impl CudaBackend {
         self.tuning.coupling_max = max;
     }
 
-    /// Sets how many failed patches of a chunk the Schur route retries on the device; the
+    /// Sets how many failed patches of a wave the Schur route retries on the device; the
     /// others go to the CPU reference (for tests of that fallback; the default is 32).
     pub fn set_retry_capacity(&mut self, patches: usize) {
         self.tuning.retry_capacity = patches;
     }
 
-    /// Fills icov with NaN before each chunk's assembly, so that a kernel reading an entry the
+    /// Fills icov with NaN before each wave's assembly, so that a kernel reading an entry the
     /// assembly did not write shows in the results (for tests).
     pub fn set_poison(&mut self, on: bool) {
         self.tuning.poison = on;
     }
 
-    /// Limits the number of patches solved together (for tests of the chunking; the default
-    /// follows the memory budget).
-    pub fn set_max_chunk(&mut self, patches: Option<usize>) {
-        self.max_chunk = patches;
+    /// Limits the number of patches of a wave (for tests of the waves; the default follows the
+    /// memory budget).
+    pub fn set_max_wave(&mut self, patches: Option<usize>) {
+        self.max_wave = patches;
     }
 
-    /// Most patches per chunk: at most [`MAX_CHUNK`], and the per-patch buffers must fit in the
-    /// budget left after the spots of a chunk and two chunks' inputs, the one solved and the
-    /// next one uploading (bounded by a quarter of the budget). On the Schur route the 4 GB
-    /// default would allow 1567 patches; a full frame goes in chunks of 200 and 6 x 750, 1.7 GB
-    /// at the peak.
-    fn chunk_size(&self, sh: &Shape) -> usize {
+    /// Most patches per wave: at most [`MAX_WAVE`], and the per-patch buffers of a wave must
+    /// fit in three quarters of the budget (the rest for the spots of a wave) once the frame's
+    /// `frame_bytes` (image, results) are held.
+    fn wave_size(&self, sh: &Shape, frame_bytes: usize) -> usize {
         let per = sh.bytes_per_patch(solve::route(self.tuning.solve, sh)) + 8 * 8192;
-        let fit = (self.budget * 3 / 4) / per;
-        self.max_chunk.unwrap_or(fit).min(fit).clamp(1, MAX_CHUNK)
+        let fit = (self.budget * 3 / 4).saturating_sub(frame_bytes) / per;
+        self.max_wave.unwrap_or(fit).min(fit).clamp(1, MAX_WAVE)
     }
 
     /// The decorrelation matrices Q of `count` symmetric positive definite blocks of order `n`
@@ -339,124 +338,72 @@ impl Backend for CudaBackend {
     }
 }
 
-/// Most patches per chunk, whatever the memory budget allows. Larger chunks shorten the
-/// sweeps (fewer partial waves of blocks), but in a backend's first call its upload buffers are
-/// pageable (staging.rs), so that the host waits for each upload, and its buffers of the copies
-/// back are pinned, which holds up the launches, both the longer the larger the chunk; and a
-/// later call whose chunks outgrow the first's pins its buffers again. Full r frames on an
-/// H100, chunks of at most 800 patches (200, then 6 x 750) against the budget's 1436 after a
-/// first call in chunks of 800: 30 frames in one process in 3.28-3.37 s against 3.41-3.69 s,
-/// steady frames alike (64.5-66.6 ms against 63.6-66.6), 1.7 GB of device buffers against
-/// 2.9 GB. A process's first frame took 92-98 ms in chunks of 783, 115-125 ms in chunks of
-/// 1436 (another H100).
-const MAX_CHUNK: usize = 800;
-
-/// The lengths of the chunks of a call's `n` patches, at most `size` each: a first chunk a
-/// quarter as long as the largest, then equal ones. The host builds a chunk's tables in about a
-/// quarter of the time the device takes to solve it (a full r frame on an H100 with 16 cores:
-/// 2.6 against 11.3 us per patch), so that the device starts after a quarter of the wait and
-/// the second chunk's tables are ready by the time the first is solved.
-fn chunk_lengths(n: usize, size: usize) -> Vec<usize> {
-    let first = n.min(size).div_ceil(4).max(1).min(n);
-    let rest = n - first;
-    let count = rest.div_ceil(size.max(1));
-    let mut lengths = vec![first];
-    lengths.extend((0..count).map(|i| rest / count + usize::from(i < rest % count)));
-    lengths
-}
+/// Most patches per wave, whatever the memory budget allows. Chunks of at most 800 patches,
+/// each with its own tables, upload and copies back, were measured faster than larger ones
+/// (full r frames on an H100: a process's first frame 92-98 ms in chunks of 783, 115-125 ms in
+/// chunks of 1436, when the host built each chunk's tables in turn).
+const MAX_WAVE: usize = 800;
 
 impl CudaBackend {
-    /// Solves the chunks in turn. Host tables of chunk i + 1 are prepared on a helper thread
-    /// while the device solves chunk i; once chunk i's kernels are queued, the results of
-    /// chunk i - 1 are unpacked while the device runs them, then chunk i's copies back are
-    /// queued into the host buffers chunk i - 1 has left, and chunk i + 1 is uploaded on the
-    /// copy stream. Three sets of upload buffers and two of device inputs take turns.
+    /// Solves a frame's `patches` (ordered by bundle) as one chunk: host tables built and
+    /// uploaded once, every wave queued, then each wave finished in turn (its results copied
+    /// back and unpacked while the device runs the waves after). `results` by position in
+    /// `patches`.
     #[allow(clippy::too_many_arguments)]
-    fn solve_chunks(
+    fn solve_frame(
         &mut self,
         input: &FrameInput<'_>,
         sh: &Shape,
-        chunks: &[Vec<&Patch>],
-        ids: &[&[usize]],
-        pool: &mut Vec<tables::Uploads>,
+        patches: &[&Patch],
+        host: &tables::FrameHost,
         results: &mut [Option<PatchResult>],
         timings: &mut GpuTimings,
         progress: &Progress,
     ) -> Result<()> {
-        while pool.len() < 3 {
-            pool.push(tables::Uploads::new(&self.dev.ctx));
-        }
-        // the stream's idle time counts from here: the first chunk's tables and upload
+        // the stream's idle time counts from here: the frame's upload
         let mut called = PhaseClock::new(&self.dev);
         called.mark("call")?;
         let mut last_mark = called.idle_since(None, timings)?;
         // another frame, maybe another PSF: no spots carry over from the call before
         self.workspace.last_spots = None;
-        let first = pool.pop().expect("three buffers");
-        let host = tables::prepare(input, &chunks[0], sh, first)?;
-        self.workspace.next.upload(&self.dev, input, &host)?;
-        let mut next = Some(host);
-        let mut pending: Option<solve::Pending<'_>> = None;
+        let ws = &mut self.workspace;
+        ws.input.upload(&self.dev, input, host)?;
+        let model = if input.options.model {
+            host.box_total
+        } else {
+            0
+        };
+        ws.out.ensure(&self.dev, sh, host.live.len(), model)?;
         let gpu = Gpu {
             dev: &self.dev,
             k: &self.kernels,
             sh,
         };
-        for (ci, chunk) in chunks.iter().enumerate() {
-            let host = next.take().expect("prepared and uploaded the chunk before");
+        let mut queued = Vec::with_capacity(host.waves.len());
+        for wi in 0..host.waves.len() {
             let _r = nvtx::LocalRange::new(nvtx::Str::from_str_lossy(&format!(
-                "chunk of {} patches",
-                chunk.len()
+                "wave of {} patches",
+                host.waves[wi].len()
             )));
-            std::mem::swap(&mut self.workspace.input, &mut self.workspace.next);
-            (pending, next) = std::thread::scope(|s| {
-                let helper = chunks.get(ci + 1).map(|c| {
-                    let (host_pool, buf) = (&self.host, pool.pop().expect("buffers take turns"));
-                    s.spawn(move || host_pool.install(|| tables::prepare(input, c, sh, buf)))
-                });
-                let next = move || -> Result<Option<tables::ChunkHost>> {
-                    helper
-                        .map(|h| {
-                            h.join().map_err(|_| {
-                                Error::Gpu("host preparation thread panicked".into())
-                            })?
-                        })
-                        .transpose()
-                };
-                let chunk = solve::Chunk {
-                    patches: chunk,
-                    ids: ids[ci],
-                };
-                let mut sink = solve::Sink {
-                    results: &mut *results,
-                    last_mark: &mut last_mark,
-                    timings: &mut *timings,
-                    uploads: &mut *pool,
-                    progress,
-                };
-                solve::solve_chunk(
-                    gpu,
-                    &self.tuning,
-                    &mut self.workspace,
-                    input,
-                    chunk,
-                    host,
-                    pending.take(),
-                    next,
-                    &mut sink,
-                )
-            })?;
-            timings.chunks += 1;
+            queued.push(solve::queue_wave(
+                gpu,
+                &self.tuning,
+                ws,
+                input,
+                patches,
+                host,
+                wi,
+            )?);
+            timings.waves += 1;
         }
-        if let Some(p) = pending {
-            let mut sink = solve::Sink {
-                results,
-                last_mark: &mut last_mark,
-                timings,
-                uploads: pool,
-                progress,
-            };
-            solve::finish(gpu, &self.workspace, input, p, &mut sink)?;
+        let mut sink = solve::Sink {
+            results,
+            last_mark: &mut last_mark,
+            timings,
+            progress,
+        };
+        for q in queued {
+            solve::finish_wave(gpu, ws, input, host, q, &mut sink)?;
         }
         Ok(())
     }
@@ -505,43 +452,45 @@ impl CudaBackend {
         if launchers::jacobi_smem(sh.nt) > self.dev.max_shared_per_block()? {
             return self.extract_on_cpu(input, patches, progress, &sh);
         }
-        // Patches of a bundle together, so that a chunk evaluates the spots of few bundles.
+        // Patches of a bundle together, so that a wave evaluates the spots of few bundles.
         let mut order: BTreeMap<(usize, usize), usize> = BTreeMap::new();
         for (i, p) in patches.iter().enumerate() {
             order.insert((p.bundle_start, p.index), i);
         }
         let order: Vec<usize> = order.into_values().collect();
-        let size = self.chunk_size(&sh);
-        let mut rest = order.as_slice();
-        let ids: Vec<&[usize]> = chunk_lengths(patches.len(), size)
-            .into_iter()
-            .map(|len| {
-                let (chunk, after) = rest.split_at(len);
-                rest = after;
-                chunk
-            })
-            .collect();
-        let chunks: Vec<Vec<&Patch>> = ids
-            .iter()
-            .map(|ids| ids.iter().map(|&i| &patches[i]).collect())
-            .collect();
-        // The copies back of the first chunks come after their solve: time enough to pin
-        // their buffers (the model boxes, when asked, may need larger ones later).
-        let per = size * sh.ncore * sh.nws;
+        let ordered: Vec<&Patch> = order.iter().map(|&i| &patches[i]).collect();
+        let image_bytes = 8 * input.image.nrows * input.image.ncols;
+        let out_bytes = workspace::FrameOut::bytes_per_patch(&sh)
+            + if input.options.model { 8 * 8192 } else { 0 };
+        let size = self.wave_size(&sh, image_bytes + patches.len() * out_bytes);
+        let buffers = self
+            .uploads
+            .take()
+            .unwrap_or_else(|| tables::Uploads::new(&self.dev.ctx));
+        let mut host = tables::prepare(&input, &ordered, &sh, buffers, size)?;
+        timings.add("host tables", host.prep_ms);
+        timings.pageable_upload = !host.pinned;
+        // The copies back of the first wave come after its solve: time enough to pin their
+        // buffers (the model boxes, when asked, may need larger ones later).
+        let largest = host.waves.iter().map(|w| w.len()).max().unwrap_or(0);
         let ws = &mut self.workspace;
-        ws.patches = ids.iter().map(|c| c.len()).max().unwrap_or(0);
-        ws.back.reserve(results::Back::len(per, sh.nd(), 0));
+        ws.patches = largest;
+        ws.back
+            .reserve(results::Back::len(largest * sh.ncore * sh.nws, sh.nd(), 0));
         ws.verdicts
-            .reserve((2 * sh.ncore + schur::VERDICTS_PER_PATCH) * size);
-        ws.coupling_back.reserve(size);
+            .reserve((2 * sh.ncore + schur::VERDICTS_PER_PATCH) * largest);
+        ws.coupling_back.reserve(largest);
+        // by position in the frame's order
         let mut results: Vec<Option<PatchResult>> = vec![None; patches.len()];
-        let mut pool = std::mem::take(&mut self.uploads);
-        let solved = self.solve_chunks(
+        progress.add(host.off.len());
+        for (i, r) in std::mem::take(&mut host.off) {
+            results[i] = Some(r);
+        }
+        let solved = self.solve_frame(
             &input,
             &sh,
-            &chunks,
-            &ids,
-            &mut pool,
+            &ordered,
+            &host,
             &mut results,
             &mut timings,
             progress,
@@ -550,24 +499,25 @@ impl CudaBackend {
             // queued work may still read host buffers that go now
             let _ = self.dev.sync_copies();
             let _ = self.dev.sync_back();
-            let _ = self.dev.sync("after a failed chunk");
+            let _ = self.dev.sync("after a failed wave");
         }
-        // every chunk is done (or the device synchronised above)
+        // every wave is done (or the device synchronised above)
         self.dev.free_retired();
+        let mut buffers = host.buffers;
         solved?;
         // later frames upload from pinned buffers, pinned in the background
-        tables::Uploads::allow_pinning(&mut pool);
-        self.uploads = pool;
+        buffers.allow_pinning();
+        self.uploads = Some(buffers);
         self.dev.bind()?;
         timings.patches = patches.len();
         timings.peak_bytes = self.dev.stats.peak();
         timings.total_ms = t0.elapsed().as_secs_f64() * 1e3;
         tracing::info!(
-            "cuda: {} patches in {:.1} ms ({} chunks, {} from pageable memory; {}); {:?} route, {} patches coupled to second neighbours (largest coupling {:.1e}); decorrelation: {} blocks polar (at most {} steps), {} by Jacobi after the polar route gave up; peak device memory {:.2} GB (process {:.2} GB)",
+            "cuda: {} patches in {:.1} ms (one upload{}, {} waves; {}); {:?} route, {} patches coupled to second neighbours (largest coupling {:.1e}); decorrelation: {} blocks polar (at most {} steps), {} by Jacobi after the polar route gave up; peak device memory {:.2} GB (process {:.2} GB)",
             patches.len(),
             timings.total_ms,
-            timings.chunks,
-            timings.pageable_chunks,
+            if timings.pageable_upload { ", pageable" } else { "" },
+            timings.waves,
             timings
                 .phases
                 .iter()
@@ -584,7 +534,12 @@ impl CudaBackend {
             timings.device_used_bytes as f64 / 1e9
         );
         self.timings = timings;
-        results
+        // from the frame's order back to the call's
+        let mut by_call: Vec<Option<PatchResult>> = vec![None; patches.len()];
+        for (r, &i) in results.into_iter().zip(&order) {
+            by_call[i] = r;
+        }
+        by_call
             .into_iter()
             .map(|r| r.ok_or_else(|| Error::Gpu("internal: a patch has no result".into())))
             .collect()
@@ -598,40 +553,4 @@ pub fn device_count() -> Result<usize> {
     let n = cudarc::driver::CudaContext::device_count()
         .map_err(error::driver("cannot count CUDA devices"))?;
     Ok(n.max(0) as usize)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::chunk_lengths;
-
-    #[test]
-    fn a_quarter_chunk_first_then_equal_ones_within_the_size() {
-        // a full frame in chunks of at most MAX_CHUNK, and at what a 4 GB budget alone allows
-        assert_eq!(
-            chunk_lengths(4700, super::MAX_CHUNK),
-            [200, 750, 750, 750, 750, 750, 750]
-        );
-        assert_eq!(chunk_lengths(4700, 1567), [392, 1436, 1436, 1436]);
-        for (n, size) in [
-            (4700, 1567),
-            (4700, 10_000),
-            (235, 1567),
-            (11, 10),
-            (1, 1),
-            (7, 3),
-            (2, 9),
-        ] {
-            let lengths = chunk_lengths(n, size);
-            assert_eq!(lengths.iter().sum::<usize>(), n, "{n} in chunks of {size}");
-            assert!(lengths.iter().all(|&l| l > 0 && l <= size), "{lengths:?}");
-            assert!(lengths[0] <= n.min(size).div_ceil(4));
-            let rest = &lengths[1..];
-            let spread = rest.iter().max().unwrap_or(&0) - rest.iter().min().unwrap_or(&0);
-            assert!(spread <= 1, "{lengths:?}");
-        }
-        // a call that fits in one chunk still starts with a quarter
-        assert_eq!(chunk_lengths(4700, 10_000), [1175, 3525]);
-        assert_eq!(chunk_lengths(235, 1567), [59, 176]);
-        assert_eq!(chunk_lengths(1, 1567), [1]);
-    }
 }

@@ -1,4 +1,4 @@
-//! Host side of the end of a chunk: the core arrays copied back are cut into one
+//! Host side of the end of a wave: the core arrays copied back are cut into one
 //! [`PatchResult`] per patch, and the patches the device could not factorise are solved by the
 //! CPU reference (its eigendecomposition fallback included).
 
@@ -7,7 +7,6 @@ use std::collections::BTreeMap;
 use rayon::prelude::*;
 
 use super::dense::Factorization;
-use super::tables::ChunkHost;
 use super::workspace::Shape;
 use crate::backend::cpu;
 use crate::backend::FrameInput;
@@ -15,7 +14,7 @@ use crate::extract::{ModelPatch, PatchGeometry, PatchResult, PatchStatus};
 use crate::plan::Patch;
 use crate::psf::Spots;
 
-/// The core arrays of a chunk as copied back, `per = live patches * ncore * nwavestep`
+/// The core arrays of a wave as copied back, `per = patches * ncore * nwavestep`
 /// values each (resolution `nd` times that), then the model boxes when asked.
 pub(crate) struct Back<'a> {
     flux: &'a [f64],
@@ -105,24 +104,28 @@ fn patch_result(
     r
 }
 
-/// The results of the live patches the device solved, by position in `chunk`.
+/// A live patch of the frame's tables: its position in the frame, its geometry and its bundle
+/// slot.
+type Live = (usize, PatchGeometry, usize);
+
+/// The results of a wave's patches (`patches`, with their tables `live` and model box offsets
+/// `boxoff`) that the device solved, by position in the frame.
 pub(crate) fn unpack(
     sh: &Shape,
-    chunk: &[&Patch],
-    host: &ChunkHost,
+    patches: &[&Patch],
+    live: &[Live],
+    boxoff: &[i64],
     back: &Back<'_>,
     fact: &Factorization,
     core_model: bool,
 ) -> Vec<(usize, PatchResult)> {
-    // the pinned image in `host` is not shared between threads: take the tables alone
-    let (live, boxoff) = (&host.live, &host.boxoff);
     live.par_iter()
         .enumerate()
         .filter(|(li, _)| !fact.to_cpu.contains(li))
         .map(|(li, (ci, geom, _))| {
             let r = patch_result(
                 sh,
-                chunk[*ci],
+                patches[li],
                 li,
                 geom,
                 back,
@@ -136,20 +139,21 @@ pub(crate) fn unpack(
         .collect()
 }
 
-/// Solves the live patches `to_cpu` with the CPU reference; results by position in `chunk`.
+/// Solves a wave's patches `to_cpu` with the CPU reference; results by position in the frame.
 pub(crate) fn cpu_fallback(
     input: &FrameInput<'_>,
     sh: &Shape,
-    chunk: &[&Patch],
-    host: &ChunkHost,
+    patches: &[&Patch],
+    live: &[Live],
+    bundles: &[usize],
     to_cpu: &[usize],
 ) -> Vec<(usize, PatchResult)> {
     let mut host_spots: BTreeMap<usize, Spots> = BTreeMap::new();
     let mut results = Vec::with_capacity(to_cpu.len());
     for &li in to_cpu {
-        let (ci, _, slot) = &host.live[li];
-        let patch = chunk[*ci];
-        let b = host.bundles[*slot];
+        let (ci, _, slot) = &live[li];
+        let patch = patches[li];
+        let b = bundles[*slot];
         let spots = host_spots
             .entry(b)
             .or_insert_with(|| input.psf.spots(b..b + sh.bundlesize, &input.plan.fullwave));

@@ -6,7 +6,7 @@
 //! Failures follow DESIGN step 2 as on the dense route: a patch whose icov is not positive
 //! definite is re-assembled with regularize 1e-4 and swept again, and a second failure goes to
 //! the CPU reference. Unlike the dense route's, this retry is decided on the device, so that
-//! the host queues a chunk's steps without waiting for any of them; the verdicts come back
+//! the host queues a wave's steps without waiting for any of them; the verdicts come back
 //! with the results. A patch whose second-neighbour coupling (dropped by the sweeps) exceeds
 //! the tuning's bound also goes to the CPU reference, which solves it densely. The sweeps walk
 //! the blocks in fiber order along the CCD (from the column table), not in storage order
@@ -53,7 +53,7 @@ fn sweep(g: Gpu<'_>, ws: &Workspace, count: usize, ids: Option<&DevBuf<i32>>) ->
             .ptr(ws.y.get().ptr)
             .ptr(ids_ptr)
             .ptr(ws.colspot.get().ptr)
-            .ptr(ws.input.corners.get().ptr)
+            .ptr(ws.view.corners)
             .i32(sh.nx as i32)
             .i32(m as i32)
             .i32(n as i32)
@@ -127,7 +127,7 @@ pub(crate) fn ensure(g: Gpu<'_>, ws: &mut Workspace, n: usize, capacity: usize) 
     Ok(())
 }
 
-/// The patches of a chunk the device retries at most: the retry's kernels are queued before
+/// The patches of a wave the device retries at most: the retry's kernels are queued before
 /// the verdicts are known, over a list of this length drawn up on the device (blocks past its
 /// end return at once). Failures are rare, none on the test frames; those past the capacity go
 /// to the CPU reference.
@@ -139,10 +139,10 @@ pub(crate) fn retry_capacity(tuning: usize, n: usize, regularize: f64) -> usize 
     }
 }
 
-/// Queues the sweeps of the chunk's `n` live patches and DESIGN step 2's retry of their
+/// Queues the sweeps of the wave's `n` patches and DESIGN step 2's retry of their
 /// failures, without waiting for a verdict: the device lists up to `capacity` failed patches,
 /// assembles them again with regularize 1e-4 and sweeps them once more. Their verdicts come
-/// back with the chunk's results ([`DeviceVerdicts`], [`outcome`]).
+/// back with the wave's results ([`DeviceVerdicts`], [`outcome`]).
 pub(crate) fn factorize(
     g: Gpu<'_>,
     ws: &Workspace,
@@ -190,33 +190,34 @@ pub(crate) struct DeviceVerdicts<'a> {
 }
 
 impl DeviceVerdicts<'_> {
-    /// Queues the copies of the verdicts of `n` patches into `verdicts`
+    /// Queues the copies of the verdicts of `n` patches from patch `p0` on into `verdicts`
     /// ([`VERDICTS_PER_PATCH`] `n` values) and of their coupling into `coupling`, on the
     /// stream of the copies back.
     pub(crate) fn copy(
         &self,
         dev: &Device,
+        p0: usize,
         verdicts: &mut [i32],
         coupling: &mut [f64],
     ) -> Result<()> {
         let n = coupling.len();
         let (first, rest) = verdicts.split_at_mut(n);
         let (last, masked) = rest.split_at_mut(n);
-        dev.copy_back(first, self.first, "first sweep verdicts")?;
-        dev.copy_back(last, self.last, "sweep verdicts")?;
-        dev.copy_back(masked, self.masked, "masked flags")?;
-        dev.copy_back(coupling, self.coupling, "second-neighbour coupling")
+        dev.copy_back(first, self.first, p0, "first sweep verdicts")?;
+        dev.copy_back(last, self.last, p0, "sweep verdicts")?;
+        dev.copy_back(masked, self.masked, p0, "masked flags")?;
+        dev.copy_back(coupling, self.coupling, p0, "second-neighbour coupling")
     }
 }
 
-/// Second-neighbour coupling of a chunk: patches over the bound, and the largest of all.
+/// Second-neighbour coupling of a wave: patches over the bound, and the largest of all.
 pub(crate) struct Coupling {
     pub patches: usize,
     pub largest: f64,
 }
 
-/// The outcome of the sweeps of a chunk's live `patches` from the verdicts copied back
-/// ([`DeviceVerdicts`]) once the device is done with the chunk: DESIGN step 2 as on the dense
+/// The outcome of the sweeps of a wave's `patches` from the verdicts copied back
+/// ([`DeviceVerdicts`]) once the device is done with the wave: DESIGN step 2 as on the dense
 /// route, then the coupling check, which sends the patches beyond `coupling_max` to the CPU
 /// reference as well.
 pub(crate) fn outcome(
@@ -232,7 +233,7 @@ pub(crate) fn outcome(
     let mut fact = Factorization::from_verdicts(patches, first, last, masked.to_vec());
     if capacity > 0 && fact.retried > capacity {
         tracing::warn!(
-            "{} patches of a chunk were not positive definite; the device retried {capacity} of them, the CPU reference solves the others",
+            "{} patches of a wave were not positive definite; the device retried {capacity} of them, the CPU reference solves the others",
             fact.retried
         );
     }

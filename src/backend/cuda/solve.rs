@@ -1,9 +1,11 @@
-//! The batched solve of a chunk of patches on the device (DESIGN "Solve of one patch", the
-//! same steps as [`crate::backend::cpu`]), as a sequence of named steps:
+//! The batched solve of a frame's patches on the device (DESIGN "Solve of one patch", the
+//! same steps as [`crate::backend::cpu`]). A frame is one chunk: its tables and image are
+//! uploaded once (`Inputs::upload`), and the device walks its live patches in waves, each
+//! through the same per-patch buffers, as a sequence of named steps:
 //!
-//! 1. copies in: host tables and the chunk's image region, uploaded on the copy stream while
-//!    the chunk before was solved (the compute stream only waits for them here);
-//! 2. spots of every bundle in the chunk (`launchers::spots`), but for a bundle the chunk
+//! 1. copies in: the wave's column tables, from the frame's upload (the compute stream waits
+//!    for it before the first wave);
+//! 2. spots of every bundle in the wave (`launchers::spots`), but for a bundle the wave
 //!    before evaluated last;
 //! 3. assembly of icov (one triangle, icov being symmetric: dense for cuSOLVER on the dense
 //!    route, the band of fiber blocks the sweeps read on the Schur route), y, fluxweight and
@@ -14,10 +16,13 @@
 //! 5. decorrelation of each core block (`decorrelate`: polar, Jacobi for the blocks it gives
 //!    up on);
 //! 6. the model of each patch, chi2pix and the optional core model image;
-//! 7. copies out of the core arrays only, queued once the chunk before has been unpacked from
-//!    the host buffers (while the device runs this chunk's kernels), on a stream of their own
-//!    that runs them while the next chunk's kernels run, and the results on the host
-//!    (`results`), unpacked once the next chunk's kernels are queued.
+//! 7. the wave's results gathered into the frame's (`gather`), on the device, so that the
+//!    next wave reuses the buffers at once.
+//!
+//! Every wave is queued before the host looks at any result: on the default (Schur) route the
+//! device never waits for the host within a frame. The host then copies each wave's results
+//! back, on a stream of their own, once the device has gathered them, and unpacks them while
+//! the device runs the waves after (`finish_wave`, `results`).
 
 use std::time::Instant;
 
@@ -28,7 +33,7 @@ use super::dense::{self, Factorization, Keep};
 use super::launchers::{self, CoreIn, CoreOut, Gpu, TILE_MAX_ORDER};
 use super::results::{self, Back};
 use super::schur;
-use super::tables::{ChunkHost, Uploads};
+use super::tables::FrameHost;
 use super::timings::{GpuTimings, PhaseClock};
 use super::tuning::{Solve, Tuning};
 use super::workspace::{Region, Shape, Workspace};
@@ -37,16 +42,20 @@ use crate::error::Result;
 use crate::extract::PatchResult;
 use crate::plan::Patch;
 
-/// Sizes the chunk's buffers (kept between chunks) and waits for the upload of its inputs
-/// (queued on the copy stream while the previous chunk was solved).
-fn copy_in(g: Gpu<'_>, ws: &mut Workspace, host: &ChunkHost, solve: Solve) -> Result<()> {
+/// Step 1: sizes the wave's buffers (kept between waves), points the launchers at its tables
+/// and writes its column tables.
+fn copy_in(
+    g: Gpu<'_>,
+    ws: &mut Workspace,
+    host: &FrameHost,
+    wi: usize,
+    solve: Solve,
+) -> Result<()> {
     let (dev, sh) = (g.dev, g.sh);
-    let n = host.live.len();
+    let w = &host.waves[wi];
+    let n = w.len();
     let (m, ncore, nws) = (sh.m(), sh.ncore, sh.nws);
-    if let Some((early, _)) = &ws.read_back {
-        dev.compute_after(early)?;
-    }
-    if ws.spots.ensure(dev, host.nspots * sh.nx * sh.ny)? {
+    if ws.spots.ensure(dev, w.nspots(sh) * sh.nx * sh.ny)? {
         ws.last_spots = None;
     }
     let size = ws.sized(n);
@@ -58,22 +67,33 @@ fn copy_in(g: Gpu<'_>, ws: &mut Workspace, host: &ChunkHost, solve: Solve) -> Re
     ws.masked.ensure(dev, size)?;
     ws.x.ensure(dev, size * m)?;
     ws.colspot.ensure(dev, size * m)?;
-    dev.join_copies()?;
+    if wi == 0 {
+        dev.join_copies()?;
+    }
+    ws.view = ws.input.view(host, wi, sh);
     launchers::column_table(g, ws, n)?;
     dev.zero_prefix(ws.pixmask.get(), n * ncore * nws)?;
     dev.zero_prefix(ws.masked.get(), n)
 }
 
-/// Step 2: the spots of the chunk's bundles. A bundle split between this chunk and the one
+/// Step 2: the spots of the wave's bundles. A bundle split between this wave and the one
 /// before, which evaluated its spots last, has them copied rather than evaluated again (a
-/// chunk need not end with a bundle: a full frame's bundles have 235 patches each).
-fn spots(g: Gpu<'_>, ws: &mut Workspace, input: &FrameInput<'_>, host: &ChunkHost) -> Result<()> {
+/// wave need not end with a bundle: a full frame's bundles have 235 patches each).
+fn spots(
+    g: Gpu<'_>,
+    ws: &mut Workspace,
+    input: &FrameInput<'_>,
+    host: &FrameHost,
+    wi: usize,
+) -> Result<()> {
     let sh = g.sh;
+    let w = &host.waves[wi];
+    let bundles = &host.bundles[w.slots.clone()];
     let per_bundle = sh.bundlesize * sh.nfull;
     let size = sh.nx * sh.ny;
     let mut first = 0;
     if let Some((bundle, at)) = ws.last_spots.take() {
-        if host.bundles.first() == Some(&bundle) {
+        if bundles.first() == Some(&bundle) {
             if at != 0 {
                 let spots = ws.spots.get();
                 g.dev.dtod_at(spots, 0, spots, at, per_bundle * size)?;
@@ -81,16 +101,16 @@ fn spots(g: Gpu<'_>, ws: &mut Workspace, input: &FrameInput<'_>, host: &ChunkHos
             first = per_bundle;
         }
     }
-    launchers::spots(g, input.psf, ws, first, host.nspots)?;
-    if let Some(&last) = host.bundles.last() {
-        ws.last_spots = Some((last, (host.bundles.len() - 1) * per_bundle * size));
+    launchers::spots(g, input.psf, ws, first, w.nspots(sh))?;
+    if let Some(&last) = bundles.last() {
+        ws.last_spots = Some((last, (bundles.len() - 1) * per_bundle * size));
     }
     Ok(())
 }
 
-/// Step 5 for the `n` live patches: flux, ivar and resolution of every core block, from the
+/// Step 5 for the wave's `n` patches: flux, ivar and resolution of every core block, from the
 /// blocks step 4 left (`kind`).
-fn decorrelate_chunk(
+fn decorrelate_wave(
     g: Gpu<'_>,
     tuning: &Tuning,
     ws: &mut Workspace,
@@ -98,11 +118,8 @@ fn decorrelate_chunk(
     kind: BlockKind,
 ) -> Result<()> {
     let (dev, sh) = (g.dev, g.sh);
-    if let Some((_, all)) = &ws.read_back {
-        dev.compute_after(all)?;
-    }
     let nblocks = n * sh.ncore;
-    // sizes for the call's largest chunk
+    // sizes for the call's largest wave
     let size = ws.sized(n);
     let blocks = size * sh.ncore;
     ws.flux.ensure(dev, blocks * sh.nws)?;
@@ -125,7 +142,7 @@ fn decorrelate_chunk(
             },
             count: nblocks,
             xflux: ws.x.get().ptr,
-            nkeep: ws.input.nkeep.get().ptr,
+            nkeep: ws.view.nkeep,
         },
         kind,
         Scratch {
@@ -144,82 +161,115 @@ fn decorrelate_chunk(
     )
 }
 
-/// Step 6: chi2pix from the model of xflux, and the model image of the core flux when asked.
+/// Step 6: chi2pix from the model of xflux, and the model image of the core flux when asked,
+/// for the wave's `n` patches and their `boxes` model values.
 fn finalize(
     g: Gpu<'_>,
     ws: &mut Workspace,
-    host: &ChunkHost,
+    (n, boxes): (usize, usize),
     region: Region,
     input: &FrameInput<'_>,
 ) -> Result<()> {
-    let n = host.live.len();
-    ws.model.ensure(g.dev, host.box_total)?;
+    ws.model.ensure(g.dev, boxes)?;
     ws.chi2.ensure(g.dev, ws.sized(n) * g.sh.ncore * g.sh.nws)?;
-    g.dev.zero_prefix(ws.model.get(), host.box_total)?;
+    g.dev.zero_prefix(ws.model.get(), boxes)?;
     launchers::project(g, n, ws, ws.x.get())?;
     launchers::chi2pix(g, n, ws, region, input.options.psferr)?;
     if input.options.model {
-        g.dev.zero_prefix(ws.model.get(), host.box_total)?;
+        g.dev.zero_prefix(ws.model.get(), boxes)?;
         launchers::project(g, n, ws, ws.fluxcol.get())?;
     }
     Ok(())
 }
 
-/// Step 7, on the stream of the copies back once the chunk's kernels are done, while the
-/// compute stream goes on with the next chunk: the core arrays (and the model boxes when
-/// asked) into the pinned buffer `ws.back`, and the verdicts (polar steps, Jacobi sweeps, then
-/// on the Schur route those of the sweeps and the coupling) into `ws.verdicts` and
-/// `ws.coupling_back`. What the next chunk writes first comes back first (`ws.read_back`).
-/// Returns the events at the start and the end of the copies; the host buffers are valid once
-/// the device has passed the second.
-fn copy_out(
+/// Step 7: the wave's core arrays, verdicts (polar steps, Jacobi sweeps, on the Schur route
+/// those of the sweeps and the coupling) and, when asked, model boxes, into the frame's
+/// results at the wave's place.
+fn gather(
+    g: Gpu<'_>,
+    ws: &Workspace,
+    host: &FrameHost,
+    wi: usize,
+    model: bool,
+    solve: Solve,
+) -> Result<()> {
+    let (dev, sh) = (g.dev, g.sh);
+    let w = &host.waves[wi];
+    let (p0, n) = (w.live.start, w.len());
+    let (b0, nb) = (p0 * sh.ncore, n * sh.ncore);
+    let (c0, per) = (b0 * sh.nws, nb * sh.nws);
+    let out = &ws.out;
+    dev.dtod_at(out.flux.get(), c0, ws.flux.get(), 0, per)?;
+    dev.dtod_at(out.ivar.get(), c0, ws.ivar_out.get(), 0, per)?;
+    dev.dtod_at(out.pixmask.get(), c0, ws.pixmask.get(), 0, per)?;
+    dev.dtod_at(out.chi2.get(), c0, ws.chi2.get(), 0, per)?;
+    dev.dtod_at(out.res.get(), c0 * sh.nd(), ws.res.get(), 0, per * sh.nd())?;
+    dev.dtod_at(out.steps.get(), b0, ws.steps.get(), 0, nb)?;
+    dev.dtod_at(out.sweeps.get(), b0, ws.sweeps.get(), 0, nb)?;
+    if solve == Solve::Schur {
+        dev.dtod_at(out.first_info.get(), p0, ws.first_info.get(), 0, n)?;
+        dev.dtod_at(out.info.get(), p0, ws.info.get(), 0, n)?;
+        dev.dtod_at(out.masked.get(), p0, ws.masked.get(), 0, n)?;
+        dev.dtod_at(out.coupling.get(), p0, ws.coupling.get(), 0, n)?;
+    }
+    if model && !w.boxes.is_empty() {
+        let (m0, len) = (w.boxes.start, w.boxes.len());
+        dev.dtod_at(out.model.get(), m0, ws.model.get(), 0, len)?;
+    }
+    Ok(())
+}
+
+/// Queues the copies back of wave `wi`'s results from the frame's, on the stream of the copies
+/// back once the device has gathered them: the core arrays (and the model boxes when asked)
+/// into `ws.back`, the verdicts into `ws.verdicts` and `ws.coupling_back`. Returns the events
+/// at the start and the end of the copies; the host buffers are valid once the device has
+/// passed the second.
+fn copy_back(
     g: Gpu<'_>,
     ws: &mut Workspace,
-    host: &ChunkHost,
+    host: &FrameHost,
+    q: &Queued<'_>,
     model: bool,
-    steps: &Steps,
 ) -> Result<(CudaEvent, CudaEvent)> {
     let (dev, sh) = (g.dev, g.sh);
-    let n = host.live.len();
-    let nblocks = n * sh.ncore;
-    let per = nblocks * sh.nws;
-    dev.back_after_compute()?;
+    let w = &host.waves[q.wave];
+    let (p0, n) = (w.live.start, w.len());
+    let (b0, nblocks) = (p0 * sh.ncore, n * sh.ncore);
+    let (c0, per) = (b0 * sh.nws, nblocks * sh.nws);
+    dev.back_after(q.clock.last())?;
     let start = dev.back_event()?;
-    let nback = Back::len(per, sh.nd(), if model { host.box_total } else { 0 });
+    let nback = Back::len(per, sh.nd(), if model { w.boxes.len() } else { 0 });
     let s = ws.back.get(nback);
     let (flux, rest) = s.split_at_mut(per);
     let (ivar, rest) = rest.split_at_mut(per);
     let (pixmask, rest) = rest.split_at_mut(per);
     let (chi2, rest) = rest.split_at_mut(per);
     let (res, boxes) = rest.split_at_mut(per * sh.nd());
-    let nsweep = steps.verdicts_per_patch() * n;
+    let out = &ws.out;
+    dev.copy_back(flux, out.flux.get(), c0, "flux")?;
+    dev.copy_back(ivar, out.ivar.get(), c0, "ivar")?;
+    dev.copy_back(pixmask, out.pixmask.get(), c0, "pixmask fraction")?;
+    dev.copy_back(chi2, out.chi2.get(), c0, "chi2pix")?;
+    dev.copy_back(res, out.res.get(), c0 * sh.nd(), "resolution")?;
+    if model {
+        dev.copy_back(boxes, out.model.get(), w.boxes.start, "model")?;
+    }
+    let nsweep = q.steps.verdicts_per_patch() * n;
     let v = ws.verdicts.get(2 * nblocks + nsweep);
     let (polar, rest) = v.split_at_mut(nblocks);
     let (jacobi, sweeps) = rest.split_at_mut(nblocks);
-    dev.copy_back(pixmask, ws.pixmask.get(), "pixmask fraction")?;
-    if let Steps::Schur { .. } = steps {
+    dev.copy_back(polar, out.steps.get(), b0, "polar steps")?;
+    dev.copy_back(jacobi, out.sweeps.get(), b0, "Jacobi sweeps")?;
+    if let Steps::Schur { .. } = q.steps {
         let from = schur::DeviceVerdicts {
-            first: ws.first_info.get(),
-            last: ws.info.get(),
-            masked: ws.masked.get(),
-            coupling: ws.coupling.get(),
+            first: out.first_info.get(),
+            last: out.info.get(),
+            masked: out.masked.get(),
+            coupling: out.coupling.get(),
         };
-        from.copy(dev, sweeps, ws.coupling_back.get(n))?;
+        from.copy(dev, p0, sweeps, ws.coupling_back.get(n))?;
     }
-    let early = dev.back_event()?;
-    dev.copy_back(flux, ws.flux.get(), "flux")?;
-    dev.copy_back(ivar, ws.ivar_out.get(), "ivar")?;
-    dev.copy_back(chi2, ws.chi2.get(), "chi2pix")?;
-    dev.copy_back(res, ws.res.get(), "resolution")?;
-    if model {
-        dev.copy_back(boxes, ws.model.get(), "model")?;
-    }
-    dev.copy_back(polar, ws.steps.get(), "polar steps")?;
-    dev.copy_back(jacobi, ws.sweeps.get(), "Jacobi sweeps")?;
-    // the end, for the host and for the next chunk's decorrelation (an event each)
-    let done = dev.back_event()?;
-    ws.read_back = Some((early, dev.back_event()?));
-    Ok((start, done))
+    Ok((start, dev.back_event()?))
 }
 
 /// Most fibers per patch on the Schur route: its assembly finds each fiber's neighbours along
@@ -259,25 +309,18 @@ fn dense_steps(
     Ok(fact)
 }
 
-/// A chunk of patches: the patches and their positions in the call's results.
-pub(crate) struct Chunk<'a> {
-    pub(crate) patches: &'a [&'a Patch],
-    pub(crate) ids: &'a [usize],
-}
-
-/// Where finished chunks go: the call's results by patch, its timings, the upload buffers
-/// free again, and the progress of the call.
+/// Where finished waves go: the call's results by patch, its timings, and the progress of the
+/// call.
 pub(crate) struct Sink<'s> {
     pub(crate) results: &'s mut [Option<PatchResult>],
-    /// The last mark of the chunk finished before, for the device's idle time between chunks.
+    /// The last mark of the wave finished before, for the device's idle time between waves.
     pub(crate) last_mark: &'s mut Option<CudaEvent>,
     pub(crate) timings: &'s mut GpuTimings,
-    pub(crate) uploads: &'s mut Vec<Uploads>,
     pub(crate) progress: &'s Progress,
 }
 
-/// How steps 2-3 of a chunk went: known at once on the dense route, whose library calls the
-/// host waits for; on the Schur route decided on the device and read once the chunk is done.
+/// How steps 2-3 of a wave went: known at once on the dense route, whose library calls the
+/// host waits for; on the Schur route decided on the device and read once the wave is done.
 pub(crate) enum Steps {
     Dense(Factorization),
     Schur {
@@ -288,7 +331,7 @@ pub(crate) enum Steps {
 }
 
 impl Steps {
-    /// Values per live patch copied back after the decorrelation's verdicts.
+    /// Values per patch copied back after the decorrelation's verdicts.
     fn verdicts_per_patch(&self) -> usize {
         match self {
             Steps::Dense(_) => 0,
@@ -297,107 +340,51 @@ impl Steps {
     }
 }
 
-/// A chunk whose work is queued on the device, with what its results need once the device
-/// has passed its last mark.
-pub(crate) struct Pending<'a> {
-    chunk: Chunk<'a>,
-    /// The chunk's live patches, in the order of the device's batch.
+/// A wave whose work is queued on the device, with what its results need once the device has
+/// passed its last mark.
+pub(crate) struct Queued<'a> {
+    wave: usize,
+    /// The wave's patches, in the order of the device's batch.
     live: Vec<&'a Patch>,
-    host: ChunkHost,
     steps: Steps,
     /// Device arrays that queued library calls still read.
     keep: Keep,
     clock: PhaseClock<'a>,
-    /// The start and the end of its copies back, once queued.
-    copies: Option<(CudaEvent, CudaEvent)>,
 }
 
-/// Queues the solve of one prepared chunk, whose inputs were uploaded into `ws.input`. Once
-/// the device has the chunk's kernels in hand, the chunk before (`previous`) is finished while
-/// the device runs this one, this chunk's copies back are queued into the host buffers the
-/// chunk before has left, `next` gives the next chunk's host tables (prepared on another
-/// thread meanwhile) and its inputs are queued for upload into `ws.next`, which the chunk
-/// before held. Returns this chunk in flight, if it has live patches, and the next
-/// chunk's tables.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn solve_chunk<'a>(
-    g: Gpu<'a>,
-    tuning: &Tuning,
-    ws: &mut Workspace,
-    input: &FrameInput<'_>,
-    chunk: Chunk<'a>,
-    mut host: ChunkHost,
-    previous: Option<Pending<'a>>,
-    next: impl FnOnce() -> Result<Option<ChunkHost>>,
-    sink: &mut Sink<'_>,
-) -> Result<(Option<Pending<'a>>, Option<ChunkHost>)> {
-    sink.timings.add("host tables", host.prep_ms);
-    sink.timings.pageable_chunks += usize::from(!host.pinned);
-    for (i, r) in std::mem::take(&mut host.off) {
-        sink.results[chunk.ids[i]] = Some(r);
-    }
-    let mut pending = if host.live.is_empty() {
-        // no kernel waits for the chunk's upload, which may still read these (pinned) buffers
-        g.dev.sync_copies()?;
-        sink.uploads.push(host.buffers);
-        sink.progress.add(chunk.patches.len());
-        None
-    } else {
-        Some(solve_live(g, tuning, ws, input, chunk, host)?)
-    };
-    let t_queued = Instant::now();
-    if let Some(p) = previous {
-        finish(g, ws, input, p, sink)?;
-    }
-    if let Some(p) = &mut pending {
-        p.copies = Some(copy_out(g, ws, &p.host, input.options.model, &p.steps)?);
-    }
-    let t_finished = Instant::now();
-    let next = next()?;
-    let t_tables = Instant::now();
-    if let Some(h) = &next {
-        ws.next.upload(g.dev, input, h)?;
-    }
-    tracing::debug!(
-        "chunk queued; host finished the chunk before in {:.1} ms, then waited {:.1} ms for the next chunk's tables and queued its upload in {:.1} ms",
-        (t_finished - t_queued).as_secs_f64() * 1e3,
-        (t_tables - t_finished).as_secs_f64() * 1e3,
-        t_tables.elapsed().as_secs_f64() * 1e3
-    );
-    Ok((pending, next))
-}
-
-/// The live patches of a chunk, in the order of the device's batch.
-fn live_patches<'a>(chunk: &Chunk<'a>, host: &ChunkHost) -> Vec<&'a Patch> {
-    host.live
-        .iter()
-        .map(|(ci, _, _)| chunk.patches[*ci])
-        .collect()
-}
-
-/// The steps of [`solve_chunk`] for a chunk with live patches up to its copies back, queued
-/// on the device.
-fn solve_live<'a>(
-    g: Gpu<'a>,
-    tuning: &Tuning,
-    ws: &mut Workspace,
-    input: &FrameInput<'_>,
-    chunk: Chunk<'a>,
-    host: ChunkHost,
-) -> Result<Pending<'a>> {
-    let n = host.live.len();
-    let region = Region {
+/// The frame's region of the CCD, as the kernels index it.
+fn region_of(host: &FrameHost) -> Region {
+    Region {
         row0: host.region.0,
         col0: host.region.2,
         width: host.region.3 - host.region.2,
-    };
-    let live = live_patches(&chunk, &host);
+    }
+}
+
+/// Queues steps 1-7 of wave `wi` of the frame `host`, whose tables and image are uploaded into
+/// `ws.input`; `patches` are the frame's, in the order of its tables.
+pub(crate) fn queue_wave<'a>(
+    g: Gpu<'a>,
+    tuning: &Tuning,
+    ws: &mut Workspace,
+    input: &FrameInput<'_>,
+    patches: &[&'a Patch],
+    host: &FrameHost,
+    wi: usize,
+) -> Result<Queued<'a>> {
+    let w = &host.waves[wi];
+    let n = w.len();
+    let region = region_of(host);
+    let live: Vec<&Patch> = host.live[w.live.clone()]
+        .iter()
+        .map(|(ci, _, _)| patches[*ci])
+        .collect();
     let solve = route(tuning.solve, g.sh);
     let mut clock = PhaseClock::new(g.dev);
     clock.mark("start")?;
-    copy_in(g, ws, &host, solve)?;
+    copy_in(g, ws, host, wi, solve)?;
     clock.mark("copies in")?;
-    spots(g, ws, input, &host)?;
+    spots(g, ws, input, host, wi)?;
     clock.mark("spots")?;
     if tuning.poison {
         // all bits set: a NaN
@@ -427,63 +414,60 @@ fn solve_live<'a>(
             BlockKind::Covariance,
         ),
     };
-    decorrelate_chunk(g, tuning, ws, n, kind)?;
+    decorrelate_wave(g, tuning, ws, n, kind)?;
     clock.mark("decorrelate")?;
-    finalize(g, ws, &host, region, input)?;
+    finalize(g, ws, (n, w.boxes.len()), region, input)?;
     clock.mark("finalize")?;
-    Ok(Pending {
-        chunk,
+    gather(g, ws, host, wi, input.options.model, solve)?;
+    clock.mark("gather")?;
+    Ok(Queued {
+        wave: wi,
         live,
-        host,
         steps,
         keep,
         clock,
-        copies: None,
     })
 }
 
-/// Finishes a chunk once the device has passed its last mark: counters and phase times, then
-/// one result per patch (by the CPU reference for those the device handed over), and its
-/// upload buffers back to the free ones.
-pub(crate) fn finish(
+/// Finishes a queued wave: its results copied back once the device has gathered them, its
+/// counters and phase times, then one result per patch (by the CPU reference for those the
+/// device handed over).
+pub(crate) fn finish_wave(
     g: Gpu<'_>,
-    ws: &Workspace,
+    ws: &mut Workspace,
     input: &FrameInput<'_>,
-    p: Pending<'_>,
+    host: &FrameHost,
+    q: Queued<'_>,
     sink: &mut Sink<'_>,
 ) -> Result<()> {
-    p.clock.wait_last()?;
-    let copies_ms = match &p.copies {
-        Some((start, end)) => {
-            end.synchronize()
-                .map_err(super::error::driver("wait for the copies back"))?;
-            start
-                .elapsed_ms(end)
-                .map_err(super::error::driver("cuEventElapsedTime"))?
-        }
-        None => 0.0,
-    };
-    drop(p.keep);
+    let (start, end) = copy_back(g, ws, host, &q, input.options.model)?;
+    end.synchronize()
+        .map_err(super::error::driver("wait for the copies back"))?;
+    let copies_ms = start
+        .elapsed_ms(&end)
+        .map_err(super::error::driver("cuEventElapsedTime"))?;
+    drop(q.keep);
     let (sh, model) = (g.sh, input.options.model);
-    let n = p.host.live.len();
+    let w = &host.waves[q.wave];
+    let n = w.len();
     let nblocks = n * sh.ncore;
     let verdicts = ws
         .verdicts
-        .current(2 * nblocks + p.steps.verdicts_per_patch() * n);
+        .current(2 * nblocks + q.steps.verdicts_per_patch() * n);
     let (polar, rest) = verdicts.split_at(nblocks);
     let (jacobi, sweeps) = rest.split_at(nblocks);
     let counts = Counts::new(polar, jacobi);
     let t = &mut *sink.timings;
-    p.clock.collect(t)?;
+    q.clock.collect(t)?;
     t.add("copies out", copies_ms as f64);
-    *sink.last_mark = p.clock.idle_since(sink.last_mark.take(), t)?;
-    let fact = match p.steps {
+    *sink.last_mark = q.clock.idle_since(sink.last_mark.take(), t)?;
+    let fact = match q.steps {
         Steps::Schur {
             capacity,
             coupling_max,
         } => {
             let coupling = ws.coupling_back.current(n);
-            let (fact, c) = schur::outcome(&p.live, sweeps, coupling, capacity, coupling_max);
+            let (fact, c) = schur::outcome(&q.live, sweeps, coupling, capacity, coupling_max);
             t.coupled += c.patches;
             t.max_coupling = t.max_coupling.max(c.largest);
             fact
@@ -505,18 +489,18 @@ pub(crate) fn finish(
 
     let t_res = Instant::now();
     let per = nblocks * sh.nws;
-    let nback = Back::len(per, sh.nd(), if model { p.host.box_total } else { 0 });
+    let nback = Back::len(per, sh.nd(), if model { w.boxes.len() } else { 0 });
     let back = Back::split(ws.back.current(nback), per, sh.nd());
-    let (patches, host, fact) = (p.chunk.patches, &p.host, &fact);
-    let solved = results::unpack(sh, patches, host, &back, fact, model);
-    let fallback = results::cpu_fallback(input, sh, patches, host, &fact.to_cpu);
+    let live = &host.live[w.live.clone()];
+    let boxoff = &host.boxoff[w.live.clone()];
+    let solved = results::unpack(sh, &q.live, live, boxoff, &back, &fact, model);
+    let fallback = results::cpu_fallback(input, sh, &q.live, live, &host.bundles, &fact.to_cpu);
     for (ci, r) in solved.into_iter().chain(fallback) {
-        sink.results[p.chunk.ids[ci]] = Some(r);
+        sink.results[ci] = Some(r);
     }
     sink.timings
         .add("host results", t_res.elapsed().as_secs_f64() * 1e3);
-    sink.uploads.push(p.host.buffers);
-    sink.progress.add(p.chunk.patches.len());
+    sink.progress.add(n);
     Ok(())
 }
 

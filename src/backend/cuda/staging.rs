@@ -125,6 +125,16 @@ impl<T: Copy + Default + Send + 'static> Staging<T> {
         }
     }
 
+    /// Whether a pinned buffer of at least `len` values is ready (an early pinning under way
+    /// is waited for).
+    pub(crate) fn has_pinned(&mut self, len: usize) -> bool {
+        if self.pending.as_ref().is_some_and(|p| p.early) {
+            self.wait_pinned();
+        }
+        self.adopt_finished();
+        self.pinned.as_ref().is_some_and(|p| p.len() >= len)
+    }
+
     /// Whether the buffer of the last [`Staging::get`] is pinned.
     pub(crate) fn is_pinned(&self) -> bool {
         self.on_pinned

@@ -1,5 +1,5 @@
 //! Where the time of an `extract` call goes: phase times from CUDA events around the steps of
-//! each chunk, host phases from the wall clock, and the counters of the fallbacks.
+//! each wave, host phases from the wall clock, and the counters of the fallbacks.
 
 use cudarc::driver::CudaEvent;
 
@@ -7,7 +7,7 @@ use super::device::Device;
 use super::error;
 use crate::error::Result;
 
-/// Time spent in each phase, summed over chunks (device phases from CUDA events, host phases
+/// Time spent in each phase, summed over waves (device phases from CUDA events, host phases
 /// from the wall clock).
 #[derive(Clone, Debug, Default)]
 pub struct GpuTimings {
@@ -18,12 +18,13 @@ pub struct GpuTimings {
     /// Peak device memory held by the backend's buffers during the call, bytes.
     pub peak_bytes: usize,
     /// Device memory in use (all of the process, libraries included) at the end of the
-    /// largest chunk, bytes, from cuMemGetInfo.
+    /// largest wave, bytes, from cuMemGetInfo.
     pub device_used_bytes: usize,
-    pub chunks: usize,
-    /// Chunks uploaded from pageable host memory (buffers not yet pinned, or larger than
-    /// those pinned when the backend started), during which the host waits for each upload.
-    pub pageable_chunks: usize,
+    /// Waves in which the device walked the frame.
+    pub waves: usize,
+    /// Whether the frame was uploaded from pageable host memory (buffers not yet pinned, or
+    /// larger than those pinned), during which the host waits for the upload.
+    pub pageable_upload: bool,
     pub patches: usize,
     /// Patches whose first factorisation failed and that were retried with regularize 1e-4.
     pub retried: usize,
@@ -58,7 +59,7 @@ impl GpuTimings {
     }
 }
 
-/// CUDA events around the phases of a chunk.
+/// CUDA events around the phases of a wave.
 pub(crate) struct PhaseClock<'a> {
     dev: &'a Device,
     marks: Vec<(&'static str, CudaEvent)>,
@@ -85,22 +86,16 @@ impl<'a> PhaseClock<'a> {
         Ok(())
     }
 
-    /// Waits until the device has passed the last mark.
-    pub(crate) fn wait_last(&self) -> Result<()> {
-        match self.marks.last() {
-            Some((name, ev)) => ev.synchronize().map_err(error::driver(format!(
-                "device {}: wait for the end of {name}",
-                self.dev.ordinal
-            ))),
-            None => Ok(()),
-        }
+    /// The last mark.
+    pub(crate) fn last(&self) -> Option<&CudaEvent> {
+        self.marks.last().map(|(_, ev)| ev)
     }
 
-    /// Adds to `t`, as "stream idle", the time between `before` (the last mark of the chunk
-    /// before, or one set when the call started) and this chunk's first mark: time the call's
+    /// Adds to `t`, as "stream idle", the time between `before` (the last mark of the wave
+    /// before, or one set when the call started) and this wave's first mark: time the call's
     /// stream had nothing queued, waiting for the host (once the device has passed both; with
     /// frames in flight, other frames' streams may use the device meanwhile). Returns this
-    /// chunk's last mark, for the next chunk.
+    /// wave's last mark, for the next wave.
     pub(crate) fn idle_since(
         mut self,
         before: Option<CudaEvent>,

@@ -1,14 +1,14 @@
 //! Buffers and workspace of the batched solve: the shapes shared by every patch of a call,
-//! the device and pinned buffers kept by a backend between chunks and calls, and the region
-//! of the CCD a chunk uploads.
+//! the device and pinned buffers kept by a backend between waves and calls, the frame's
+//! uploaded tables and results, and the region of the CCD a frame uploads.
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaEvent};
+use cudarc::driver::CudaContext;
 
 use super::device::{DevBuf, Device, Slot};
 use super::staging::Staging;
-use super::tables::ChunkHost;
+use super::tables::FrameHost;
 use super::tuning::Solve;
 use crate::backend::FrameInput;
 use crate::error::Result;
@@ -109,24 +109,26 @@ pub(crate) fn pointer_array(
     dev.upload(&host, what)
 }
 
-/// Device and pinned buffers, kept by the backend between chunks and calls.
+/// Device and pinned buffers, kept by the backend between waves and calls.
 pub(crate) struct Workspace {
-    /// The inputs of the chunk being solved.
+    /// The frame's uploaded tables and image.
     pub(crate) input: Inputs,
-    /// The inputs of the next chunk, uploaded while this one is solved.
-    pub(crate) next: Inputs,
+    /// Where the tables of the wave being queued start in `input`.
+    pub(crate) view: TableView,
+    /// The frame's results, gathered from the per-patch buffers after each wave.
+    pub(crate) out: FrameOut,
     pub(crate) spots: Slot<f64>,
-    /// The column tables of the chunk's live patches, `[patch][column]`: the spot of each
-    /// column, -1 for none. Written on the device from the uploaded first spot of each fiber
-    /// block (`launchers::column_table`) once the chunk's upload is joined.
+    /// The column tables of the wave's patches, `[patch][column]`: the spot of each column,
+    /// -1 for none. Written on the device from the uploaded first spot of each fiber block
+    /// (`launchers::column_table`).
     pub(crate) colspot: Slot<i32>,
-    /// The bundle whose spots the chunk before evaluated last, and the index in `spots` where
+    /// The bundle whose spots the wave before evaluated last, and the index in `spots` where
     /// they start; None at the start of a call (another frame's PSF) and when `spots` was
     /// allocated anew.
     pub(crate) last_spots: Option<(usize, usize)>,
-    /// Patches the per-patch buffers are sized for, at least: the largest chunk of the call,
-    /// so that its first chunk, a smaller one, allocates them once for all (a buffer replaced
-    /// by a larger one is freed only at the end of the call, see `Device::retire`).
+    /// Patches the per-patch buffers are sized for, at least: the largest wave of the call,
+    /// so that they are allocated once for all (a buffer replaced by a larger one is freed
+    /// only at the end of the call, see `Device::retire`).
     pub(crate) patches: usize,
     pub(crate) icov: Slot<f64>,
     pub(crate) y: Slot<f64>,
@@ -152,26 +154,21 @@ pub(crate) struct Workspace {
     pub(crate) steps: Slot<i32>,
     pub(crate) model: Slot<f64>,
     pub(crate) chi2: Slot<f64>,
-    /// Host buffers of the copies back (core arrays, model boxes), of the verdicts (polar
-    /// steps, Jacobi sweeps, then on the Schur route those of the sweeps) and of the
-    /// second-neighbour coupling. One of each: a chunk's copies back are queued once the
-    /// chunk before has been unpacked from them, while the device still runs the chunk's
-    /// kernels.
+    /// Host buffers of the copies back of a wave's results (core arrays, model boxes), of its
+    /// verdicts (polar steps, Jacobi sweeps, then on the Schur route those of the sweeps) and
+    /// of its second-neighbour coupling, from the frame's results once the device has
+    /// gathered them: the device never waits for the host.
     pub(crate) back: Staging<f64>,
     pub(crate) verdicts: Staging<i32>,
     pub(crate) coupling_back: Staging<f64>,
-    /// Where the copies back of the chunk before have read the buffers a chunk writes first
-    /// (pixmask, masked flags, the sweeps' verdicts and coupling; the compute stream waits for
-    /// it before it sizes or writes them), and where they have read them all (it waits for that
-    /// before the decorrelation).
-    pub(crate) read_back: Option<(CudaEvent, CudaEvent)>,
 }
 
 impl Workspace {
     pub(crate) fn new(ctx: Arc<CudaContext>) -> Self {
         Workspace {
             input: Inputs::new(),
-            next: Inputs::new(),
+            view: TableView::default(),
+            out: FrameOut::new(),
             spots: Slot::new("spots"),
             colspot: Slot::new("column table"),
             last_spots: None,
@@ -203,19 +200,16 @@ impl Workspace {
             back: pinned_from_the_start(Staging::new(ctx.clone()), EARLY_BACK),
             verdicts: pinned_from_the_start(Staging::new(ctx.clone()), EARLY_VERDICTS),
             coupling_back: pinned_from_the_start(Staging::new(ctx.clone()), EARLY_COUPLING),
-            read_back: None,
         }
     }
 
-    /// Patches to size the per-patch buffers of a chunk of `n` for.
+    /// Patches to size the per-patch buffers of a wave of `n` for.
     pub(crate) fn sized(&self, n: usize) -> usize {
         n.max(self.patches)
     }
 }
 
-/// Device buffers of a chunk's inputs: its host tables and image region. Two sets take
-/// turns, so that the next chunk's inputs upload on the copy stream while the device solves
-/// the current chunk.
+/// Device buffers of a frame's inputs: its host tables and image region, uploaded once.
 pub(crate) struct Inputs {
     pub(crate) xy: Slot<f64>,
     pub(crate) coef: Slot<f64>,
@@ -245,19 +239,18 @@ impl Inputs {
         }
     }
 
-    /// Queues the upload of a chunk's tables and image region on the copy stream (grown
+    /// Queues the upload of a frame's tables and image region on the copy stream (grown
     /// buffers are allocated first, which waits for the device). The compute stream must
-    /// [`Device::join_copies`] before it reads them; `host`'s pinned image must live until
+    /// [`Device::join_copies`] before it reads them; `host`'s pinned buffers must live until
     /// then.
     pub(crate) fn upload(
         &mut self,
         dev: &Device,
         input: &FrameInput<'_>,
-        host: &ChunkHost,
+        host: &FrameHost,
     ) -> Result<()> {
         let n = host.live.len();
-        let (r0, r1, c0, c1) = host.region;
-        let npix = (r1 - r0) * (c1 - c0);
+        let npix = host.npix();
         self.xy.ensure(dev, host.xy().len())?;
         self.coef.ensure(dev, host.coef().len())?;
         self.waves.ensure(dev, input.plan.fullwave.len())?;
@@ -281,20 +274,125 @@ impl Inputs {
         dev.upload_to(self.nkeep.get(), &host.nkeep, "kept bins")?;
         dev.upload_to(self.boxoff.get(), &host.boxoff, "box offsets")?;
         if n > 0 {
-            let (pp, pv) = host.image(npix).split_at(npix);
+            let (pp, pv) = host.image(input);
             dev.upload_to(self.pix.get(), pp, "image pixels")?;
             dev.upload_to(self.ivar.get(), pv, "image inverse variance")?;
         }
         Ok(())
+    }
+
+    /// Where the tables of wave `wi` of `host` start.
+    pub(crate) fn view(&self, host: &FrameHost, wi: usize, sh: &Shape) -> TableView {
+        let w = &host.waves[wi];
+        let spot0 = w.spot0(sh);
+        let coef_per_fiber = host.coef().len() / (host.bundles.len() * sh.bundlesize).max(1);
+        let (p0, nb) = (w.live.start, sh.nblock);
+        TableView {
+            xy: self.xy.get().at(2 * spot0),
+            coef: self
+                .coef
+                .get()
+                .at(w.slots.start * sh.bundlesize * coef_per_fiber),
+            corners: self.corners.get().at(2 * spot0),
+            first_spots: self.first_spots.get().at(p0 * nb),
+            boxes: self.boxes.get().at(4 * p0),
+            nkeep: self.nkeep.get().at(p0),
+            boxoff: self.boxoff.get().at(p0),
+            pix: self.pix.get().ptr,
+            ivar: self.ivar.get().ptr,
+        }
+    }
+}
+
+/// Device addresses of the tables of the wave being queued (`Inputs::view`): its kernels
+/// index them from its first patch and its first bundle's first spot.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct TableView {
+    pub(crate) xy: u64,
+    pub(crate) coef: u64,
+    pub(crate) corners: u64,
+    pub(crate) first_spots: u64,
+    pub(crate) boxes: u64,
+    pub(crate) nkeep: u64,
+    pub(crate) boxoff: u64,
+    pub(crate) pix: u64,
+    pub(crate) ivar: u64,
+}
+
+/// The frame's results on the device: each wave's core arrays, model boxes and verdicts are
+/// gathered here (`solve::gather`), so that the next wave may reuse the per-patch buffers at
+/// once and the host copies the results back at its own pace.
+pub(crate) struct FrameOut {
+    pub(crate) flux: Slot<f64>,
+    pub(crate) ivar: Slot<f64>,
+    pub(crate) pixmask: Slot<f64>,
+    pub(crate) chi2: Slot<f64>,
+    pub(crate) res: Slot<f64>,
+    pub(crate) model: Slot<f64>,
+    pub(crate) steps: Slot<i32>,
+    pub(crate) sweeps: Slot<i32>,
+    pub(crate) first_info: Slot<i32>,
+    pub(crate) info: Slot<i32>,
+    pub(crate) masked: Slot<i32>,
+    pub(crate) coupling: Slot<f64>,
+}
+
+impl FrameOut {
+    fn new() -> Self {
+        FrameOut {
+            flux: Slot::new("frame flux"),
+            ivar: Slot::new("frame ivar"),
+            pixmask: Slot::new("frame pixmask fraction"),
+            chi2: Slot::new("frame chi2pix"),
+            res: Slot::new("frame resolution"),
+            model: Slot::new("frame model boxes"),
+            steps: Slot::new("frame polar steps"),
+            sweeps: Slot::new("frame Jacobi sweeps"),
+            first_info: Slot::new("frame first sweep verdicts"),
+            info: Slot::new("frame sweep verdicts"),
+            masked: Slot::new("frame masked flags"),
+            coupling: Slot::new("frame second-neighbour coupling"),
+        }
+    }
+
+    /// Sizes the buffers for `n` live patches and `boxes` model values (0 unless asked).
+    pub(crate) fn ensure(
+        &mut self,
+        dev: &Device,
+        sh: &Shape,
+        n: usize,
+        boxes: usize,
+    ) -> Result<()> {
+        let (blocks, per) = (n * sh.ncore, n * sh.ncore * sh.nws);
+        for b in [
+            &mut self.flux,
+            &mut self.ivar,
+            &mut self.pixmask,
+            &mut self.chi2,
+        ] {
+            b.ensure(dev, per)?;
+        }
+        self.res.ensure(dev, per * sh.nd())?;
+        self.model.ensure(dev, boxes.max(1))?;
+        self.steps.ensure(dev, blocks)?;
+        self.sweeps.ensure(dev, blocks)?;
+        for b in [&mut self.first_info, &mut self.info, &mut self.masked] {
+            b.ensure(dev, n)?;
+        }
+        self.coupling.ensure(dev, n)?;
+        Ok(())
+    }
+
+    /// Device bytes per live patch.
+    pub(crate) fn bytes_per_patch(sh: &Shape) -> usize {
+        8 * sh.ncore * sh.nws * (4 + sh.nd()) + 4 * (2 * sh.ncore + 3) + 8
     }
 }
 
 /// The buffers of the copies back may be pinned at any time: they start being pinned when
 /// the backend starts, at `early` values, and are reserved again when a call starts, which
 /// pins them anew when a call needs more (pinned, a full frame's copies back take 3 ms
-/// instead of 24-53 on an H100's host). A copy into pageable memory would return only once
-/// the device is done with the chunk, so that the host could not unpack the chunk before
-/// meanwhile.
+/// instead of 24-53 on an H100's host).
 fn pinned_from_the_start<T: Copy + Default + Send + 'static>(
     mut back: Staging<T>,
     early: usize,
@@ -304,8 +402,8 @@ fn pinned_from_the_start<T: Copy + Default + Send + 'static>(
     back
 }
 
-/// Values of the copies back pinned when a backend starts: those of a chunk of 800 patches
-/// (the most, `MAX_CHUNK`) of DESI's sub-bundles, 5 fibers x 50 bins, with 11 resolution
+/// Values of the copies back pinned when a backend starts: those of a wave of 800 patches
+/// (the most, `MAX_WAVE`) of DESI's sub-bundles, 5 fibers x 50 bins, with 11 resolution
 /// diagonals (3.0 million), and a margin. Pinned only once the first call had reserved them,
 /// these 22 MB held up the start of a full r frame by the time their pinning took: a
 /// single-frame run's extraction took 81-95 ms (median 84) on an H100 against 66-84 ms
@@ -314,12 +412,12 @@ fn pinned_from_the_start<T: Copy + Default + Send + 'static>(
 /// brought the extraction to 59-75 ms but made the backend start 0.06 s later, and the run
 /// longer.
 const EARLY_BACK: usize = 3_200_000;
-/// Verdicts of a chunk of 800 patches of 5 fibers, with a margin (see `EARLY_BACK`).
+/// Verdicts of a wave of 800 patches of 5 fibers, with a margin (see `EARLY_BACK`).
 const EARLY_VERDICTS: usize = 16_384;
-/// Second-neighbour couplings of a chunk of 800 patches, with a margin.
+/// Second-neighbour couplings of a wave of 800 patches, with a margin.
 const EARLY_COUPLING: usize = 1024;
 
-/// The region of the CCD uploaded for a chunk: rows, columns.
+/// The region of the CCD uploaded for a frame: its first row and column, its width.
 #[derive(Clone, Copy)]
 pub(crate) struct Region {
     pub(crate) row0: usize,
