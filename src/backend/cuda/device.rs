@@ -371,6 +371,64 @@ impl Device {
         htod(b, host, self.copies.cu_stream(), what)
     }
 
+    /// [`Device::upload_to`] from index `offset` of `b` on.
+    pub(crate) fn upload_at<T: Copy>(
+        &self,
+        b: &DevBuf<T>,
+        offset: usize,
+        host: &[T],
+        what: &str,
+    ) -> Result<()> {
+        assert!(offset + host.len() <= b.len);
+        if host.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: bounds checked; the host slice lives until the copy has been staged
+        // (pageable) or until the stream has passed it (pinned, see PinnedBuf).
+        unsafe { drv::memcpy_htod_async(b.at(offset), host, self.copies.cu_stream()) }
+            .map_err(error::driver(format!("copy of {what} to the device")))
+    }
+
+    /// Uploads columns `cols` of every row of `host`, a row-major image of `ncols` columns,
+    /// into the same place of `b`, an image of the same shape, on the copy stream.
+    pub(crate) fn upload_columns(
+        &self,
+        b: &DevBuf<f32>,
+        host: &[f32],
+        ncols: usize,
+        cols: std::ops::Range<usize>,
+        what: &str,
+    ) -> Result<()> {
+        assert!(host.len() <= b.len && cols.end <= ncols && host.len() % ncols.max(1) == 0);
+        if host.is_empty() || cols.is_empty() {
+            return Ok(());
+        }
+        let pitch = ncols * 4;
+        let copy = drv_sys::CUDA_MEMCPY2D {
+            srcXInBytes: cols.start * 4,
+            srcY: 0,
+            srcMemoryType: drv_sys::CUmemorytype::CU_MEMORYTYPE_HOST,
+            srcHost: host.as_ptr().cast(),
+            srcDevice: 0,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: pitch,
+            dstXInBytes: cols.start * 4,
+            dstY: 0,
+            dstMemoryType: drv_sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: b.ptr,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: pitch,
+            WidthInBytes: cols.len() * 4,
+            Height: host.len() / ncols,
+        };
+        // SAFETY: the rectangle lies within both images (checked above); the host image lives
+        // until the copy has been staged (pageable) or the stream has passed it (pinned).
+        unsafe { drv_sys::cuMemcpy2DAsync_v2(&copy, self.copies.cu_stream()) }
+            .result()
+            .map_err(error::driver(format!("copy of {what} to the device")))
+    }
+
     /// Waits for the uploads queued so far (before their host buffers may go).
     pub(crate) fn sync_copies(&self) -> Result<()> {
         self.copies
@@ -607,7 +665,7 @@ impl<T: Copy + Default> Drop for PinnedBuf<T> {
     }
 }
 
-/// A device buffer kept between chunks and calls, grown when a larger one is needed: large
+/// A device buffer kept between waves and calls, grown when a larger one is needed: large
 /// allocations and frees synchronise the device and cost milliseconds each.
 pub(crate) struct Slot<T> {
     buf: Option<DevBuf<T>>,
@@ -630,6 +688,22 @@ impl<T> Slot<T> {
             return Ok(true);
         }
         Ok(false)
+    }
+
+    /// Makes the buffer hold at least `len` values, keeping the first `kept` (a grown buffer
+    /// is twice as large at least, and filled from the old one on the compute stream).
+    pub(crate) fn grow_keeping(&mut self, dev: &Device, len: usize, kept: usize) -> Result<()> {
+        let old_len = self.buf.as_ref().map_or(0, |b| b.len);
+        if old_len >= len {
+            return Ok(());
+        }
+        let new = dev.alloc(len.max(2 * old_len), self.what)?;
+        if let Some(old) = self.buf.take() {
+            dev.dtod(&new, &old, kept.min(old_len))?;
+            dev.retire(old);
+        }
+        self.buf = Some(new);
+        Ok(())
     }
 
     pub(crate) fn get(&self) -> &DevBuf<T> {

@@ -219,13 +219,16 @@ impl CudaBackend {
         self.max_wave = patches;
     }
 
-    /// Most patches per wave: at most [`MAX_WAVE`], and the per-patch buffers of a wave must
+    /// Most patches per wave: at most [`MAX_WAVE`] (or the number set), and the per-patch buffers of a wave must
     /// fit in three quarters of the budget (the rest for the spots of a wave) once the frame's
     /// `frame_bytes` (image, results) are held.
     fn wave_size(&self, sh: &Shape, frame_bytes: usize) -> usize {
         let per = sh.bytes_per_patch(solve::route(self.tuning.solve, sh)) + 8 * 8192;
         let fit = (self.budget * 3 / 4).saturating_sub(frame_bytes) / per;
-        self.max_wave.unwrap_or(fit).min(fit).clamp(1, MAX_WAVE)
+        match self.max_wave {
+            Some(max) => max.min(fit).max(1),
+            None => fit.clamp(1, MAX_WAVE),
+        }
     }
 
     /// The decorrelation matrices Q of `count` symmetric positive definite blocks of order `n`
@@ -345,8 +348,9 @@ impl Backend for CudaBackend {
 const MAX_WAVE: usize = 800;
 
 impl CudaBackend {
-    /// Solves a frame's `patches` (ordered by bundle) as one chunk: host tables built and
-    /// uploaded once, every wave queued, then each wave finished in turn (its results copied
+    /// Solves a frame's `patches` (ordered by bundle) as one chunk: each wave's tables and the
+    /// columns of the CCD it adds are prepared and uploaded, and its steps queued, while the
+    /// device runs the waves before; then each wave is finished in turn (its results copied
     /// back and unpacked while the device runs the waves after). `results` by position in
     /// `patches`.
     #[allow(clippy::too_many_arguments)]
@@ -355,36 +359,41 @@ impl CudaBackend {
         input: &FrameInput<'_>,
         sh: &Shape,
         patches: &[&Patch],
-        host: &tables::FrameHost,
+        host: &mut tables::FrameHost,
         results: &mut [Option<PatchResult>],
         timings: &mut GpuTimings,
         progress: &Progress,
     ) -> Result<()> {
-        // the stream's idle time counts from here: the frame's upload
+        // the stream's idle time counts from here: the first wave's tables and upload
         let mut called = PhaseClock::new(&self.dev);
         called.mark("call")?;
         let mut last_mark = called.idle_since(None, timings)?;
         // another frame, maybe another PSF: no spots carry over from the call before
         self.workspace.last_spots = None;
         let ws = &mut self.workspace;
-        ws.input.upload(&self.dev, input, host)?;
-        let model = if input.options.model {
-            host.box_total
-        } else {
-            0
-        };
-        ws.out.ensure(&self.dev, sh, host.live.len(), model)?;
+        ws.input
+            .ensure_frame(&self.dev, input, sh, host, patches.len())?;
+        let n = patches.len();
+        ws.out.ensure(&self.dev, sh, n)?;
         let gpu = Gpu {
             dev: &self.dev,
             k: &self.kernels,
             sh,
         };
-        let mut queued = Vec::with_capacity(host.waves.len());
-        for wi in 0..host.waves.len() {
+        let mut queued = Vec::with_capacity(host.planned());
+        for pi in 0..host.planned() {
+            let Some(wi) = host.prepare_wave(input, patches, sh, pi) else {
+                continue;
+            };
             let _r = nvtx::LocalRange::new(nvtx::Str::from_str_lossy(&format!(
                 "wave of {} patches",
                 host.waves[wi].len()
             )));
+            ws.input.upload_wave(&self.dev, input, sh, host, wi)?;
+            if input.options.model {
+                let kept = host.waves[wi].boxes.start;
+                ws.out.model.grow_keeping(&self.dev, host.box_total, kept)?;
+            }
             queued.push(solve::queue_wave(
                 gpu,
                 &self.tuning,
@@ -396,6 +405,7 @@ impl CudaBackend {
             )?);
             timings.waves += 1;
         }
+        timings.add("host tables", host.prep_ms);
         let mut sink = solve::Sink {
             results,
             last_mark: &mut last_mark,
@@ -467,12 +477,11 @@ impl CudaBackend {
             .uploads
             .take()
             .unwrap_or_else(|| tables::Uploads::new(&self.dev.ctx));
-        let mut host = tables::prepare(&input, &ordered, &sh, buffers, size)?;
-        timings.add("host tables", host.prep_ms);
+        let mut host = tables::FrameHost::new(&input, &ordered, &sh, buffers, size);
         timings.pageable_upload = !host.pinned;
         // The copies back of the first wave come after its solve: time enough to pin their
         // buffers (the model boxes, when asked, may need larger ones later).
-        let largest = host.waves.iter().map(|w| w.len()).max().unwrap_or(0);
+        let largest = size.min(patches.len());
         let ws = &mut self.workspace;
         ws.patches = largest;
         ws.back
@@ -482,19 +491,19 @@ impl CudaBackend {
         ws.coupling_back.reserve(largest);
         // by position in the frame's order
         let mut results: Vec<Option<PatchResult>> = vec![None; patches.len()];
-        progress.add(host.off.len());
-        for (i, r) in std::mem::take(&mut host.off) {
-            results[i] = Some(r);
-        }
         let solved = self.solve_frame(
             &input,
             &sh,
             &ordered,
-            &host,
+            &mut host,
             &mut results,
             &mut timings,
             progress,
         );
+        progress.add(host.off.len());
+        for (i, r) in std::mem::take(&mut host.off) {
+            results[i] = Some(r);
+        }
         if solved.is_err() {
             // queued work may still read host buffers that go now
             let _ = self.dev.sync_copies();

@@ -3,8 +3,8 @@
 //! uploaded once (`Inputs::upload`), and the device walks its live patches in waves, each
 //! through the same per-patch buffers, as a sequence of named steps:
 //!
-//! 1. copies in: the wave's column tables, from the frame's upload (the compute stream waits
-//!    for it before the first wave);
+//! 1. copies in: the wave's column tables, once the compute stream has joined the upload of
+//!    what the wave adds to the frame's tables and image;
 //! 2. spots of every bundle in the wave (`launchers::spots`), but for a bundle the wave
 //!    before evaluated last;
 //! 3. assembly of icov (one triangle, icov being symmetric: dense for cuSOLVER on the dense
@@ -67,9 +67,7 @@ fn copy_in(
     ws.masked.ensure(dev, size)?;
     ws.x.ensure(dev, size * m)?;
     ws.colspot.ensure(dev, size * m)?;
-    if wi == 0 {
-        dev.join_copies()?;
-    }
+    dev.join_copies()?;
     ws.view = ws.input.view(host, wi, sh);
     launchers::column_table(g, ws, n)?;
     dev.zero_prefix(ws.pixmask.get(), n * ncore * nws)?;
@@ -352,12 +350,12 @@ pub(crate) struct Queued<'a> {
     clock: PhaseClock<'a>,
 }
 
-/// The frame's region of the CCD, as the kernels index it.
-fn region_of(host: &FrameHost) -> Region {
+/// The frame's image as the kernels index it: the whole CCD.
+fn region_of(input: &FrameInput<'_>) -> Region {
     Region {
-        row0: host.region.0,
-        col0: host.region.2,
-        width: host.region.3 - host.region.2,
+        row0: 0,
+        col0: 0,
+        width: input.image.ncols,
     }
 }
 
@@ -374,7 +372,7 @@ pub(crate) fn queue_wave<'a>(
 ) -> Result<Queued<'a>> {
     let w = &host.waves[wi];
     let n = w.len();
-    let region = region_of(host);
+    let region = region_of(input);
     let live: Vec<&Patch> = host.live[w.live.clone()]
         .iter()
         .map(|(ci, _, _)| patches[*ci])

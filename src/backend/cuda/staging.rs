@@ -125,6 +125,14 @@ impl<T: Copy + Default + Send + 'static> Staging<T> {
         }
     }
 
+    /// The first `len` values of the buffer that the last [`Staging::get`] gave, to write.
+    pub(crate) fn current_mut(&mut self, len: usize) -> &mut [T] {
+        match (&mut self.pinned, self.on_pinned) {
+            (Some(p), true) => &mut p.as_mut_slice()[..len],
+            _ => &mut self.pageable[..len],
+        }
+    }
+
     /// Whether a pinned buffer of at least `len` values is ready (an early pinning under way
     /// is waited for).
     pub(crate) fn has_pinned(&mut self, len: usize) -> bool {

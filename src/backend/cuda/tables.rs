@@ -1,11 +1,11 @@
 //! The host tables of a frame, its one chunk: trace positions and spot corners of its
 //! bundles, the PSF's Legendre coefficients, each patch's pixel box and the first spot of each
-//! of its fiber blocks (from which the device writes its column table), its image region, and
-//! the waves in which the device walks its patches. Built once per frame, the larger ones
-//! straight into the buffers they are uploaded from, which become pinned.
+//! of its fiber blocks (from which the device writes its column table), and its image. They
+//! are built wave by wave, each part once, straight into the frame-sized buffers they are
+//! uploaded from (which become pinned), so that the host prepares a wave while the device
+//! solves the one before.
 
 use std::ops::Range;
-
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -16,17 +16,16 @@ use rayon::prelude::*;
 use super::staging::Staging;
 use super::workspace::Shape;
 use crate::backend::FrameInput;
-use crate::error::Result;
 use crate::extract::{PatchGeometry, PatchResult, PatchStatus};
 use crate::plan::Patch;
 use crate::psf::{Corners, GaussHermitePsf};
 
-/// The host buffers a frame is uploaded from: its image region and its larger tables. They
+/// The host buffers a frame is uploaded from: its image and its larger tables. They
 /// become pinned once allowed (staging.rs), after a backend's first frame; from pageable
 /// memory the driver copies each upload through a buffer of its own before it returns, time
 /// in which the host queues nothing.
 pub(crate) struct Uploads {
-    /// Pixels, then inverse variances, row by row.
+    /// The CCD's pixels, then its inverse variances, row by row (used once pinned).
     image: Staging<f32>,
     /// Trace positions, then Legendre coefficients.
     reals: Staging<f64>,
@@ -41,11 +40,6 @@ impl Uploads {
             reals: Staging::new(ctx.clone()),
             ints: Staging::new(ctx.clone()),
         }
-    }
-
-    /// Whether the buffers of the last use are pinned (`image`: whether it was used).
-    fn is_pinned(&self, image: bool) -> bool {
-        self.reals.is_pinned() && self.ints.is_pinned() && (!image || self.image.is_pinned())
     }
 
     /// Lets the buffers be pinned in the background from their next use on, each as large as
@@ -64,9 +58,9 @@ impl Uploads {
 }
 
 /// Live patches the device solves together, through the workspace's per-patch buffers: a
-/// frame is one chunk (one upload, tables built once), walked in waves so that those buffers
-/// stay within the memory budget, with no host synchronisation between waves.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// frame is one chunk (its tables and image uploaded once), walked in waves so that those
+/// buffers stay within the memory budget, with no host synchronisation between waves.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Wave {
     /// Its patches, as indices into the frame's live patches.
     pub(crate) live: Range<usize>,
@@ -74,6 +68,10 @@ pub(crate) struct Wave {
     pub(crate) slots: Range<usize>,
     /// Its model boxes within the frame's (its box offsets start at 0).
     pub(crate) boxes: Range<usize>,
+    /// The bundle slots whose traces were built for it (the others came with a wave before).
+    pub(crate) traced: Vec<usize>,
+    /// The columns of the CCD uploaded for it.
+    pub(crate) strips: Vec<Range<usize>>,
 }
 
 impl Wave {
@@ -100,31 +98,36 @@ pub(crate) fn wave_lengths(n: usize, size: usize) -> Vec<usize> {
         .collect()
 }
 
-/// Host-side tables of a frame.
+/// A live patch: its position in the frame, its geometry and its bundle slot.
+type Live = (usize, PatchGeometry, usize);
+
+/// Host-side tables of a frame, built wave by wave ([`FrameHost::prepare_wave`]).
 pub(crate) struct FrameHost {
     /// Patches of the frame that have pixels, with their geometry and bundle slot, in the
     /// order of the waves.
-    pub(crate) live: Vec<(usize, PatchGeometry, usize)>,
-    /// Results of patches without pixels (off the CCD), by position in the call.
+    pub(crate) live: Vec<Live>,
+    /// Results of patches without pixels (off the CCD), by position in the frame.
     pub(crate) off: Vec<(usize, PatchResult)>,
     pub(crate) bundles: Vec<usize>,
+    /// The waves with live patches, as prepared.
     pub(crate) waves: Vec<Wave>,
+    /// The frame's patches in the waves planned, by position (some may have none live).
+    planned: Vec<Range<usize>>,
     /// Spots of the frame's bundles: (bundle slot * bundlesize + fiber) * nfull + wave.
     pub(crate) nspots: usize,
-    /// Values in the table of Legendre coefficients.
-    coef_len: usize,
-    /// Values in the table of first spots (a fiber block per live patch each).
-    nfirst: usize,
+    /// Values of the table of Legendre coefficients per fiber.
+    pub(crate) coef_per_fiber: usize,
     pub(crate) boxes: Vec<i32>,
     pub(crate) nkeep: Vec<i32>,
     /// Each patch's model box within its wave's.
     pub(crate) boxoff: Vec<i64>,
     pub(crate) box_total: usize,
-    /// Rows and columns of the CCD uploaded: whole rows, so that they are one slice of the
-    /// frame's arrays.
-    pub(crate) region: (usize, usize, usize, usize),
-    /// Whether the image region was packed into the pinned buffer of `buffers`; else it is
-    /// uploaded straight from the frame's arrays.
+    /// The spot corners of each bundle slot traced so far, for the layout.
+    corners: Vec<Option<Corners>>,
+    /// The columns of the CCD uploaded so far, one range.
+    cols: Option<Range<usize>>,
+    /// Whether the image goes from the pinned buffer of `buffers`; else it is uploaded straight
+    /// from the frame's arrays.
     pub(crate) image_packed: bool,
     /// The buffers of the upload.
     pub(crate) buffers: Uploads,
@@ -135,55 +138,282 @@ pub(crate) struct FrameHost {
 }
 
 impl FrameHost {
-    /// Trace positions `[spot][x, y]`.
-    pub(crate) fn xy(&self) -> &[f64] {
-        &self.reals()[..2 * self.nspots]
+    /// The frame of `patches` (ordered by bundle) in waves of at most `wave_max`: its sizes,
+    /// and its buffers (grown if needed); no wave prepared yet.
+    pub(crate) fn new(
+        input: &FrameInput<'_>,
+        patches: &[&Patch],
+        sh: &Shape,
+        mut buffers: Uploads,
+        wave_max: usize,
+    ) -> Self {
+        let mut bundles: Vec<usize> = patches.iter().map(|p| p.bundle_start).collect();
+        bundles.sort_unstable();
+        bundles.dedup();
+        let nspots = bundles.len() * sh.bundlesize * sh.nfull;
+        let psf = input.psf;
+        let coef_per_fiber = (2 + psf.ngh()) * psf.ghsigx.ncoef;
+        let nfibers = bundles.len() * sh.bundlesize;
+        buffers.reals.get(2 * nspots + nfibers * coef_per_fiber);
+        buffers.ints.get(2 * nspots + patches.len() * sh.nblock);
+        let npix = input.image.nrows * input.image.ncols;
+        let image_packed = buffers.image.has_pinned(2 * npix);
+        if image_packed {
+            buffers.image.get(2 * npix);
+        } else {
+            buffers.image.reserve(2 * npix);
+        }
+        let pinned = buffers.reals.is_pinned() && buffers.ints.is_pinned() && image_packed;
+        let mut start = 0;
+        let planned = wave_lengths(patches.len(), wave_max)
+            .into_iter()
+            .map(|len| {
+                start += len;
+                start - len..start
+            })
+            .collect();
+        FrameHost {
+            live: Vec::with_capacity(patches.len()),
+            off: Vec::new(),
+            corners: vec![None; bundles.len()],
+            bundles,
+            waves: Vec::new(),
+            planned,
+            nspots,
+            coef_per_fiber,
+            boxes: Vec::with_capacity(4 * patches.len()),
+            nkeep: Vec::with_capacity(patches.len()),
+            boxoff: Vec::with_capacity(patches.len()),
+            box_total: 0,
+            cols: None,
+            image_packed,
+            buffers,
+            pinned,
+            prep_ms: 0.0,
+        }
     }
 
-    /// Legendre coefficients of GHSIGX, GHSIGY and the GH-i-j, `[fiber][param][k]`.
-    pub(crate) fn coef(&self) -> &[f64] {
-        &self.reals()[2 * self.nspots..]
+    /// Waves planned, live or not.
+    pub(crate) fn planned(&self) -> usize {
+        self.planned.len()
     }
 
-    /// Spot corners `[spot][column, row]`.
-    pub(crate) fn corners(&self) -> &[i32] {
-        &self.ints()[..2 * self.nspots]
+    /// Prepares planned wave `pi`: the traces of its bundles not traced yet, its patches' layout
+    /// and tables, and the columns of the CCD it needs beyond those uploaded. Returns its index
+    /// in `waves`, None if none of its patches has pixels.
+    pub(crate) fn prepare_wave(
+        &mut self,
+        input: &FrameInput<'_>,
+        patches: &[&Patch],
+        sh: &Shape,
+        pi: usize,
+    ) -> Option<usize> {
+        let t0 = Instant::now();
+        let _r = nvtx::LocalRange::new(c"host tables");
+        let range = self.planned[pi].clone();
+        let slot = |p: &Patch| self.bundles.binary_search(&p.bundle_start).expect("listed");
+        let slots = slot(patches[range.start])..slot(patches[range.end - 1]) + 1;
+        let traced = self.trace(input, sh, slots.clone());
+        let t_traces = t0.elapsed().as_secs_f64() * 1e3;
+        let live_start = self.live.len();
+        self.lay_out(input, patches, sh, range);
+        let live = live_start..self.live.len();
+        if live.is_empty() {
+            self.prep_ms += t0.elapsed().as_secs_f64() * 1e3;
+            return None;
+        }
+        self.write_first_spots(sh, live.clone(), slots.start);
+        let boxes = self.add_boxes(patches, live.clone());
+        let strips = self.image_strips(input, live.clone());
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        tracing::debug!(
+            "host tables of {} patches: traces of {} bundles {t_traces:.1} ms, layout and image {:.1} ms",
+            live.len(),
+            traced.len(),
+            ms - t_traces
+        );
+        self.prep_ms += ms;
+        self.waves.push(Wave {
+            live,
+            slots,
+            boxes,
+            traced,
+            strips,
+        });
+        Some(self.waves.len() - 1)
     }
 
-    /// The first spot of each fiber block `[live patch][block]`, counted from its wave's first
-    /// spot, -1 for none: the device expands it into the column tables (`column_table`,
-    /// kernels/assemble.cu).
-    pub(crate) fn first_spots(&self) -> &[i32] {
-        &self.ints()[2 * self.nspots..]
+    /// Traces the bundle slots of `slots` not traced yet, straight into the tables: trace
+    /// positions and corners of every spot, Legendre coefficients of every fiber. Returns them.
+    fn trace(&mut self, input: &FrameInput<'_>, sh: &Shape, slots: Range<usize>) -> Vec<usize> {
+        let new: Vec<usize> = slots.filter(|&s| self.corners[s].is_none()).collect();
+        if new.is_empty() {
+            return new;
+        }
+        let (psf, waves) = (input.psf, &input.plan.fullwave);
+        let (nspots, per_fiber) = (self.nspots, 2 * sh.nfull);
+        let nfibers = self.bundles.len() * sh.bundlesize;
+        let reals = self
+            .buffers
+            .reals
+            .current_mut(2 * nspots + nfibers * self.coef_per_fiber);
+        let (xy, coef) = reals.split_at_mut(2 * nspots);
+        let corners = &mut self.buffers.ints.current_mut(2 * nspots)[..];
+        let bundles = &self.bundles;
+        let fiber_of = |i: usize| bundles[i / sh.bundlesize] + i % sh.bundlesize;
+        let wanted = |i: &usize| new.contains(&(i / sh.bundlesize));
+        xy.par_chunks_mut(per_fiber)
+            .zip(corners.par_chunks_mut(per_fiber))
+            .enumerate()
+            .filter(|(i, _)| wanted(i))
+            .for_each(|(i, (xy, c))| fiber_trace(psf, fiber_of(i), waves, xy, c));
+        for (i, c) in coef.chunks_exact_mut(self.coef_per_fiber).enumerate() {
+            if wanted(&i) {
+                coefficients(psf, fiber_of(i), c);
+            }
+        }
+        let per_bundle = sh.bundlesize * per_fiber;
+        for &s in &new {
+            let c = &corners[s * per_bundle..(s + 1) * per_bundle];
+            self.corners[s] = Some(bundle_corners(c, self.bundles[s], sh, psf.spot_shape()));
+        }
+        new
     }
 
-    fn reals(&self) -> &[f64] {
-        self.buffers.reals.current(2 * self.nspots + self.coef_len)
+    /// Lays out the patches `range` of the frame on the CCD: the live ones (with pixels) join
+    /// `live`, the results of the others `off`.
+    fn lay_out(
+        &mut self,
+        input: &FrameInput<'_>,
+        patches: &[&Patch],
+        sh: &Shape,
+        range: Range<usize>,
+    ) {
+        let ccd = (input.image.nrows, input.image.ncols);
+        let (bundles, corners) = (&self.bundles, &self.corners);
+        let laid_out: Vec<Live> = range
+            .into_par_iter()
+            .map(|i| {
+                let p = patches[i];
+                let slot = bundles.binary_search(&p.bundle_start).expect("listed");
+                let c = corners[slot].as_ref().expect("traced");
+                (i, PatchGeometry::new(input.plan, p, c, ccd), slot)
+            })
+            .collect();
+        for (i, g, slot) in laid_out {
+            if g.is_empty() {
+                let r = PatchResult::empty(patches[i], sh.ndiag, PatchStatus::OffImage);
+                self.off.push((i, r));
+            } else {
+                self.live.push((i, g, slot));
+            }
+        }
     }
 
-    fn ints(&self) -> &[i32] {
-        let len = 2 * self.nspots + self.nfirst;
-        self.buffers.ints.current(len)
+    /// The first spot of each fiber block of the live patches `live`, counted from the first
+    /// spot of bundle slot `slot0`, -1 for none.
+    fn write_first_spots(&mut self, sh: &Shape, live: Range<usize>, slot0: usize) {
+        let at = 2 * self.nspots + live.start * sh.nblock;
+        let len = live.len() * sh.nblock;
+        let ints = self.buffers.ints.current_mut(at + len);
+        fill_first_spots(&self.live[live], sh, slot0, &mut ints[at..]);
     }
 
-    /// Values of each of the image region's arrays.
-    pub(crate) fn npix(&self) -> usize {
-        let (r0, r1, c0, c1) = self.region;
-        (r1 - r0) * (c1 - c0)
+    /// Appends the pixel boxes, kept bins and model box offsets of the live patches `live`;
+    /// returns the range of their model boxes in the frame's.
+    fn add_boxes(&mut self, patches: &[&Patch], live: Range<usize>) -> Range<usize> {
+        let start = self.box_total;
+        for (i, g, _) in &self.live[live] {
+            self.boxes.extend_from_slice(&[
+                g.rows.start as i32,
+                g.rows.end as i32,
+                g.cols.start as i32,
+                g.cols.end as i32,
+            ]);
+            self.nkeep.push(patches[*i].waves.len() as i32);
+            self.boxoff.push((self.box_total - start) as i64);
+            self.box_total += g.rows.len() * g.cols.len();
+        }
+        start..self.box_total
     }
 
-    /// The image region's pixels and inverse variances, from the pinned buffer they were
+    /// The columns of the CCD the live patches `live` need beyond those uploaded, packed into
+    /// the pinned image buffer when it is used.
+    fn image_strips(&mut self, input: &FrameInput<'_>, live: Range<usize>) -> Vec<Range<usize>> {
+        let cols = self.live[live].iter().map(|(_, g, _)| &g.cols);
+        let start = cols.clone().map(|c| c.start).min().unwrap_or(0);
+        let need = start..cols.map(|c| c.end).max().unwrap_or(0);
+        let (cols, strips) = new_columns(self.cols.clone(), need);
+        self.cols = Some(cols);
+        if self.image_packed {
+            let img = input.image;
+            let npix = img.nrows * img.ncols;
+            let (pp, pv) = self.buffers.image.current_mut(2 * npix).split_at_mut(npix);
+            for c in &strips {
+                pack_columns(&img.pix, pp, c.clone());
+                pack_columns(&img.ivar, pv, c.clone());
+            }
+        }
+        strips
+    }
+
+    /// Trace positions `[spot][x, y]` of the spots of bundle slot `slot`, and where they
+    /// start in the frame's table.
+    pub(crate) fn xy(&self, sh: &Shape, slot: usize) -> (usize, &[f64]) {
+        let per = 2 * sh.bundlesize * sh.nfull;
+        (
+            slot * per,
+            &self.buffers.reals.current((slot + 1) * per)[slot * per..],
+        )
+    }
+
+    /// Legendre coefficients of GHSIGX, GHSIGY and the GH-i-j, `[fiber][param][k]`, of the
+    /// fibers of bundle slot `slot`, and where they start in the frame's table.
+    pub(crate) fn coef(&self, sh: &Shape, slot: usize) -> (usize, &[f64]) {
+        let per = sh.bundlesize * self.coef_per_fiber;
+        let reals = self
+            .buffers
+            .reals
+            .current(2 * self.nspots + (slot + 1) * per);
+        (slot * per, &reals[2 * self.nspots + slot * per..])
+    }
+
+    /// Spot corners `[spot][column, row]` of bundle slot `slot`, and where they start.
+    pub(crate) fn corners(&self, sh: &Shape, slot: usize) -> (usize, &[i32]) {
+        let per = 2 * sh.bundlesize * sh.nfull;
+        (
+            slot * per,
+            &self.buffers.ints.current((slot + 1) * per)[slot * per..],
+        )
+    }
+
+    /// The first spot of each fiber block `[live patch][block]` of the live patches `live`,
+    /// counted from their wave's first spot, -1 for none: the device expands it into the
+    /// column tables (`column_table`, kernels/assemble.cu).
+    pub(crate) fn first_spots(&self, sh: &Shape, live: Range<usize>) -> &[i32] {
+        let at = 2 * self.nspots;
+        let ints = self.buffers.ints.current(at + live.end * sh.nblock);
+        &ints[at + live.start * sh.nblock..]
+    }
+
+    /// Values of the frame's table of trace positions (or corners), and of its table of
+    /// Legendre coefficients.
+    pub(crate) fn table_lens(&self, sh: &Shape) -> (usize, usize) {
+        let nfibers = self.bundles.len() * sh.bundlesize;
+        (2 * self.nspots, nfibers * self.coef_per_fiber)
+    }
+
+    /// The CCD's pixels and inverse variances, from the pinned buffer the waves' columns were
     /// packed into, or else from the frame's arrays.
     pub(crate) fn image<'a>(&'a self, input: &'a FrameInput<'_>) -> (&'a [f32], &'a [f32]) {
-        let npix = self.npix();
+        let img = input.image;
+        let npix = img.nrows * img.ncols;
         if self.image_packed {
             return self.buffers.image.current(2 * npix).split_at(npix);
         }
-        let rows = |a: &'a ndarray::Array2<f32>| {
-            let all = a.as_slice().expect("images are kept in standard layout");
-            &all[self.region.0 * a.ncols()..][..npix]
-        };
-        (rows(&input.image.pix), rows(&input.image.ivar))
+        let all =
+            |a: &'a ndarray::Array2<f32>| a.as_slice().expect("images are kept in standard layout");
+        (all(&img.pix), all(&img.ivar))
     }
 }
 
@@ -209,278 +439,70 @@ fn fiber_trace(
     }
 }
 
-/// The trace positions and spot corners of `fibers` (`[fiber][wave][2]` each), in parallel,
-/// straight into the tables that go to the device.
-fn traces(
-    psf: &GaussHermitePsf,
-    fibers: &[usize],
-    waves: &[f64],
-    xy: &mut [f64],
-    corners: &mut [i32],
-) {
-    let per = 2 * waves.len();
-    xy.par_chunks_mut(per)
-        .zip(corners.par_chunks_mut(per))
-        .zip(fibers)
-        .for_each(|((xy, c), &f)| fiber_trace(psf, f, waves, xy, c));
-}
-
-/// The Legendre coefficients of GHSIGX, GHSIGY and the GH-i-j of `fibers`, `[fiber][param][k]`.
-fn coefficients(psf: &GaussHermitePsf, fibers: &[usize], coef: &mut [f64]) {
+/// The Legendre coefficients of GHSIGX, GHSIGY and the GH-i-j of `fiber`, `[param][k]`.
+fn coefficients(psf: &GaussHermitePsf, fiber: usize, coef: &mut [f64]) {
     let ncoef = psf.ghsigx.ncoef;
     let params = [&psf.ghsigx, &psf.ghsigy].into_iter().chain(psf.gh.iter());
-    let per_fiber = params.clone().count() * ncoef;
-    for (&f, out) in fibers.iter().zip(coef.chunks_exact_mut(per_fiber)) {
-        for (l, o) in params.clone().zip(out.chunks_exact_mut(ncoef)) {
-            o.copy_from_slice(&l.coeff[f * ncoef..(f + 1) * ncoef]);
+    for (l, o) in params.zip(coef.chunks_exact_mut(ncoef)) {
+        o.copy_from_slice(&l.coeff[fiber * ncoef..(fiber + 1) * ncoef]);
+    }
+}
+
+/// The corners of a bundle's spots, for the patches' layout, from its part of the table of
+/// corners (`[fiber][wave][column, row]`).
+fn bundle_corners(corners: &[i32], bundle: usize, sh: &Shape, (ny, nx): (usize, usize)) -> Corners {
+    Corners {
+        fibers: bundle..bundle + sh.bundlesize,
+        nwave: sh.nfull,
+        ny,
+        nx,
+        xc: corners.iter().step_by(2).copied().collect(),
+        yc: corners.iter().skip(1).step_by(2).copied().collect(),
+    }
+}
+
+/// Writes the first spot of each fiber block of `live` into `first` (`[patch][block]`),
+/// counted from the first spot of bundle slot `slot0`, -1 for none.
+fn fill_first_spots(live: &[Live], sh: &Shape, slot0: usize, first: &mut [i32]) {
+    for (fs, (_, g, slot)) in first.chunks_mut(sh.nblock).zip(live) {
+        fs.fill(-1);
+        let lead = sh.nblock - g.block_fibers.len();
+        let slot = slot - slot0;
+        for (b, &f) in g.block_fibers.iter().enumerate() {
+            fs[lead + b] = ((slot * sh.bundlesize + f) * sh.nfull + g.wave0) as i32;
         }
     }
 }
 
-/// The corners of each bundle's spots, for the patches' layout, from the frame's table of
-/// corners (`[fiber][wave][column, row]`, bundle after bundle).
-fn bundle_corners(
-    corners: &[i32],
-    bundles: &[usize],
-    sh: &Shape,
-    (ny, nx): (usize, usize),
-) -> Vec<Corners> {
-    let per = 2 * sh.nfull * sh.bundlesize;
-    bundles
-        .par_iter()
-        .zip(corners.par_chunks(per))
-        .map(|(&b, c)| Corners {
-            fibers: b..b + sh.bundlesize,
-            nwave: sh.nfull,
-            ny,
-            nx,
-            xc: c.iter().step_by(2).copied().collect(),
-            yc: c.iter().skip(1).step_by(2).copied().collect(),
-        })
-        .collect()
-}
-
-/// Builds the host tables of a frame's `patches` (ordered by bundle), the larger ones and its
-/// image region into `buffers` (grown if needed), with its live patches in waves of at most
-/// `wave_max`.
-pub(crate) fn prepare(
-    input: &FrameInput<'_>,
-    patches: &[&Patch],
-    sh: &Shape,
-    mut buffers: Uploads,
-    wave_max: usize,
-) -> Result<FrameHost> {
-    let t0 = Instant::now();
-    let _r = nvtx::LocalRange::new(c"host tables");
-    let plan = input.plan;
-    let psf = input.psf;
-    let mut bundles: Vec<usize> = patches.iter().map(|p| p.bundle_start).collect();
-    bundles.sort_unstable();
-    bundles.dedup();
-    let fibers: Vec<usize> = bundles.iter().flat_map(|&b| b..b + sh.bundlesize).collect();
-    let nspots = fibers.len() * plan.fullwave.len();
-    let coef_len = fibers.len() * (2 + psf.ngh()) * psf.ghsigx.ncoef;
-    // corners, then room for the first spots of each patch's fiber blocks
-    let ints = buffers.ints.get(2 * nspots + patches.len() * sh.nblock);
-    let (corners, first) = ints.split_at_mut(2 * nspots);
-    let (xy, coef) = buffers
-        .reals
-        .get(2 * nspots + coef_len)
-        .split_at_mut(2 * nspots);
-    traces(psf, &fibers, &plan.fullwave, xy, corners);
-    coefficients(psf, &fibers, coef);
-    let per_bundle = bundle_corners(corners, &bundles, sh, psf.spot_shape());
-    let t_traces = t0.elapsed().as_secs_f64() * 1e3;
-    let (live, off) = layout(input, patches, sh, &bundles, &per_bundle);
-    let mut waves = split_into_waves(&live, wave_max);
-    let nfirst = live.len() * sh.nblock;
-    first_spots(&live, &waves, sh, &mut first[..nfirst]);
-    let boxes = Boxes::new(&live, &mut waves, patches);
-    let t_tables = t0.elapsed().as_secs_f64() * 1e3;
-    let region = match boxes.rows {
-        Some((r0, r1)) => (r0, r1, 0, input.image.ncols),
-        None => (0, 0, 0, 0),
-    };
-    let image_packed = !live.is_empty() && pack_image(input, region, &mut buffers.image);
-    let pinned = buffers.is_pinned(image_packed);
-    let prep_ms = t0.elapsed().as_secs_f64() * 1e3;
-    tracing::debug!(
-        "host tables of {} patches in {} waves: traces {t_traces:.1} ms, layout {:.1} ms, \
-         image {:.1} ms ({})",
-        patches.len(),
-        waves.len(),
-        t_tables - t_traces,
-        prep_ms - t_tables,
-        if pinned { "pinned" } else { "pageable" }
-    );
-    Ok(FrameHost {
-        live,
-        off,
-        bundles,
-        waves,
-        nspots,
-        coef_len,
-        nfirst,
-        boxes: boxes.boxes,
-        nkeep: boxes.nkeep,
-        boxoff: boxes.boxoff,
-        box_total: boxes.total,
-        region,
-        image_packed,
-        buffers,
-        pinned,
-        prep_ms,
-    })
-}
-
-/// A live patch: its position in the call, its geometry and its bundle slot.
-type Live = (usize, PatchGeometry, usize);
-
-/// Lays out every patch on the CCD: the live ones (with pixels), and the results of the
-/// others, by position in `patches`.
-fn layout(
-    input: &FrameInput<'_>,
-    patches: &[&Patch],
-    sh: &Shape,
-    bundles: &[usize],
-    per_bundle: &[Corners],
-) -> (Vec<Live>, Vec<(usize, PatchResult)>) {
-    let ccd = (input.image.nrows, input.image.ncols);
-    let laid_out: Vec<Live> = patches
-        .par_iter()
-        .enumerate()
-        .map(|(i, p)| {
-            let slot = bundles
-                .binary_search(&p.bundle_start)
-                .expect("bundle listed");
-            let g = PatchGeometry::new(input.plan, p, &per_bundle[slot], ccd);
-            (i, g, slot)
-        })
-        .collect();
-    let (live, empty): (Vec<_>, Vec<_>) = laid_out.into_iter().partition(|(_, g, _)| !g.is_empty());
-    let off = empty
-        .into_iter()
-        .map(|(i, _, _)| {
-            let r = PatchResult::empty(patches[i], sh.ndiag, PatchStatus::OffImage);
-            (i, r)
-        })
-        .collect();
-    (live, off)
-}
-
-/// The live patches in waves of at most `wave_max`, as equal as can be.
-fn split_into_waves(live: &[Live], wave_max: usize) -> Vec<Wave> {
-    let mut start = 0;
-    wave_lengths(live.len(), wave_max)
-        .into_iter()
-        .map(|len| {
-            let range = start..start + len;
-            start += len;
-            let slots = live[range.clone()].iter().map(|l| l.2);
-            let (lo, hi) = (slots.clone().min(), slots.max());
-            Wave {
-                live: range,
-                slots: lo.unwrap_or(0)..hi.map_or(0, |h| h + 1),
-                boxes: 0..0,
-            }
-        })
-        .collect()
-}
-
-/// The first spot of each fiber block of the live patches, counted from their wave's first
-/// spot, -1 for none.
-fn first_spots(live: &[Live], waves: &[Wave], sh: &Shape, first: &mut [i32]) {
-    first.fill(-1);
-    for w in waves {
-        let rows = first[w.live.start * sh.nblock..w.live.end * sh.nblock].chunks_mut(sh.nblock);
-        for (fs, (_, g, slot)) in rows.zip(&live[w.live.clone()]) {
-            let lead = sh.nblock - g.block_fibers.len();
-            let slot = slot - w.slots.start;
-            for (b, &f) in g.block_fibers.iter().enumerate() {
-                fs[lead + b] = ((slot * sh.bundlesize + f) * sh.nfull + g.wave0) as i32;
-            }
+/// The columns uploaded once `need` is, from `uploaded` (one range: a gap between them is
+/// filled), and the strips that adds.
+fn new_columns(
+    uploaded: Option<Range<usize>>,
+    need: Range<usize>,
+) -> (Range<usize>, Vec<Range<usize>>) {
+    match uploaded {
+        None => (need.clone(), vec![need]),
+        Some(u) => {
+            let all = u.start.min(need.start)..u.end.max(need.end);
+            let strips = [all.start..u.start, u.end..all.end];
+            (all, strips.into_iter().filter(|s| !s.is_empty()).collect())
         }
     }
 }
 
-/// The pixel boxes of the live patches, their kept bins and model boxes, and the rows of the
-/// CCD they cover (None without live patches).
-struct Boxes {
-    boxes: Vec<i32>,
-    nkeep: Vec<i32>,
-    boxoff: Vec<i64>,
-    total: usize,
-    rows: Option<(usize, usize)>,
-}
-
-impl Boxes {
-    /// Also sets each wave's range of model boxes.
-    fn new(live: &[Live], waves: &mut [Wave], patches: &[&Patch]) -> Self {
-        let mut b = Boxes {
-            boxes: Vec::with_capacity(live.len() * 4),
-            nkeep: Vec::with_capacity(live.len()),
-            boxoff: Vec::with_capacity(live.len()),
-            total: 0,
-            rows: None,
-        };
-        for w in waves {
-            let start = b.total;
-            for (i, g, _) in &live[w.live.clone()] {
-                b.boxes.extend_from_slice(&[
-                    g.rows.start as i32,
-                    g.rows.end as i32,
-                    g.cols.start as i32,
-                    g.cols.end as i32,
-                ]);
-                b.nkeep.push(patches[*i].waves.len() as i32);
-                b.boxoff.push((b.total - start) as i64);
-                b.total += g.rows.len() * g.cols.len();
-                let (r0, r1) = b.rows.unwrap_or((g.rows.start, g.rows.end));
-                b.rows = Some((r0.min(g.rows.start), r1.max(g.rows.end)));
-            }
-            w.boxes = start..b.total;
-        }
-        b
-    }
-}
-
-/// Copies the image region `(row0, row1, col0, col1)` of whole rows into the pinned buffer of
-/// `image`, pixels then inverse variances, when one is pinned and large enough; else starts
-/// pinning one (once allowed) and returns false: the driver then uploads from the frame's
-/// arrays as it would from a copy of them, and a first frame does not wait for the copy.
-fn pack_image(
-    input: &FrameInput<'_>,
-    region: (usize, usize, usize, usize),
-    image: &mut Staging<f32>,
-) -> bool {
-    let img = input.image;
-    let (r0, r1, c0, c1) = region;
-    debug_assert!(c0 == 0 && c1 == img.ncols, "whole rows");
-    let npix = (r1 - r0) * (c1 - c0);
-    if !image.has_pinned(2 * npix) {
-        image.reserve(2 * npix);
-        return false;
-    }
-    let (pp, pv) = image.get(2 * npix).split_at_mut(npix);
-    let w = c1 - c0;
-    let (pix, ivar) = (
-        img.pix.slice(s![r0..r1, ..]),
-        img.ivar.slice(s![r0..r1, ..]),
-    );
-    pp.par_chunks_mut(w)
-        .zip(pv.par_chunks_mut(w))
-        .enumerate()
-        .for_each(|(r, (dp, dv))| {
-            ArrayViewMut1::from(dp).assign(&pix.row(r));
-            ArrayViewMut1::from(dv).assign(&ivar.row(r));
+/// Copies columns `cols` of every row of `image` into the same place of `out`, row-major.
+fn pack_columns(image: &ndarray::Array2<f32>, out: &mut [f32], cols: Range<usize>) {
+    let ncols = image.ncols();
+    out.par_chunks_mut(ncols)
+        .zip(image.axis_iter(ndarray::Axis(0)).into_par_iter())
+        .for_each(|(o, row)| {
+            ArrayViewMut1::from(&mut o[cols.clone()]).assign(&row.slice(s![cols.clone()]));
         });
-    true
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::{Plan, PlanOptions};
 
     fn shape() -> Shape {
         Shape {
@@ -534,34 +556,56 @@ mod tests {
     }
 
     #[test]
-    fn a_waves_tables_count_from_its_first_bundle_and_box() {
+    fn first_spots_count_from_the_waves_first_bundle() {
         let (sh, live) = (shape(), live());
-        let mut waves = split_into_waves(&live, 5);
-        let ranges: Vec<_> = waves
-            .iter()
-            .map(|w| (w.live.clone(), w.slots.clone()))
-            .collect();
-        assert_eq!(ranges, [(0..4, 0..1), (4..8, 1..2), (8..12, 2..3)]);
-        assert_eq!(waves[2].spot0(&sh), 2 * 4 * 10);
-        assert_eq!(waves[1].nspots(&sh), 4 * 10);
+        // the patches of slot 1 in a wave that starts at slot 1
+        let mut first = vec![0; 4 * sh.nblock];
+        fill_first_spots(&live[4..8], &sh, 1, &mut first);
+        // patch 4: two blocks, one leading -1; fiber f at f * nfull + wave0 within the wave
+        assert_eq!(first[..3], [-1, 10 + 4, 2 * 10 + 4]);
+        // patch 5: three blocks
+        assert_eq!(first[3..6], [5, 10 + 5, 2 * 10 + 5]);
+        // the same patches in a wave that starts at slot 0: one bundle further
+        fill_first_spots(&live[4..8], &sh, 0, &mut first);
+        assert_eq!(first[3..6], [40 + 5, 40 + 10 + 5, 40 + 2 * 10 + 5]);
+        let wave = Wave {
+            slots: 1..3,
+            ..Wave::default()
+        };
+        assert_eq!((wave.spot0(&sh), wave.nspots(&sh)), (4 * 10, 2 * 4 * 10));
+    }
 
-        let mut first = vec![0; live.len() * sh.nblock];
-        first_spots(&live, &waves, &sh, &mut first);
-        // patch 4 (wave 1, its slot the wave's first): two blocks, one leading -1
-        assert_eq!(first[12..15], [-1, 10 + 4, 2 * 10 + 4]);
-        // patch 9 (wave 2): three blocks, fiber f at f * nfull + wave0 within the wave
-        assert_eq!(first[27..30], [9, 10 + 9, 2 * 10 + 9]);
+    #[test]
+    #[allow(clippy::single_range_in_vec_init)]
+    fn columns_are_uploaded_once_in_one_range() {
+        assert_eq!(new_columns(None, 10..20), (10..20, vec![10..20]));
+        // within: nothing new
+        assert_eq!(new_columns(Some(5..30), 10..20), (5..30, vec![]));
+        // to the right, overlapping, and beyond a gap (filled)
+        assert_eq!(new_columns(Some(10..20), 15..25), (10..25, vec![20..25]));
+        assert_eq!(new_columns(Some(10..20), 30..40), (10..40, vec![20..40]));
+        // on both sides
+        assert_eq!(
+            new_columns(Some(10..20), 5..25),
+            (5..25, vec![5..10, 20..25])
+        );
+    }
 
-        let plan = Plan::new(PlanOptions::new(6000.0, 6400.0, 0.8, 0, 25)).unwrap();
-        let patches: Vec<&Patch> = plan.patches.iter().take(32).collect();
-        let b = Boxes::new(&live, &mut waves, &patches);
-        // boxes of 2 (1 + i) pixels: wave 1 holds patches 4-7, 10 + 12 + 14 + 16 values
-        assert_eq!(waves[1].boxes, 20..72);
-        assert_eq!(b.boxoff[4..8], [0, 10, 22, 36]);
-        assert_eq!(b.boxoff[0], 0);
-        assert_eq!(b.total, (0..12).map(|i| 2 * (1 + i)).sum::<usize>());
-        assert_eq!(b.rows, Some((10, 23)));
-        assert_eq!(b.boxes[4 * 5..4 * 6], [15, 17, 0, 6]);
-        assert_eq!(b.nkeep[5], patches[25].waves.len() as i32);
+    #[test]
+    fn packed_columns_land_where_they_are_on_the_ccd() {
+        let image = ndarray::Array2::from_shape_fn((3, 5), |(r, c)| (10 * r + c) as f32);
+        let mut out = vec![-1.0; 15];
+        pack_columns(&image, &mut out, 1..3);
+        pack_columns(&image, &mut out, 4..5);
+        for r in 0..3 {
+            for c in 0..5 {
+                let want = if c == 0 || c == 3 {
+                    -1.0
+                } else {
+                    image[[r, c]]
+                };
+                assert_eq!(out[r * 5 + c], want, "row {r} column {c}");
+            }
+        }
     }
 }

@@ -209,7 +209,8 @@ impl Workspace {
     }
 }
 
-/// Device buffers of a frame's inputs: its host tables and image region, uploaded once.
+/// Device buffers of a frame's inputs: its host tables and the CCD image, each part uploaded
+/// once, with the first wave that needs it.
 pub(crate) struct Inputs {
     pub(crate) xy: Slot<f64>,
     pub(crate) coef: Slot<f64>,
@@ -239,44 +240,70 @@ impl Inputs {
         }
     }
 
-    /// Queues the upload of a frame's tables and image region on the copy stream (grown
-    /// buffers are allocated first, which waits for the device). The compute stream must
-    /// [`Device::join_copies`] before it reads them; `host`'s pinned buffers must live until
-    /// then.
-    pub(crate) fn upload(
+    /// Sizes the buffers for the frame `host` of `npatches` patches and uploads its
+    /// wavelength grid.
+    pub(crate) fn ensure_frame(
         &mut self,
         dev: &Device,
         input: &FrameInput<'_>,
+        sh: &Shape,
         host: &FrameHost,
+        npatches: usize,
     ) -> Result<()> {
-        let n = host.live.len();
-        let npix = host.npix();
-        self.xy.ensure(dev, host.xy().len())?;
-        self.coef.ensure(dev, host.coef().len())?;
+        let (spots, coef) = host.table_lens(sh);
+        let npix = input.image.nrows * input.image.ncols;
+        self.xy.ensure(dev, spots)?;
+        self.coef.ensure(dev, coef)?;
         self.waves.ensure(dev, input.plan.fullwave.len())?;
-        self.corners.ensure(dev, host.corners().len())?;
-        self.first_spots.ensure(dev, host.first_spots().len())?;
-        self.boxes.ensure(dev, host.boxes.len())?;
-        self.nkeep.ensure(dev, n)?;
-        self.boxoff.ensure(dev, n)?;
+        self.corners.ensure(dev, spots)?;
+        self.first_spots.ensure(dev, npatches * sh.nblock)?;
+        self.boxes.ensure(dev, 4 * npatches)?;
+        self.nkeep.ensure(dev, npatches)?;
+        self.boxoff.ensure(dev, npatches)?;
         self.pix.ensure(dev, npix)?;
         self.ivar.ensure(dev, npix)?;
-        dev.upload_to(self.xy.get(), host.xy(), "trace positions")?;
-        dev.upload_to(self.coef.get(), host.coef(), "PSF coefficients")?;
-        dev.upload_to(self.waves.get(), &input.plan.fullwave, "wavelength grid")?;
-        dev.upload_to(self.corners.get(), host.corners(), "spot corners")?;
-        dev.upload_to(
-            self.first_spots.get(),
-            host.first_spots(),
-            "first spots of the fiber blocks",
-        )?;
-        dev.upload_to(self.boxes.get(), &host.boxes, "pixel boxes")?;
-        dev.upload_to(self.nkeep.get(), &host.nkeep, "kept bins")?;
-        dev.upload_to(self.boxoff.get(), &host.boxoff, "box offsets")?;
-        if n > 0 {
-            let (pp, pv) = host.image(input);
-            dev.upload_to(self.pix.get(), pp, "image pixels")?;
-            dev.upload_to(self.ivar.get(), pv, "image inverse variance")?;
+        dev.upload_to(self.waves.get(), &input.plan.fullwave, "wavelength grid")
+    }
+
+    /// Queues the upload of what wave `wi` of `host` adds to the frame's tables and image on
+    /// the copy stream: the traces of its new bundles, its patches' tables, its new columns.
+    /// The compute stream must [`Device::join_copies`] before it reads them; `host`'s pinned
+    /// buffers must live until then.
+    pub(crate) fn upload_wave(
+        &self,
+        dev: &Device,
+        input: &FrameInput<'_>,
+        sh: &Shape,
+        host: &FrameHost,
+        wi: usize,
+    ) -> Result<()> {
+        let w = &host.waves[wi];
+        for &slot in &w.traced {
+            let (at, xy) = host.xy(sh, slot);
+            dev.upload_at(self.xy.get(), at, xy, "trace positions")?;
+            let (at, corners) = host.corners(sh, slot);
+            dev.upload_at(self.corners.get(), at, corners, "spot corners")?;
+            let (at, coef) = host.coef(sh, slot);
+            dev.upload_at(self.coef.get(), at, coef, "PSF coefficients")?;
+        }
+        let (p0, p1) = (w.live.start, w.live.end);
+        let first = host.first_spots(sh, w.live.clone());
+        dev.upload_at(self.first_spots.get(), p0 * sh.nblock, first, "first spots")?;
+        let boxes = &host.boxes[4 * p0..4 * p1];
+        dev.upload_at(self.boxes.get(), 4 * p0, boxes, "pixel boxes")?;
+        dev.upload_at(self.nkeep.get(), p0, &host.nkeep[p0..p1], "kept bins")?;
+        dev.upload_at(self.boxoff.get(), p0, &host.boxoff[p0..p1], "box offsets")?;
+        let (pix, ivar) = host.image(input);
+        let ncols = input.image.ncols;
+        for c in &w.strips {
+            dev.upload_columns(self.pix.get(), pix, ncols, c.clone(), "image pixels")?;
+            dev.upload_columns(
+                self.ivar.get(),
+                ivar,
+                ncols,
+                c.clone(),
+                "image inverse variance",
+            )?;
         }
         Ok(())
     }
@@ -285,7 +312,7 @@ impl Inputs {
     pub(crate) fn view(&self, host: &FrameHost, wi: usize, sh: &Shape) -> TableView {
         let w = &host.waves[wi];
         let spot0 = w.spot0(sh);
-        let coef_per_fiber = host.coef().len() / (host.bundles.len() * sh.bundlesize).max(1);
+        let coef_per_fiber = host.coef_per_fiber;
         let (p0, nb) = (w.live.start, sh.nblock);
         TableView {
             xy: self.xy.get().at(2 * spot0),
@@ -355,14 +382,9 @@ impl FrameOut {
         }
     }
 
-    /// Sizes the buffers for `n` live patches and `boxes` model values (0 unless asked).
-    pub(crate) fn ensure(
-        &mut self,
-        dev: &Device,
-        sh: &Shape,
-        n: usize,
-        boxes: usize,
-    ) -> Result<()> {
+    /// Sizes the buffers for `n` live patches; the model boxes, when asked, grow with the
+    /// waves (`Slot::grow_keeping`).
+    pub(crate) fn ensure(&mut self, dev: &Device, sh: &Shape, n: usize) -> Result<()> {
         let (blocks, per) = (n * sh.ncore, n * sh.ncore * sh.nws);
         for b in [
             &mut self.flux,
@@ -373,7 +395,6 @@ impl FrameOut {
             b.ensure(dev, per)?;
         }
         self.res.ensure(dev, per * sh.nd())?;
-        self.model.ensure(dev, boxes.max(1))?;
         self.steps.ensure(dev, blocks)?;
         self.sweeps.ensure(dev, blocks)?;
         for b in [&mut self.first_info, &mut self.info, &mut self.masked] {
