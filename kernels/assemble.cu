@@ -7,7 +7,7 @@
 // band of fiber blocks the Schur route reads (kernels/common.cuh, `band`). The entries a
 // kernel does not write (dense: j2 < j1 of row j1; band: those left of the diagonal in a
 // diagonal block, and slots of fibers that do not exist) are read by no kernel either (they
-// hold whatever an earlier chunk, or cuSOLVER's potrsBatched, which uses that triangle as
+// hold whatever an earlier wave, or cuSOLVER's potrsBatched, which uses that triangle as
 // workspace, left there).
 
 #include "common.cuh"
@@ -121,7 +121,7 @@ extern "C" __global__ void column_table(const int* __restrict__ first, int nb, i
 //
 // Blocks of 128 threads, 12 per SM, which caps the kernel at 40 registers: the kernel waits
 // on L1 (Nsight Compute: 92% of its throughput), and at the 32 registers of 16 blocks per SM
-// it spilled (68 million local-memory requests in one chunk's assembly) and took 11.6 ms per
+// it spilled (68 million local-memory requests in one 784-patch assembly) and took 11.6 ms per
 // full frame on an H100 against 11.1; at 48 registers, 10 blocks, it took 11.4.
 #define SPEX_COLUMNS 4
 extern "C" __global__ void __launch_bounds__(SPEX_COLUMNS * SPEX_WARP, 12) assemble_f64(

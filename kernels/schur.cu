@@ -442,7 +442,7 @@ extern "C" __global__ void schur_end_flux_f64(const double* __restrict__ icov,
     for (int i = tid; i < n; i += nth) x[p * m + (size_t)e * n + i] = v[i];
 }
 
-// The retry list of a chunk (DESIGN step 2), drawn up on the device so that the host need not
+// The retry list of a wave (DESIGN step 2), drawn up on the device so that the host need not
 // wait for the sweeps' verdicts: the first `capacity` patches, in order, whose sweeps failed
 // (`info`) and that have weight (`masked` 0) go to `ids`, padded with -1, and their verdicts
 // are cleared for the second sweep; every patch's first verdict is kept in `first`. Failures

@@ -1,5 +1,5 @@
 // Spot evaluation: pixel-integrated Gauss-Hermite spots of every (fiber, wavelength) of a
-// chunk. Same arithmetic as
+// wave. Same arithmetic as
 // `psf::pixel_gauss_hermite` and `SpotWork::eval`: clipped at zero, normalised to unit sum.
 
 #include "common.cuh"

@@ -70,7 +70,7 @@ pub(crate) fn decorrelate(
     )
 }
 
-/// What the decorrelation of a chunk did, from the verdicts copied back.
+/// What the decorrelation of a wave did, from the verdicts copied back.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Counts {
     pub polar: usize,

@@ -29,7 +29,7 @@ use crate::plan::Patch;
 /// would wait for them).
 pub(crate) type Keep = Vec<Box<dyn std::any::Any>>;
 
-/// The outcome of the factorisation of a chunk's live patches.
+/// The outcome of the factorisation of a wave's patches.
 pub(crate) struct Factorization {
     pub status: Vec<PatchStatus>,
     /// 1 where a patch has no weight at all.
@@ -96,7 +96,7 @@ pub(crate) fn factorize(
     })
 }
 
-/// The first factorisation of a chunk's live patches.
+/// The first factorisation of a wave's patches.
 struct Attempt<'a> {
     patches: &'a [&'a Patch],
     /// Nonzero where the factorisation failed.
@@ -182,7 +182,7 @@ fn retry_failures(
     ))
 }
 
-/// Assembles the patches `failed` of the chunk again with regularize 1e-4, for a second
+/// Assembles the patches `failed` of the wave again with regularize 1e-4, for a second
 /// factorisation; returns their list on the device. The assembly rewrites the whole stored
 /// triangle of those patches, where a failed potrf left part of a factor.
 fn reassemble_regularized(
@@ -305,7 +305,7 @@ pub(crate) mod tests {
     use super::*;
     use crate::plan::{Plan, PlanOptions};
 
-    /// A plan of one bundle, for patches to name in the outcome of a chunk.
+    /// A plan of one bundle, for patches to name in the outcome of a wave.
     pub(crate) fn bundle_plan() -> Plan {
         Plan::new(PlanOptions::new(6000.0, 6400.0, 0.8, 0, 25)).unwrap()
     }

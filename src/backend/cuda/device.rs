@@ -139,16 +139,16 @@ impl Drop for Libraries {
 pub(crate) struct Device {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
-    /// The stream of the uploads of a chunk's inputs, which run while `stream` solves the
-    /// chunk before.
+    /// The stream of the uploads of a wave's inputs, which run while `stream` solves the
+    /// waves before.
     copies: Arc<CudaStream>,
-    /// The stream of the copies back of a chunk's results, which run while `stream` solves
-    /// the next chunk.
+    /// The stream of the copies back of a wave's results, which run while `stream` solves
+    /// the waves after.
     back: Arc<CudaStream>,
     libraries: std::cell::OnceCell<Libraries>,
     /// Buffers replaced by larger ones during a call, freed at its end
     /// ([`Device::free_retired`]): cuMemFree waits for the whole device, which stalled the
-    /// chunks in flight wherever a backend's first call outgrew its first chunk's buffers.
+    /// work in flight wherever a backend's first call outgrew its first buffers.
     retired: std::cell::RefCell<Vec<DevBuf<u8>>>,
     pub ordinal: usize,
     pub name: String,
@@ -389,44 +389,55 @@ impl Device {
             .map_err(error::driver(format!("copy of {what} to the device")))
     }
 
-    /// Uploads columns `cols` of every row of `host`, a row-major image of `ncols` columns,
-    /// into the same place of `b`, an image of the same shape, on the copy stream.
+    /// Uploads `strip`, columns `cols` of every row of an image of `ncols` columns packed row
+    /// after row, into its place in `image`, on the copy stream: in one piece into `scratch`,
+    /// then across on the device (from pageable memory, a copy of the rows one by one into
+    /// place took the host several times longer).
     pub(crate) fn upload_columns(
         &self,
-        b: &DevBuf<f32>,
-        host: &[f32],
+        image: &DevBuf<f32>,
+        scratch: &DevBuf<f32>,
+        strip: &[f32],
         ncols: usize,
         cols: std::ops::Range<usize>,
         what: &str,
     ) -> Result<()> {
-        assert!(host.len() <= b.len && cols.end <= ncols && host.len() % ncols.max(1) == 0);
-        if host.is_empty() || cols.is_empty() {
+        let width = cols.len();
+        if strip.is_empty() || width == 0 {
             return Ok(());
         }
-        let pitch = ncols * 4;
+        let rows = strip.len() / width;
+        assert!(rows * width == strip.len() && cols.end <= ncols && rows * ncols <= image.len);
+        self.upload_at(scratch, 0, strip, what)?;
         let copy = drv_sys::CUDA_MEMCPY2D {
-            srcXInBytes: cols.start * 4,
+            srcXInBytes: 0,
             srcY: 0,
-            srcMemoryType: drv_sys::CUmemorytype::CU_MEMORYTYPE_HOST,
-            srcHost: host.as_ptr().cast(),
-            srcDevice: 0,
+            srcMemoryType: drv_sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            srcHost: std::ptr::null(),
+            srcDevice: scratch.ptr,
             srcArray: std::ptr::null_mut(),
-            srcPitch: pitch,
+            srcPitch: width * 4,
             dstXInBytes: cols.start * 4,
             dstY: 0,
             dstMemoryType: drv_sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
             dstHost: std::ptr::null_mut(),
-            dstDevice: b.ptr,
+            dstDevice: image.ptr,
             dstArray: std::ptr::null_mut(),
-            dstPitch: pitch,
-            WidthInBytes: cols.len() * 4,
-            Height: host.len() / ncols,
+            dstPitch: ncols * 4,
+            WidthInBytes: width * 4,
+            Height: rows,
         };
-        // SAFETY: the rectangle lies within both images (checked above); the host image lives
-        // until the copy has been staged (pageable) or the stream has passed it (pinned).
+        // SAFETY: the rectangle lies within both buffers (checked above and by upload_at).
         unsafe { drv_sys::cuMemcpy2DAsync_v2(&copy, self.copies.cu_stream()) }
             .result()
-            .map_err(error::driver(format!("copy of {what} to the device")))
+            .map_err(error::driver(format!("placing {what} on the device")))
+    }
+
+    /// An event at the uploads queued so far.
+    pub(crate) fn copies_event(&self) -> Result<CudaEvent> {
+        self.copies
+            .record_event(None)
+            .map_err(error::driver("cuEventRecord"))
     }
 
     /// Waits for the uploads queued so far (before their host buffers may go).

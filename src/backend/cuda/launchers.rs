@@ -165,7 +165,7 @@ pub(crate) fn assemble(
     )
 }
 
-/// The column tables of a chunk's `n` live patches from the first spot of each fiber block.
+/// The column tables of a wave's `n` patches from the first spot of each fiber block.
 pub(crate) fn column_table(g: Gpu<'_>, ws: &Workspace, n: usize) -> Result<()> {
     let (nb, nt) = (g.sh.nblock, g.sh.nt);
     let total = n * nb * nt;

@@ -341,10 +341,10 @@ impl Backend for CudaBackend {
     }
 }
 
-/// Most patches per wave, whatever the memory budget allows. Chunks of at most 800 patches,
-/// each with its own tables, upload and copies back, were measured faster than larger ones
-/// (full r frames on an H100: a process's first frame 92-98 ms in chunks of 783, 115-125 ms in
-/// chunks of 1436, when the host built each chunk's tables in turn).
+/// Most patches per wave, whatever the memory budget allows. The host prepares the first wave
+/// while the device waits, so that smaller waves start it sooner; larger ones gained nothing
+/// (full r frames on an H200: four waves of 1175 patches 58.1-58.3 ms per frame, six of 784
+/// 57.5-58.7 ms).
 const MAX_WAVE: usize = 800;
 
 impl CudaBackend {
@@ -389,7 +389,12 @@ impl CudaBackend {
                 "wave of {} patches",
                 host.waves[wi].len()
             )));
+            let t_upload = Instant::now();
             ws.input.upload_wave(&self.dev, input, sh, host, wi)?;
+            tracing::debug!(
+                "wave {wi}: upload queued in {:.1} ms",
+                t_upload.elapsed().as_secs_f64() * 1e3
+            );
             if input.options.model {
                 let kept = host.waves[wi].boxes.start;
                 ws.out.model.grow_keeping(&self.dev, host.box_total, kept)?;
@@ -462,12 +467,7 @@ impl CudaBackend {
         if launchers::jacobi_smem(sh.nt) > self.dev.max_shared_per_block()? {
             return self.extract_on_cpu(input, patches, progress, &sh);
         }
-        // Patches of a bundle together, so that a wave evaluates the spots of few bundles.
-        let mut order: BTreeMap<(usize, usize), usize> = BTreeMap::new();
-        for (i, p) in patches.iter().enumerate() {
-            order.insert((p.bundle_start, p.index), i);
-        }
-        let order: Vec<usize> = order.into_values().collect();
+        let order = frame_order(patches);
         let ordered: Vec<&Patch> = order.iter().map(|&i| &patches[i]).collect();
         let image_bytes = 8 * input.image.nrows * input.image.ncols;
         let out_bytes = workspace::FrameOut::bytes_per_patch(&sh)
@@ -478,17 +478,8 @@ impl CudaBackend {
             .take()
             .unwrap_or_else(|| tables::Uploads::new(&self.dev.ctx));
         let mut host = tables::FrameHost::new(&input, &ordered, &sh, buffers, size);
-        timings.pageable_upload = !host.pinned;
-        // The copies back of the first wave come after its solve: time enough to pin their
-        // buffers (the model boxes, when asked, may need larger ones later).
-        let largest = size.min(patches.len());
-        let ws = &mut self.workspace;
-        ws.patches = largest;
-        ws.back
-            .reserve(results::Back::len(largest * sh.ncore * sh.nws, sh.nd(), 0));
-        ws.verdicts
-            .reserve((2 * sh.ncore + schur::VERDICTS_PER_PATCH) * largest);
-        ws.coupling_back.reserve(largest);
+        let largest = tables::wave_lengths(patches.len(), size);
+        self.reserve_waves(&sh, largest.into_iter().max().unwrap_or(0));
         // by position in the frame's order
         let mut results: Vec<Option<PatchResult>> = vec![None; patches.len()];
         let solved = self.solve_frame(
@@ -500,6 +491,7 @@ impl CudaBackend {
             &mut timings,
             progress,
         );
+        timings.pageable_upload = !host.pinned || host.pageable_strips > 0;
         progress.add(host.off.len());
         for (i, r) in std::mem::take(&mut host.off) {
             results[i] = Some(r);
@@ -521,27 +513,7 @@ impl CudaBackend {
         timings.patches = patches.len();
         timings.peak_bytes = self.dev.stats.peak();
         timings.total_ms = t0.elapsed().as_secs_f64() * 1e3;
-        tracing::info!(
-            "cuda: {} patches in {:.1} ms (one upload{}, {} waves; {}); {:?} route, {} patches coupled to second neighbours (largest coupling {:.1e}); decorrelation: {} blocks polar (at most {} steps), {} by Jacobi after the polar route gave up; peak device memory {:.2} GB (process {:.2} GB)",
-            patches.len(),
-            timings.total_ms,
-            if timings.pageable_upload { ", pageable" } else { "" },
-            timings.waves,
-            timings
-                .phases
-                .iter()
-                .map(|(n, ms)| format!("{n} {ms:.1}"))
-                .collect::<Vec<_>>()
-                .join(", "),
-            solve::route(self.tuning.solve, &sh),
-            timings.coupled,
-            timings.max_coupling,
-            timings.polar_blocks,
-            timings.max_polar_steps,
-            timings.polar_fallback,
-            timings.peak_bytes as f64 / 1e9,
-            timings.device_used_bytes as f64 / 1e9
-        );
+        self.log_call(&timings, &sh);
         self.timings = timings;
         // from the frame's order back to the call's
         let mut by_call: Vec<Option<PatchResult>> = vec![None; patches.len()];
@@ -553,6 +525,54 @@ impl CudaBackend {
             .map(|r| r.ok_or_else(|| Error::Gpu("internal: a patch has no result".into())))
             .collect()
     }
+
+    /// Sizes the per-patch buffers for waves of `largest` patches, and starts pinning the host
+    /// buffers of their copies back: the first wave's come after its solve, time enough (the
+    /// model boxes, when asked, may need larger ones later).
+    fn reserve_waves(&mut self, sh: &Shape, largest: usize) {
+        let ws = &mut self.workspace;
+        ws.patches = largest;
+        ws.back
+            .reserve(results::Back::len(largest * sh.ncore * sh.nws, sh.nd(), 0));
+        ws.verdicts
+            .reserve((2 * sh.ncore + schur::VERDICTS_PER_PATCH) * largest);
+        ws.coupling_back.reserve(largest);
+    }
+
+    /// The log line of a call: its time by phase, its routes and counters, its memory.
+    fn log_call(&self, timings: &GpuTimings, sh: &Shape) {
+        tracing::info!(
+            "cuda: {} patches in {:.1} ms (one upload{}, {} waves; {}); {:?} route, {} patches coupled to second neighbours (largest coupling {:.1e}); decorrelation: {} blocks polar (at most {} steps), {} by Jacobi after the polar route gave up; peak device memory {:.2} GB (process {:.2} GB)",
+            timings.patches,
+            timings.total_ms,
+            if timings.pageable_upload { ", pageable" } else { "" },
+            timings.waves,
+            timings
+                .phases
+                .iter()
+                .map(|(n, ms)| format!("{n} {ms:.1}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            solve::route(self.tuning.solve, sh),
+            timings.coupled,
+            timings.max_coupling,
+            timings.polar_blocks,
+            timings.max_polar_steps,
+            timings.polar_fallback,
+            timings.peak_bytes as f64 / 1e9,
+            timings.device_used_bytes as f64 / 1e9
+        );
+    }
+}
+
+/// The positions of `patches` in the frame's order: the patches of a bundle together, so that
+/// a wave evaluates the spots of few bundles.
+fn frame_order(patches: &[Patch]) -> Vec<usize> {
+    let mut order: BTreeMap<(usize, usize), usize> = BTreeMap::new();
+    for (i, p) in patches.iter().enumerate() {
+        order.insert((p.bundle_start, p.index), i);
+    }
+    order.into_values().collect()
 }
 
 /// Number of CUDA devices this process sees (after `CUDA_VISIBLE_DEVICES`): the MPI layer maps

@@ -61,9 +61,9 @@ impl<T: Copy + Default + Send + 'static> Staging<T> {
     }
 
     /// Lets the next [`Staging::get`] or [`Staging::reserve`] start pinning a buffer, of at
-    /// least `len` values: buffers that serve chunks in turn are pinned at the largest size
-    /// any of them needed, so that a chunk larger than the one a buffer was pinned for does
-    /// not make it pageable and pin it again (which showed as 5-10 ms stalls of the host in a
+    /// least `len` values: a buffer is pinned at the largest size it was asked for, so that a
+    /// frame larger than the one it was pinned for does not make it pageable and pin it
+    /// again (which showed as 5-10 ms stalls of the host in a
     /// backend's second to fourth frames).
     pub(crate) fn allow_pinning(&mut self, len: usize) {
         self.pinning = true;
@@ -131,16 +131,6 @@ impl<T: Copy + Default + Send + 'static> Staging<T> {
             (Some(p), true) => &mut p.as_mut_slice()[..len],
             _ => &mut self.pageable[..len],
         }
-    }
-
-    /// Whether a pinned buffer of at least `len` values is ready (an early pinning under way
-    /// is waited for).
-    pub(crate) fn has_pinned(&mut self, len: usize) -> bool {
-        if self.pending.as_ref().is_some_and(|p| p.early) {
-            self.wait_pinned();
-        }
-        self.adopt_finished();
-        self.pinned.as_ref().is_some_and(|p| p.len() >= len)
     }
 
     /// Whether the buffer of the last [`Staging::get`] is pinned.

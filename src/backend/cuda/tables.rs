@@ -9,13 +9,14 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::CudaContext;
+use cudarc::driver::{CudaContext, CudaEvent};
 use ndarray::{s, ArrayViewMut1};
 use rayon::prelude::*;
 
 use super::staging::Staging;
 use super::workspace::Shape;
 use crate::backend::FrameInput;
+use crate::error::Result;
 use crate::extract::{PatchGeometry, PatchResult, PatchStatus};
 use crate::plan::Patch;
 use crate::psf::{Corners, GaussHermitePsf};
@@ -25,8 +26,13 @@ use crate::psf::{Corners, GaussHermitePsf};
 /// memory the driver copies each upload through a buffer of its own before it returns, time
 /// in which the host queues nothing.
 pub(crate) struct Uploads {
-    /// The CCD's pixels, then its inverse variances, row by row (used once pinned).
-    image: Staging<f32>,
+    /// Two buffers of a strip of columns of the CCD, pixels then inverse variances, which
+    /// the strips use in turn, and the end of the upload of the strip each holds. From pageable
+    /// memory the driver copies an upload before the call returns; pinned, a buffer is reused
+    /// once its upload is done. Pinning two strips rather than the whole CCD (136 MB for a
+    /// DESI frame) shortens the stall that pinning causes in a backend's second frame.
+    strips: [Staging<f32>; 2],
+    in_flight: [Option<CudaEvent>; 2],
     /// Trace positions, then Legendre coefficients.
     reals: Staging<f64>,
     /// Spot corners, then the first spots of the fiber blocks.
@@ -36,7 +42,8 @@ pub(crate) struct Uploads {
 impl Uploads {
     pub(crate) fn new(ctx: &Arc<CudaContext>) -> Self {
         Uploads {
-            image: Staging::new(ctx.clone()),
+            strips: [Staging::new(ctx.clone()), Staging::new(ctx.clone())],
+            in_flight: [None, None],
             reals: Staging::new(ctx.clone()),
             ints: Staging::new(ctx.clone()),
         }
@@ -45,13 +52,12 @@ impl Uploads {
     /// Lets the buffers be pinned in the background from their next use on, each as large as
     /// the largest asked for so far.
     pub(crate) fn allow_pinning(&mut self) {
-        let (image, reals, ints) = (
-            self.image.largest(),
-            self.reals.largest(),
-            self.ints.largest(),
-        );
-        tracing::debug!("largest uploads: image {image}, reals {reals}, ints {ints} values");
-        self.image.allow_pinning(image);
+        let image = self.strips.iter().map(|s| s.largest()).max().unwrap_or(0);
+        let (reals, ints) = (self.reals.largest(), self.ints.largest());
+        tracing::debug!("largest uploads: strip {image}, reals {reals}, ints {ints} values");
+        for s in &mut self.strips {
+            s.allow_pinning(image);
+        }
         self.reals.allow_pinning(reals);
         self.ints.allow_pinning(ints);
     }
@@ -90,12 +96,17 @@ impl Wave {
     }
 }
 
-/// The lengths of `n` patches' waves of at most `size` each, as equal as can be.
+/// The lengths of `n` patches' waves of at most `size` each: a first wave a quarter as long as
+/// the largest, which the device waits for the host to prepare, then waves as equal as can
+/// be, each prepared while the device runs the one before.
 pub(crate) fn wave_lengths(n: usize, size: usize) -> Vec<usize> {
-    let count = n.div_ceil(size.max(1));
-    (0..count)
-        .map(|i| n / count + usize::from(i < n % count))
-        .collect()
+    let first = n.min(size).div_ceil(4).max(1).min(n);
+    let rest = n - first;
+    let count = rest.div_ceil(size.max(1));
+    let mut lengths = vec![first];
+    lengths.extend((0..count).map(|i| rest / count + usize::from(i < rest % count)));
+    lengths.retain(|&l| l > 0);
+    lengths
 }
 
 /// A live patch: its position in the frame, its geometry and its bundle slot.
@@ -126,12 +137,12 @@ pub(crate) struct FrameHost {
     corners: Vec<Option<Corners>>,
     /// The columns of the CCD uploaded so far, one range.
     cols: Option<Range<usize>>,
-    /// Whether the image goes from the pinned buffer of `buffers`; else it is uploaded straight
-    /// from the frame's arrays.
-    pub(crate) image_packed: bool,
+    /// Strips of the image packed so far, and those packed into pageable memory.
+    packed: usize,
+    pub(crate) pageable_strips: usize,
     /// The buffers of the upload.
     pub(crate) buffers: Uploads,
-    /// Whether the upload goes from pinned buffers only.
+    /// Whether the tables go from pinned buffers (the image: `pageable_strips`).
     pub(crate) pinned: bool,
     /// Host time spent preparing the frame, milliseconds.
     pub(crate) prep_ms: f64,
@@ -156,14 +167,7 @@ impl FrameHost {
         let nfibers = bundles.len() * sh.bundlesize;
         buffers.reals.get(2 * nspots + nfibers * coef_per_fiber);
         buffers.ints.get(2 * nspots + patches.len() * sh.nblock);
-        let npix = input.image.nrows * input.image.ncols;
-        let image_packed = buffers.image.has_pinned(2 * npix);
-        if image_packed {
-            buffers.image.get(2 * npix);
-        } else {
-            buffers.image.reserve(2 * npix);
-        }
-        let pinned = buffers.reals.is_pinned() && buffers.ints.is_pinned() && image_packed;
+        let pinned = buffers.reals.is_pinned() && buffers.ints.is_pinned();
         let mut start = 0;
         let planned = wave_lengths(patches.len(), wave_max)
             .into_iter()
@@ -186,7 +190,8 @@ impl FrameHost {
             boxoff: Vec::with_capacity(patches.len()),
             box_total: 0,
             cols: None,
-            image_packed,
+            packed: 0,
+            pageable_strips: 0,
             buffers,
             pinned,
             prep_ms: 0.0,
@@ -224,7 +229,7 @@ impl FrameHost {
         }
         self.write_first_spots(sh, live.clone(), slots.start);
         let boxes = self.add_boxes(patches, live.clone());
-        let strips = self.image_strips(input, live.clone());
+        let strips = self.image_strips(live.clone());
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         tracing::debug!(
             "host tables of {} patches: traces of {} bundles {t_traces:.1} ms, layout and image {:.1} ms",
@@ -337,23 +342,13 @@ impl FrameHost {
         start..self.box_total
     }
 
-    /// The columns of the CCD the live patches `live` need beyond those uploaded, packed into
-    /// the pinned image buffer when it is used.
-    fn image_strips(&mut self, input: &FrameInput<'_>, live: Range<usize>) -> Vec<Range<usize>> {
+    /// The columns of the CCD the live patches `live` need beyond those uploaded.
+    fn image_strips(&mut self, live: Range<usize>) -> Vec<Range<usize>> {
         let cols = self.live[live].iter().map(|(_, g, _)| &g.cols);
         let start = cols.clone().map(|c| c.start).min().unwrap_or(0);
         let need = start..cols.map(|c| c.end).max().unwrap_or(0);
         let (cols, strips) = new_columns(self.cols.clone(), need);
         self.cols = Some(cols);
-        if self.image_packed {
-            let img = input.image;
-            let npix = img.nrows * img.ncols;
-            let (pp, pv) = self.buffers.image.current_mut(2 * npix).split_at_mut(npix);
-            for c in &strips {
-                pack_columns(&img.pix, pp, c.clone());
-                pack_columns(&img.ivar, pv, c.clone());
-            }
-        }
         strips
     }
 
@@ -403,17 +398,34 @@ impl FrameHost {
         (2 * self.nspots, nfibers * self.coef_per_fiber)
     }
 
-    /// The CCD's pixels and inverse variances, from the pinned buffer the waves' columns were
-    /// packed into, or else from the frame's arrays.
-    pub(crate) fn image<'a>(&'a self, input: &'a FrameInput<'_>) -> (&'a [f32], &'a [f32]) {
+    /// The pixels and inverse variances of columns `cols`, row by row, packed into the next
+    /// strip buffer once its last upload is done. Upload them, then [`FrameHost::uploaded`].
+    pub(crate) fn pack_strip(
+        &mut self,
+        input: &FrameInput<'_>,
+        cols: Range<usize>,
+    ) -> Result<(&[f32], &[f32])> {
         let img = input.image;
-        let npix = img.nrows * img.ncols;
-        if self.image_packed {
-            return self.buffers.image.current(2 * npix).split_at(npix);
+        let len = img.nrows * cols.len();
+        let b = self.packed % 2;
+        self.packed += 1;
+        if let Some(done) = self.buffers.in_flight[b].take() {
+            done.synchronize()
+                .map_err(super::error::driver("wait for the upload of a strip"))?;
         }
-        let all =
-            |a: &'a ndarray::Array2<f32>| a.as_slice().expect("images are kept in standard layout");
-        (all(&img.pix), all(&img.ivar))
+        let buf = &mut self.buffers.strips[b];
+        buf.get(2 * len);
+        self.pageable_strips += usize::from(!buf.is_pinned());
+        let (pp, pv) = buf.current_mut(2 * len).split_at_mut(len);
+        pack_columns(&img.pix, pp, cols.clone());
+        pack_columns(&img.ivar, pv, cols);
+        Ok((pp, pv))
+    }
+
+    /// Notes the end of the upload of the strip packed last.
+    pub(crate) fn uploaded(&mut self, done: CudaEvent) {
+        let b = (self.packed + 1) % 2;
+        self.buffers.in_flight[b] = Some(done);
     }
 }
 
@@ -490,13 +502,12 @@ fn new_columns(
     }
 }
 
-/// Copies columns `cols` of every row of `image` into the same place of `out`, row-major.
+/// Copies columns `cols` of every row of `image` into `out`, row after row.
 fn pack_columns(image: &ndarray::Array2<f32>, out: &mut [f32], cols: Range<usize>) {
-    let ncols = image.ncols();
-    out.par_chunks_mut(ncols)
+    out.par_chunks_mut(cols.len())
         .zip(image.axis_iter(ndarray::Axis(0)).into_par_iter())
         .for_each(|(o, row)| {
-            ArrayViewMut1::from(&mut o[cols.clone()]).assign(&row.slice(s![cols.clone()]));
+            ArrayViewMut1::from(o).assign(&row.slice(s![cols.clone()]));
         });
 }
 
@@ -542,16 +553,28 @@ mod tests {
     }
 
     #[test]
-    fn waves_are_as_equal_as_can_be_within_the_size() {
-        assert_eq!(wave_lengths(4700, 800), [784, 784, 783, 783, 783, 783]);
-        assert_eq!(wave_lengths(12, 5), [4, 4, 4]);
-        assert_eq!(wave_lengths(3, 10), [3]);
+    fn a_quarter_wave_first_then_equal_ones_within_the_size() {
+        // a full frame in waves of at most 800, and of what a 4 GB budget alone allows
+        assert_eq!(wave_lengths(4700, 800), [200, 750, 750, 750, 750, 750, 750]);
+        assert_eq!(wave_lengths(4700, 1567), [392, 1436, 1436, 1436]);
+        assert_eq!(wave_lengths(235, 1567), [59, 176]);
+        assert_eq!(wave_lengths(1, 1567), [1]);
         assert!(wave_lengths(0, 10).is_empty());
-        for (n, size) in [(4700, 1567), (11, 3), (1, 1), (7, 2)] {
+        for (n, size) in [
+            (4700, 1567),
+            (4700, 10_000),
+            (11, 10),
+            (1, 1),
+            (7, 3),
+            (2, 9),
+        ] {
             let l = wave_lengths(n, size);
-            assert_eq!(l.iter().sum::<usize>(), n);
+            assert_eq!(l.iter().sum::<usize>(), n, "{n} in waves of {size}");
             assert!(l.iter().all(|&x| x > 0 && x <= size), "{l:?}");
-            assert!(l.iter().max().unwrap() - l.iter().min().unwrap() <= 1);
+            assert!(l[0] <= n.min(size).div_ceil(4));
+            let rest = &l[1..];
+            let spread = rest.iter().max().unwrap_or(&0) - rest.iter().min().unwrap_or(&0);
+            assert!(spread <= 1, "{l:?}");
         }
     }
 
@@ -592,20 +615,14 @@ mod tests {
     }
 
     #[test]
-    fn packed_columns_land_where_they_are_on_the_ccd() {
+    fn packed_columns_follow_each_other_row_by_row() {
         let image = ndarray::Array2::from_shape_fn((3, 5), |(r, c)| (10 * r + c) as f32);
-        let mut out = vec![-1.0; 15];
-        pack_columns(&image, &mut out, 1..3);
-        pack_columns(&image, &mut out, 4..5);
-        for r in 0..3 {
-            for c in 0..5 {
-                let want = if c == 0 || c == 3 {
-                    -1.0
-                } else {
-                    image[[r, c]]
-                };
-                assert_eq!(out[r * 5 + c], want, "row {r} column {c}");
-            }
-        }
+        let mut out = vec![-1.0; 10];
+        pack_columns(&image, &mut out[..6], 1..3);
+        pack_columns(&image, &mut out[6..9], 4..5);
+        assert_eq!(
+            out,
+            [1.0, 2.0, 11.0, 12.0, 21.0, 22.0, 4.0, 14.0, 24.0, -1.0]
+        );
     }
 }

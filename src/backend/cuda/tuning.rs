@@ -30,7 +30,7 @@ pub enum Solve {
 /// The backend's tuning, read once per backend from the environment (for measurements rather
 /// than production): `SPEX_GPU_SOLVE` (`schur`, the default, or `dense`), `SPEX_GPU_COUPLING_MAX` (largest
 /// relative second-neighbour coupling the Schur route accepts, default 1e-12),
-/// `SPEX_GPU_RETRY_CAPACITY` (patches per chunk the Schur route retries on the device, default
+/// `SPEX_GPU_RETRY_CAPACITY` (patches per wave the Schur route retries on the device, default
 /// 32),
 /// `SPEX_GPU_DECORRELATE` (`polar` or `jacobi`), `SPEX_GPU_JACOBI_THREADS` (threads per Jacobi
 /// block, default 512) and `SPEX_GPU_JACOBI_TOL` (rotation threshold, default 1e-14).
@@ -38,7 +38,7 @@ pub enum Solve {
 pub(crate) struct Tuning {
     pub solve: Solve,
     pub coupling_max: f64,
-    /// Patches of a chunk whose failed sweeps the device retries (`schur::retry_capacity`).
+    /// Patches of a wave whose failed sweeps the device retries (`schur::retry_capacity`).
     pub retry_capacity: usize,
     pub route: Route,
     /// The polar iteration stops one step after `||X^T X - I||_F = e` falls under this: that
@@ -51,7 +51,7 @@ pub(crate) struct Tuning {
     /// relative perturbation of C near tol.
     pub jacobi_tol: f64,
     pub jacobi_threads: u32,
-    /// Fill icov with NaN before each chunk's assembly (for tests: an entry that a kernel
+    /// Fill icov with NaN before each wave's assembly (for tests: an entry that a kernel
     /// reads but the assembly did not write then shows in the results).
     pub poison: bool,
 }

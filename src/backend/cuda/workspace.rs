@@ -222,6 +222,9 @@ pub(crate) struct Inputs {
     pub(crate) boxoff: Slot<i64>,
     pub(crate) pix: Slot<f32>,
     pub(crate) ivar: Slot<f32>,
+    /// A strip of columns of the image on its way into `pix` or `ivar` (the copy stream
+    /// places one before it uploads the next).
+    pub(crate) strip: Slot<f32>,
 }
 
 impl Inputs {
@@ -237,6 +240,7 @@ impl Inputs {
             boxoff: Slot::new("box offsets"),
             pix: Slot::new("image pixels"),
             ivar: Slot::new("image inverse variance"),
+            strip: Slot::new("image strip"),
         }
     }
 
@@ -270,14 +274,14 @@ impl Inputs {
     /// The compute stream must [`Device::join_copies`] before it reads them; `host`'s pinned
     /// buffers must live until then.
     pub(crate) fn upload_wave(
-        &self,
+        &mut self,
         dev: &Device,
         input: &FrameInput<'_>,
         sh: &Shape,
-        host: &FrameHost,
+        host: &mut FrameHost,
         wi: usize,
     ) -> Result<()> {
-        let w = &host.waves[wi];
+        let w = host.waves[wi].clone();
         for &slot in &w.traced {
             let (at, xy) = host.xy(sh, slot);
             dev.upload_at(self.xy.get(), at, xy, "trace positions")?;
@@ -293,17 +297,23 @@ impl Inputs {
         dev.upload_at(self.boxes.get(), 4 * p0, boxes, "pixel boxes")?;
         dev.upload_at(self.nkeep.get(), p0, &host.nkeep[p0..p1], "kept bins")?;
         dev.upload_at(self.boxoff.get(), p0, &host.boxoff[p0..p1], "box offsets")?;
-        let (pix, ivar) = host.image(input);
         let ncols = input.image.ncols;
-        for c in &w.strips {
-            dev.upload_columns(self.pix.get(), pix, ncols, c.clone(), "image pixels")?;
+        let widest = w.strips.iter().map(|c| c.len()).max().unwrap_or(0);
+        self.strip
+            .ensure(dev, (input.image.nrows * widest).max(1))?;
+        for cols in w.strips {
+            let (pix, ivar) = host.pack_strip(input, cols.clone())?;
+            let scratch = self.strip.get();
+            dev.upload_columns(self.pix.get(), scratch, pix, ncols, cols.clone(), "pixels")?;
             dev.upload_columns(
                 self.ivar.get(),
+                scratch,
                 ivar,
                 ncols,
-                c.clone(),
-                "image inverse variance",
+                cols,
+                "inverse variance",
             )?;
+            host.uploaded(dev.copies_event()?);
         }
         Ok(())
     }
