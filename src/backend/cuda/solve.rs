@@ -1,7 +1,8 @@
 //! The batched solve of a frame's patches on the device (DESIGN "Solve of one patch", the
-//! same steps as [`crate::backend::cpu`]). A frame is one chunk: its tables and image are
-//! uploaded once (`Inputs::upload`), and the device walks its live patches in waves, each
-//! through the same per-patch buffers, as a sequence of named steps:
+//! same steps as [`crate::backend::cpu`]). A frame is one chunk: each part of its tables and
+//! image is uploaded once, with the first wave that needs it (`Inputs::upload_wave`), and the
+//! device walks its live patches in waves, each through the same per-patch buffers, as a
+//! sequence of named steps:
 //!
 //! 1. copies in: the wave's column tables, once the compute stream has joined the upload of
 //!    what the wave adds to the frame's tables and image;
@@ -107,22 +108,20 @@ fn spots(
 }
 
 /// Step 5 for the wave's `n` patches: flux, ivar and resolution of every core block, from the
-/// blocks step 4 left (`kind`).
+/// blocks step 4 left (`kind`), straight into the frame's results from patch `p0` on.
 fn decorrelate_wave(
     g: Gpu<'_>,
     tuning: &Tuning,
     ws: &mut Workspace,
-    n: usize,
+    (p0, n): (usize, usize),
     kind: BlockKind,
 ) -> Result<()> {
     let (dev, sh) = (g.dev, g.sh);
     let nblocks = n * sh.ncore;
+    let c0 = p0 * sh.ncore * sh.nws;
     // sizes for the call's largest wave
     let size = ws.sized(n);
     let blocks = size * sh.ncore;
-    ws.flux.ensure(dev, blocks * sh.nws)?;
-    ws.ivar_out.ensure(dev, blocks * sh.nws)?;
-    ws.res.ensure(dev, blocks * sh.nws * sh.nd())?;
     ws.fluxcol.ensure(dev, size * sh.m())?;
     ws.sweeps.ensure(dev, blocks)?;
     ws.steps.ensure(dev, blocks)?;
@@ -150,9 +149,9 @@ fn decorrelate_wave(
             sweeps: ws.sweeps.get(),
         },
         CoreOut {
-            flux: ws.flux.get().ptr,
-            ivar: ws.ivar_out.get().ptr,
-            res: ws.res.get().ptr,
+            flux: ws.out.flux.get().at(c0),
+            ivar: ws.out.ivar.get().at(c0),
+            res: ws.out.res.get().at(c0 * sh.nd()),
             fluxcol: ws.fluxcol.get().ptr,
         },
         0,
@@ -180,9 +179,9 @@ fn finalize(
     Ok(())
 }
 
-/// Step 7: the wave's core arrays, verdicts (polar steps, Jacobi sweeps, on the Schur route
-/// those of the sweeps and the coupling) and, when asked, model boxes, into the frame's
-/// results at the wave's place.
+/// Step 7: the wave's pixmask and chi2pix, verdicts (polar steps, Jacobi sweeps, on the Schur
+/// route those of the sweeps and the coupling) and, when asked, model boxes, into the frame's
+/// results at the wave's place (the decorrelation wrote flux, ivar and resolution there).
 fn gather(
     g: Gpu<'_>,
     ws: &Workspace,
@@ -197,11 +196,8 @@ fn gather(
     let (b0, nb) = (p0 * sh.ncore, n * sh.ncore);
     let (c0, per) = (b0 * sh.nws, nb * sh.nws);
     let out = &ws.out;
-    dev.dtod_at(out.flux.get(), c0, ws.flux.get(), 0, per)?;
-    dev.dtod_at(out.ivar.get(), c0, ws.ivar_out.get(), 0, per)?;
     dev.dtod_at(out.pixmask.get(), c0, ws.pixmask.get(), 0, per)?;
     dev.dtod_at(out.chi2.get(), c0, ws.chi2.get(), 0, per)?;
-    dev.dtod_at(out.res.get(), c0 * sh.nd(), ws.res.get(), 0, per * sh.nd())?;
     dev.dtod_at(out.steps.get(), b0, ws.steps.get(), 0, nb)?;
     dev.dtod_at(out.sweeps.get(), b0, ws.sweeps.get(), 0, nb)?;
     if solve == Solve::Schur {
@@ -412,7 +408,7 @@ pub(crate) fn queue_wave<'a>(
             BlockKind::Covariance,
         ),
     };
-    decorrelate_wave(g, tuning, ws, n, kind)?;
+    decorrelate_wave(g, tuning, ws, (w.live.start, n), kind)?;
     clock.mark("decorrelate")?;
     finalize(g, ws, (n, w.boxes.len()), region, input)?;
     clock.mark("finalize")?;

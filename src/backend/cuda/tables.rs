@@ -97,14 +97,18 @@ impl Wave {
 }
 
 /// The lengths of `n` patches' waves of at most `size` each: a first wave a quarter as long as
-/// the largest, which the device waits for the host to prepare, then waves as equal as can
-/// be, each prepared while the device runs the one before.
+/// the largest, which the device waits for the host to prepare, and a last one as short, whose
+/// results the host unpacks once the device is done; between them waves as equal as can be,
+/// each prepared while the device runs the one before and unpacked while it runs the next.
 pub(crate) fn wave_lengths(n: usize, size: usize) -> Vec<usize> {
-    let first = n.min(size).div_ceil(4).max(1).min(n);
-    let rest = n - first;
-    let count = rest.div_ceil(size.max(1));
+    let quarter = n.min(size).div_ceil(4).max(1);
+    let first = quarter.min(n);
+    let last = if n - first > size { quarter } else { 0 };
+    let middle = n - first - last;
+    let count = middle.div_ceil(size.max(1));
     let mut lengths = vec![first];
-    lengths.extend((0..count).map(|i| rest / count + usize::from(i < rest % count)));
+    lengths.extend((0..count).map(|i| middle / count + usize::from(i < middle % count)));
+    lengths.push(last);
     lengths.retain(|&l| l > 0);
     lengths
 }
@@ -553,11 +557,16 @@ mod tests {
     }
 
     #[test]
-    fn a_quarter_wave_first_then_equal_ones_within_the_size() {
+    fn quarter_waves_first_and_last_equal_ones_between() {
         // a full frame in waves of at most 800, and of what a 4 GB budget alone allows
-        assert_eq!(wave_lengths(4700, 800), [200, 750, 750, 750, 750, 750, 750]);
-        assert_eq!(wave_lengths(4700, 1567), [392, 1436, 1436, 1436]);
+        assert_eq!(
+            wave_lengths(4700, 800),
+            [200, 717, 717, 717, 717, 716, 716, 200]
+        );
+        assert_eq!(wave_lengths(4700, 1567), [392, 1306, 1305, 1305, 392]);
+        // a call of at most a wave and a quarter: a quarter, then the rest
         assert_eq!(wave_lengths(235, 1567), [59, 176]);
+        assert_eq!(wave_lengths(1000, 800), [200, 800]);
         assert_eq!(wave_lengths(1, 1567), [1]);
         assert!(wave_lengths(0, 10).is_empty());
         for (n, size) in [
@@ -571,9 +580,10 @@ mod tests {
             let l = wave_lengths(n, size);
             assert_eq!(l.iter().sum::<usize>(), n, "{n} in waves of {size}");
             assert!(l.iter().all(|&x| x > 0 && x <= size), "{l:?}");
-            assert!(l[0] <= n.min(size).div_ceil(4));
-            let rest = &l[1..];
-            let spread = rest.iter().max().unwrap_or(&0) - rest.iter().min().unwrap_or(&0);
+            let quarter = n.min(size).div_ceil(4);
+            assert!(l[0] <= quarter);
+            let middle = &l[1..l.len() - usize::from(l.len() > 2)];
+            let spread = middle.iter().max().unwrap_or(&0) - middle.iter().min().unwrap_or(&0);
             assert!(spread <= 1, "{l:?}");
         }
     }

@@ -79,7 +79,7 @@ impl Shape {
     /// Device bytes per patch of the per-patch buffers (icov, which on the dense route later
     /// holds the covariance blocks; L22^-1 on the dense route, the complements, the end
     /// fibers' factors and the sweeps' vectors on the Schur route; the parked polar factors,
-    /// vectors, outputs), without the model boxes.
+    /// vectors, pixmask and chi2pix), without the model boxes.
     pub(crate) fn bytes_per_patch(&self, solve: Solve) -> usize {
         let (m, mc, nt) = (self.m(), self.mc(), self.nt);
         let route = match solve {
@@ -87,9 +87,7 @@ impl Shape {
             Solve::Schur => self.ncore * nt * nt + 2 * nt * nt + 2 * self.nblock * nt,
         };
         let icov = m * self.icov_row_len(solve);
-        8 * (icov + route + self.ncore * nt * nt + 6 * m + self.ncore * self.nws * (4 + self.nd()))
-            + 4 * m
-            + 64
+        8 * (icov + route + self.ncore * nt * nt + 6 * m + 2 * self.ncore * self.nws) + 4 * m + 64
     }
 }
 
@@ -138,9 +136,6 @@ pub(crate) struct Workspace {
     pub(crate) masked: Slot<i32>,
     pub(crate) x: Slot<f64>,
     pub(crate) xinv: Slot<f64>,
-    pub(crate) flux: Slot<f64>,
-    pub(crate) ivar_out: Slot<f64>,
-    pub(crate) res: Slot<f64>,
     pub(crate) fluxcol: Slot<f64>,
     pub(crate) sweeps: Slot<i32>,
     pub(crate) pbuf: Slot<f64>,
@@ -181,9 +176,6 @@ impl Workspace {
             masked: Slot::new("masked flags"),
             x: Slot::new("xflux"),
             xinv: Slot::new("inverse Cholesky blocks"),
-            flux: Slot::new("flux"),
-            ivar_out: Slot::new("ivar"),
-            res: Slot::new("resolution"),
             fluxcol: Slot::new("core flux by column"),
             sweeps: Slot::new("Jacobi sweeps"),
             pbuf: Slot::new("parked polar factors"),
