@@ -7,14 +7,15 @@
 //! with it to rounding, except that the decorrelation takes the polar route where the CPU
 //! diagonalises (the two agree to 1e-9 sigma or better).
 //!
-//! A frame is one chunk: its host tables are built once, its image and tables uploaded once,
-//! and the device walks its patches in waves of up to 800, through per-patch buffers reused
-//! from wave to wave within the memory budget (`SPEX_GPU_MEMORY_GB`, default 4 GB per
-//! backend). Every wave is queued before the host reads any result, and each wave's results
-//! are gathered on the device into the frame's, so that on the default (Schur) route the
-//! device never waits for the host within a frame: even the retry of failed factorisations is
-//! decided on the device. The host copies each wave's results back and unpacks them while the
-//! device runs the waves after.
+//! A frame is one chunk: each part of its host tables and image is built and uploaded once,
+//! by the first wave that needs it, while the device runs the wave before; the device walks
+//! its patches in waves of up to 800, through per-patch buffers reused from wave to wave
+//! within the memory budget (`SPEX_GPU_MEMORY_GB`, default 4 GB per backend). Every wave is
+//! queued before the host reads any result, and each wave's results land in frame-sized
+//! buffers on the device, so that on the default (Schur) route the device never waits for the
+//! host within a frame: even the retry of failed factorisations is decided on the device. The
+//! host copies each wave's results back and unpacks them while the device runs the waves
+//! after.
 //! Device and pinned buffers are kept between calls (a process extracts frame after frame).
 //!
 //! The code is split by concern: `workspace` (buffers kept between calls and shapes),
