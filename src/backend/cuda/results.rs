@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use rayon::prelude::*;
 
 use super::dense::Factorization;
+use super::tables::Live;
 use super::workspace::Shape;
 use crate::backend::cpu;
 use crate::backend::FrameInput;
@@ -103,10 +104,6 @@ fn patch_result(
     }
     r
 }
-
-/// A live patch of the frame's tables: its position in the frame, its geometry and its bundle
-/// slot.
-type Live = (usize, PatchGeometry, usize);
 
 /// The results of a wave's patches (`patches`, with their tables `live` and model box offsets
 /// `boxoff`) that the device solved, by position in the frame.

@@ -114,7 +114,7 @@ pub(crate) fn wave_lengths(n: usize, size: usize) -> Vec<usize> {
 }
 
 /// A live patch: its position in the frame, its geometry and its bundle slot.
-type Live = (usize, PatchGeometry, usize);
+pub(crate) type Live = (usize, PatchGeometry, usize);
 
 /// Host-side tables of a frame, built wave by wave ([`FrameHost::prepare_wave`]).
 pub(crate) struct FrameHost {
@@ -260,14 +260,14 @@ impl FrameHost {
             return new;
         }
         let (psf, waves) = (input.psf, &input.plan.fullwave);
-        let (nspots, per_fiber) = (self.nspots, 2 * sh.nfull);
-        let nfibers = self.bundles.len() * sh.bundlesize;
-        let reals = self
+        let per_fiber = 2 * sh.nfull;
+        let (spots, coefs) = self.table_lens(sh);
+        let (xy, coef) = self
             .buffers
             .reals
-            .current_mut(2 * nspots + nfibers * self.coef_per_fiber);
-        let (xy, coef) = reals.split_at_mut(2 * nspots);
-        let corners = &mut self.buffers.ints.current_mut(2 * nspots)[..];
+            .current_mut(spots + coefs)
+            .split_at_mut(spots);
+        let corners = self.buffers.ints.current_mut(spots);
         let bundles = &self.bundles;
         let fiber_of = |i: usize| bundles[i / sh.bundlesize] + i % sh.bundlesize;
         let wanted = |i: &usize| new.contains(&(i / sh.bundlesize));
@@ -428,8 +428,8 @@ impl FrameHost {
 
     /// Notes the end of the upload of the strip packed last.
     pub(crate) fn uploaded(&mut self, done: CudaEvent) {
-        let b = (self.packed + 1) % 2;
-        self.buffers.in_flight[b] = Some(done);
+        let last = self.packed.checked_sub(1).expect("a strip was packed") % 2;
+        self.buffers.in_flight[last] = Some(done);
     }
 }
 
