@@ -8,12 +8,22 @@
 //! (below 1e-13). The blocks of neighbouring fibers are kept; any other coupling is kept aside
 //! so that the solve can measure what dropping it costs and take the dense route instead.
 
+use std::cell::RefCell;
+
 use faer::Mat;
 use ndarray::s;
 
 use crate::extract::PatchGeometry;
 use crate::image::Image;
 use crate::psf::Spots;
+
+thread_local! {
+    /// The weighted columns of the patch being assembled (under a megabyte), kept by each
+    /// thread from patch to patch: a fresh buffer was zeroed for every patch, and with the
+    /// system's allocator also faulted in page by page, where only the columns of spots cut
+    /// by the box need zeros.
+    static WEIGHTED: RefCell<Vec<f64>> = const { RefCell::new(Vec::new()) };
+}
 
 /// The projection matrix of a patch restricted to its pixel box, with the box's pixels.
 ///
@@ -168,6 +178,17 @@ impl<'a> PatchSystem<'a> {
         self.spots.spot(f, self.geom.wave0 + j % nt)
     }
 
+    /// Whether column `j`'s whole spot lies inside the box.
+    #[inline(always)]
+    fn inside(&self, j: usize) -> bool {
+        let (xc, yc) = self.corner[j];
+        let (rows, cols) = (&self.geom.rows, &self.geom.cols);
+        rows.start as i64 <= yc
+            && yc + self.ny as i64 <= rows.end as i64
+            && cols.start as i64 <= xc
+            && xc + self.nx as i64 <= cols.end as i64
+    }
+
     /// Calls `f(spot offset, box offset, length)` for every row of column `j`'s spot inside
     /// the box: the pixels `spot[s..s + len]` lie at `box[p..p + len]`.
     #[inline(always)]
@@ -209,6 +230,18 @@ impl<'a> PatchSystem<'a> {
 
     #[inline(always)]
     fn assemble(&self, bound_far: bool) -> NormalEquations {
+        let size = self.m() * self.ny * self.nx;
+        WEIGHTED.with_borrow_mut(|ws| {
+            if ws.len() < size {
+                ws.resize(size, 0.0);
+            }
+            self.assemble_from(bound_far, ws)
+        })
+    }
+
+    /// [`Self::assemble`] with a buffer of at least `m ny nx` values for the weighted columns.
+    #[inline(always)]
+    fn assemble_from(&self, bound_far: bool, ws: &mut [f64]) -> NormalEquations {
         let m = self.m();
         let nt = self.geom.nwavetot;
         let nb = self.geom.block_fibers.len();
@@ -221,8 +254,7 @@ impl<'a> PatchSystem<'a> {
             pos[b] = k;
         }
 
-        // weighted columns ws = W a, over the spot's own frame
-        let mut ws = vec![0.0; m * size];
+        // weighted columns ws = W a, over the spot's own frame, zero outside the box
         let mut y = vec![0.0; m];
         let mut fluxweight = vec![0.0; m];
         // per column and spot column: sum of |W a| and largest |a| over the rows in the box
@@ -234,6 +266,9 @@ impl<'a> PatchSystem<'a> {
         for j in 0..m {
             let col = self.column(j);
             let out = &mut ws[j * size..(j + 1) * size];
+            if !self.inside(j) {
+                out.fill(0.0);
+            }
             let (mut sy, mut sw) = (0.0, 0.0);
             self.for_rows(j, |s, p, len| {
                 let out = &mut out[s..s + len];
