@@ -1,7 +1,9 @@
 //! The symmetric eigendecomposition of the decorrelation, `A = U diag(s) U^T`: faer's
 //! algorithm (Householder tridiagonalisation, implicit QR on the tridiagonal matrix with the
-//! rotations accumulated into `U`, the Householder sequence applied back), with a cheaper QR
-//! iteration. It is half of a patch solve.
+//! rotations accumulated into `U`, the Householder sequence applied back), with a
+//! tridiagonalisation for small matrices ([`super::tridiag`]) and a cheaper QR iteration. It
+//! is close to half of a patch solve. The matrix is first divided by a power of two near its
+//! largest entry, which is exact and keeps the sums of squares of the reduction in range.
 //!
 //! The QR sweeps are a chain of dependent divisions and square roots (one Givens rotation per
 //! step), each followed by the rotation of two columns of `U`. faer makes the rotation in a
@@ -25,64 +27,60 @@
 //! without it, and the test is evaluated as faer does only near the threshold.
 
 use faer::dyn_stack::{MemBuffer, MemStack};
-use faer::linalg::evd::tridiag::{tridiag_in_place, tridiag_in_place_scratch};
 use faer::linalg::evd::{self_adjoint_evd, self_adjoint_evd_scratch, ComputeEigenvectors};
-use faer::linalg::householder::{
-    apply_block_householder_sequence_on_the_left_in_place_scratch,
-    apply_block_householder_sequence_on_the_left_in_place_with_conj,
-};
-use faer::linalg::qr::no_pivoting::factor::recommended_block_size;
 use faer::reborrow::ReborrowMut;
 use faer::traits::math_utils::{eps, hypot, min_positive};
-use faer::{Conj, Mat, MatMut, MatRef, Par};
+use faer::{Mat, MatMut, MatRef, Par};
+
+use super::tridiag::Tridiagonal;
 
 /// Margin of the cheap deflation test: the rounded `eps hypot(a, b)` is below
 /// `eps (a + b) (1 + 5u)`, and `1e-14` covers that and the rounding of the bound itself.
 const BOUND_MARGIN: f64 = 1.0 + 1e-14;
 
-/// `a = U diag(s) U^T` from the lower triangle of `a`, eigenvalues ascending; `None` when the
-/// QR iteration does not converge.
+/// `a = U diag(s) U^T` from the lower triangle of `a`, eigenvalues ascending; `None` when an
+/// entry is not finite or the QR iteration does not converge.
 pub(super) fn eigh(a: MatRef<'_, f64>) -> Option<(Vec<f64>, Mat<f64>)> {
-    let n = a.nrows();
-    if n < 3 {
+    if a.nrows() < 3 {
         return faer_eigh(a);
     }
-    let mut trid = Mat::<f64>::zeros(n, n);
-    trid.copy_from_triangular_lower(a);
-    let bs = recommended_block_size::<f64>(n, n);
-    let mut householder = Mat::<f64>::zeros(bs, n.saturating_sub(1));
-    let mut mem = MemBuffer::new(
-        tridiag_in_place_scratch::<f64>(n, Par::Seq, Default::default()).or(
-            apply_block_householder_sequence_on_the_left_in_place_scratch::<f64>(
-                n.saturating_sub(1),
-                bs,
-                n,
-            ),
-        ),
-    );
-    let stack = MemStack::new(&mut mem);
-    tridiag_in_place(
-        trid.as_mut(),
-        householder.as_mut(),
-        Par::Seq,
-        stack,
-        Default::default(),
-    );
-    let mut diag: Vec<f64> = (0..n).map(|i| trid[(i, i)]).collect();
-    let mut offdiag: Vec<f64> = (0..n)
-        .map(|i| if i + 1 < n { trid[(i + 1, i)] } else { 0.0 })
-        .collect();
-    let mut u = Mat::<f64>::zeros(n, n);
-    qr_algorithm(&mut diag, &mut offdiag, u.as_mut())?;
-    apply_block_householder_sequence_on_the_left_in_place_with_conj(
-        trid.as_ref().submatrix(1, 0, n - 1, n - 1),
-        householder.as_ref(),
-        Conj::No,
-        u.as_mut().subrows_mut(1, n - 1),
-        Par::Seq,
-        stack,
-    );
-    Some((diag, u))
+    pulp::Arch::new().dispatch(Eigh { a })
+}
+
+/// The argument of [`eigh`] as a SIMD operation: the reduction, the QR iteration and the
+/// back-transformation all run under the machine's widest instruction set.
+struct Eigh<'a> {
+    a: MatRef<'a, f64>,
+}
+
+impl pulp::WithSimd for Eigh<'_> {
+    type Output = Option<(Vec<f64>, Mat<f64>)>;
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _simd: S) -> Self::Output {
+        let a = self.a;
+        let n = a.nrows();
+        // divided by a power of two near its largest entry, exactly
+        let max = (0..n)
+            .flat_map(|j| (j..n).map(move |i| a[(i, j)].abs()))
+            .fold(0.0f64, f64::max);
+        if !max.is_finite() {
+            return None;
+        }
+        let scale = if max > 0.0 {
+            2f64.powi(max.log2().round() as i32)
+        } else {
+            1.0
+        };
+        let scaled = Mat::<f64>::from_fn(n, n, |i, j| a[(i, j)] / scale);
+        let mut t = Tridiagonal::new(scaled.as_ref());
+        let mut u = Mat::<f64>::zeros(n, n);
+        qr_iteration(&mut t.diag, &mut t.offdiag, u.as_mut())?;
+        t.apply(u.as_mut());
+        let mut s = std::mem::take(&mut t.diag);
+        s.iter_mut().for_each(|x| *x *= scale);
+        Some((s, u))
+    }
 }
 
 /// faer's eigendecomposition itself, for orders below 3 (closed forms in faer).
@@ -110,26 +108,6 @@ fn faer_eigh(a: MatRef<'_, f64>) -> Option<(Vec<f64>, Mat<f64>)> {
 
 /// faer's `tridiag_evd::qr_algorithm` for matrices of order 3 and more, the eigenvectors of
 /// the tridiagonal matrix into `u`; `None` when it does not converge.
-fn qr_algorithm(diag: &mut [f64], offdiag: &mut [f64], u: MatMut<'_, f64>) -> Option<()> {
-    pulp::Arch::new().dispatch(Qr { diag, offdiag, u })
-}
-
-/// The arguments of [`qr_iteration`] as a SIMD operation.
-struct Qr<'a, 'b> {
-    diag: &'a mut [f64],
-    offdiag: &'a mut [f64],
-    u: MatMut<'b, f64>,
-}
-
-impl pulp::WithSimd for Qr<'_, '_> {
-    type Output = Option<()>;
-
-    #[inline(always)]
-    fn with_simd<S: pulp::Simd>(self, _simd: S) -> Option<()> {
-        qr_iteration(self.diag, self.offdiag, self.u)
-    }
-}
-
 #[inline(always)]
 fn qr_iteration(diag: &mut [f64], offdiag: &mut [f64], mut u: MatMut<'_, f64>) -> Option<()> {
     let n = diag.len();

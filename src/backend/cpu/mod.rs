@@ -24,6 +24,7 @@ mod dense;
 mod eigen;
 mod schur;
 mod system;
+mod tridiag;
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
