@@ -19,7 +19,10 @@
 //!   the residual and orthogonality of the decomposition are as good or better;
 //! - the rotations of `U` skip the rows where both of its columns are still zero: `U` starts
 //!   as the identity, and column `j` has only reached the rows a sweep can have carried into
-//!   it (after `s` sweeps, those above row `j + s`). The skipped products are exact zeros.
+//!   it (after `s` sweeps, those above row `j + s`). The skipped products are exact zeros;
+//! - the rotations go to `U` two at a time, one step behind the sweep, each pair in one pass
+//!   over three columns, so that the middle one is loaded and stored once. Every element goes
+//!   through the same operations in the same order.
 //!
 //! faer also tests every off-diagonal entry of the active block before every step with
 //! `|e_i| < eps hypot(d_i, d_i+1)`, a square root per entry; where `|e_i|` is clearly above
@@ -58,27 +61,13 @@ impl pulp::WithSimd for Eigh<'_> {
 
     #[inline(always)]
     fn with_simd<S: pulp::Simd>(self, _simd: S) -> Self::Output {
-        let a = self.a;
-        let n = a.nrows();
-        // divided by a power of two near its largest entry, exactly
-        let max = (0..n)
-            .flat_map(|j| (j..n).map(move |i| a[(i, j)].abs()))
-            .fold(0.0f64, f64::max);
-        if !max.is_finite() {
-            return None;
-        }
-        let scale = if max > 0.0 {
-            2f64.powi(max.log2().round() as i32)
-        } else {
-            1.0
-        };
-        let scaled = Mat::<f64>::from_fn(n, n, |i, j| a[(i, j)] / scale);
-        let mut t = Tridiagonal::new(scaled.as_ref());
+        let n = self.a.nrows();
+        let mut t = Tridiagonal::new(self.a)?;
         let mut u = Mat::<f64>::zeros(n, n);
         qr_iteration(&mut t.diag, &mut t.offdiag, u.as_mut())?;
         t.apply(u.as_mut());
         let mut s = std::mem::take(&mut t.diag);
-        s.iter_mut().for_each(|x| *x *= scale);
+        s.iter_mut().for_each(|x| *x *= t.scale);
         Some((s, u))
     }
 }
@@ -199,6 +188,7 @@ fn sweep(
     let mut x = diag[start] - mu;
     let mut z = offdiag[start];
     let mut k = start;
+    let mut pending = None;
     while k < end && z != 0.0 {
         let (c, s) = make_givens(x, z);
         let sdk = s * diag[k] + c * offdiag[k];
@@ -214,21 +204,66 @@ fn sweep(
             z = -s * offdiag[k + 1];
             offdiag[k + 1] *= c;
         }
-        let (uk1, uk) = u.rb_mut().two_cols_mut(k + 1, k);
-        let (uk1, uk) = (uk1.try_as_col_major_mut(), uk.try_as_col_major_mut());
-        let (Some(uk1), Some(uk)) = (uk1, uk) else {
-            unreachable!("the columns of a new matrix are contiguous")
+        // rotations go to `U` two at a time, each pair in one pass over three columns
+        pending = match pending {
+            None => Some((c, s)),
+            Some(first) => {
+                rotate_pair(u.rb_mut(), k - 1, first, (c, s), rows);
+                None
+            }
         };
-        let (lo, hi) = (rows[k].0.min(rows[k + 1].0), rows[k].1.max(rows[k + 1].1));
-        (rows[k], rows[k + 1]) = ((lo, hi), (lo, hi));
-        rotate(
-            &mut uk1.as_slice_mut()[lo..hi],
-            &mut uk.as_slice_mut()[lo..hi],
-            c,
-            s,
-        );
         k += 1;
     }
+    if let Some((c, s)) = pending {
+        let k = k - 1;
+        let (lo, hi) = (rows[k].0.min(rows[k + 1].0), rows[k].1.max(rows[k + 1].1));
+        (rows[k], rows[k + 1]) = ((lo, hi), (lo, hi));
+        let [uk, uk1] = columns(u.subcols_mut(k, 2));
+        rotate(&mut uk1[lo..hi], &mut uk[lo..hi], c, s);
+    }
+}
+
+/// The rotation `first` of columns `(k, k + 1)` of `U`, then `second` of columns `(k + 1, k +
+/// 2)`, in one pass over the rows: each element goes through the operations of [`rotate`] in
+/// the same order, and the middle column is loaded and stored once. Over the rows where
+/// either rotation may meet a nonzero (`rows`, updated); `first` there meets zeros only,
+/// which stay zeros.
+#[inline(always)]
+fn rotate_pair(
+    u: MatMut<'_, f64>,
+    k: usize,
+    first: (f64, f64),
+    second: (f64, f64),
+    rows: &mut [(usize, usize)],
+) {
+    let (lo, hi) = rows[k..k + 3]
+        .iter()
+        .fold((usize::MAX, 0), |(lo, hi), r| (lo.min(r.0), hi.max(r.1)));
+    rows[k..k + 3].iter_mut().for_each(|r| *r = (lo, hi));
+    let [u0, u1, u2] = columns(u.subcols_mut(k, 3));
+    let ((c1, s1), (c2, s2)) = (first, second);
+    for ((a, b), d) in u0[lo..hi]
+        .iter_mut()
+        .zip(u1[lo..hi].iter_mut())
+        .zip(u2[lo..hi].iter_mut())
+    {
+        let (xv, yv) = (*b, *a);
+        let mid = s1.mul_add(yv, xv * c1);
+        *a = (-s1).mul_add(xv, yv * c1);
+        let (xv, yv) = (*d, mid);
+        *d = s2.mul_add(yv, xv * c2);
+        *b = (-s2).mul_add(xv, yv * c2);
+    }
+}
+
+/// The columns of `u` as slices.
+#[inline(always)]
+fn columns<const N: usize>(u: MatMut<'_, f64>) -> [&mut [f64]; N] {
+    let mut cols = u.col_iter_mut().map(|c| match c.try_as_col_major_mut() {
+        Some(c) => c.as_slice_mut(),
+        None => unreachable!("the columns of a new matrix are contiguous"),
+    });
+    std::array::from_fn(|_| cols.next().expect("N columns"))
 }
 
 /// The Givens rotation `(c, s)` with `c p - s q = r`, `s p + c q = 0` of faer's
