@@ -19,7 +19,8 @@ use faer::dyn_stack::{MemBuffer, MemStack};
 use faer::linalg::svd::{svd, svd_scratch, ComputeSvdVectors};
 use faer::{Mat, Par};
 
-use super::dense::{cholesky, clip_eigenvalues, column, eigh, EIGEN_CLIP};
+use super::cholesky::cholesky;
+use super::dense::{clip_eigenvalues, column, eigh, EIGEN_CLIP};
 use super::system::dot;
 use crate::extract::PatchResult;
 

@@ -7,10 +7,6 @@
 //! With the core fibers ordered last, `C_bb` of the core only needs the trailing block of the
 //! Cholesky factor `L`: `(icov^-1)_core = L_22^-T L_22^-1`.
 
-use faer::dyn_stack::{MemBuffer, MemStack};
-use faer::linalg::cholesky::llt::factor::{
-    cholesky_in_place, cholesky_in_place_scratch, LltRegularization,
-};
 use faer::linalg::matmul::matmul;
 use faer::linalg::triangular_inverse::invert_lower_triangular;
 use faer::linalg::triangular_solve::{
@@ -18,6 +14,7 @@ use faer::linalg::triangular_solve::{
 };
 use faer::{Accum, Mat, MatRef, Par};
 
+use super::cholesky::cholesky;
 use super::system::prior;
 use crate::extract::{PatchGeometry, PatchStatus};
 
@@ -35,41 +32,6 @@ pub(super) fn regularize(icov: &mut Mat<f64>, fluxweight: &[f64], regularize: f6
         icov[(j, j)] += v;
     }
     true
-}
-
-/// In-place lower Cholesky factor with the strict upper triangle cleared; `Err(pivot)` when
-/// `a` is not numerically positive definite.
-pub(super) fn cholesky(a: &mut Mat<f64>) -> std::result::Result<(), usize> {
-    cholesky_lower(a)?;
-    let n = a.nrows();
-    for j in 1..n {
-        for i in 0..j {
-            a[(i, j)] = 0.0;
-        }
-    }
-    Ok(())
-}
-
-/// In-place lower Cholesky factor; only the lower triangle of `a` is read and written.
-pub(super) fn cholesky_lower(a: &mut Mat<f64>) -> std::result::Result<(), usize> {
-    let n = a.nrows();
-    let mut mem = MemBuffer::new(cholesky_in_place_scratch::<f64>(
-        n,
-        Par::Seq,
-        Default::default(),
-    ));
-    match cholesky_in_place(
-        a.as_mut(),
-        LltRegularization::default(),
-        Par::Seq,
-        MemStack::new(&mut mem),
-        Default::default(),
-    ) {
-        Ok(_) => Ok(()),
-        Err(faer::linalg::cholesky::llt::factor::LltError::NonPositivePivot { index }) => {
-            Err(index)
-        }
-    }
 }
 
 /// Symmetric eigendecomposition `a = U diag(s) U^T`, eigenvalues ascending; only the lower

@@ -19,6 +19,7 @@
 //! over where the couplings beyond neighbouring fibers are not negligible
 //! ([`FAR_COUPLING_LIMIT`]) or a block of the sweeps is not positive definite.
 
+mod cholesky;
 mod decorrelate;
 mod dense;
 mod eigen;

@@ -14,7 +14,8 @@ use faer::linalg::matmul::triangular::{matmul as tri_matmul, BlockStructure};
 use faer::linalg::triangular_solve::solve_lower_triangular_in_place;
 use faer::{Accum, Mat, Par};
 
-use super::dense::{cholesky, column, column_mut};
+use super::cholesky::cholesky;
+use super::dense::{column, column_mut};
 use super::system::NormalEquations;
 use crate::extract::PatchGeometry;
 
@@ -166,19 +167,24 @@ pub(super) fn solve(ne: &NormalEquations, prior: &[f64], geom: &PatchGeometry) -
 fn combine(sl: &Mat<f64>, sr: &Mat<f64>, a: &Mat<f64>) -> Mat<f64> {
     let nt = a.nrows();
     let mut s = Mat::<f64>::zeros(nt, nt);
+    let (cl, cr, ca) = (columns(sl), columns(sr), columns(a));
     for j in 0..nt {
-        let out = &mut column_mut(&mut s, j)[j..];
-        let (l, r, a) = (&column(sl, j)[j..], &column(sr, j)[j..], &column(a, j)[j..]);
-        for (((o, &l), &r), &a) in out.iter_mut().zip(l).zip(r).zip(a) {
+        let out = column_mut(&mut s, j);
+        // above the diagonal: row j of the lower triangles, the same sums as below it
+        for (i, o) in out[..j].iter_mut().enumerate() {
+            *o = cl[i][j] + cr[i][j] - ca[i][j];
+        }
+        let (l, r, a) = (&cl[j][j..], &cr[j][j..], &ca[j][j..]);
+        for (((o, &l), &r), &a) in out[j..].iter_mut().zip(l).zip(r).zip(a) {
             *o = l + r - a;
         }
     }
-    for j in 1..nt {
-        for i in 0..j {
-            s[(i, j)] = s[(j, i)];
-        }
-    }
     s
+}
+
+/// The columns of a matrix made by faer, as slices.
+fn columns(m: &Mat<f64>) -> Vec<&[f64]> {
+    (0..m.ncols()).map(|j| column(m, j)).collect()
 }
 
 /// `icov^-1 y` from the block factor: `L z = y` forward, `L^T x = z` backward.
