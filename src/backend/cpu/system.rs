@@ -402,24 +402,33 @@ fn overlap(w1: &[f64], a2: &[f64], nx: i64, ny: i64, dx: i64, dy: i64) -> f64 {
         let len = ((yhi - ylo) * nx) as usize;
         return dot(&w1[o1..o1 + len], &a2[o2..o2 + len]);
     }
+    // rows shorter than the spot's: every row adds into the same partial sums, which are
+    // added up once (a neighbouring fiber's spot overlaps a few columns of eight rows or so)
     let (xlo, xhi) = (dx.max(0), (nx + dx).min(nx));
     let len = (xhi - xlo) as usize;
-    let mut sum = 0.0;
+    let mut acc = [0.0f64; 8];
     for iy in ylo..yhi {
         let o1 = (iy * nx + xlo) as usize;
         let o2 = ((iy - dy) * nx + xlo - dx) as usize;
-        sum += dot(&w1[o1..o1 + len], &a2[o2..o2 + len]);
+        accumulate(&mut acc, &w1[o1..o1 + len], &a2[o2..o2 + len]);
     }
-    sum
+    total(acc)
 }
 
 /// A dot product in a fixed order (eight interleaved partial sums, products rounded before
 /// they are added), so that it vectorises and gives the same bits on every machine.
 #[inline(always)]
 pub(super) fn dot(a: &[f64], b: &[f64]) -> f64 {
+    let mut acc = [0.0f64; 8];
+    accumulate(&mut acc, a, b);
+    total(acc)
+}
+
+/// The products of `a` and `b` added into the partial sums of [`dot`].
+#[inline(always)]
+fn accumulate(acc: &mut [f64; 8], a: &[f64], b: &[f64]) {
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
-    let mut acc = [0.0f64; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
     let (ar, br) = (ac.remainder(), bc.remainder());
     for (x, y) in ac.zip(bc) {
@@ -430,5 +439,10 @@ pub(super) fn dot(a: &[f64], b: &[f64]) -> f64 {
     for (i, (x, y)) in ar.iter().zip(br).enumerate() {
         acc[i] += x * y;
     }
+}
+
+/// The partial sums of [`dot`] added in a fixed order.
+#[inline(always)]
+fn total(acc: [f64; 8]) -> f64 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
 }
