@@ -36,10 +36,10 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 
 /// Keeps the pages that the allocator frees mapped for the whole process, unless
-/// `MIMALLOC_PURGE_DELAY` says otherwise. By default mimalloc returns pages unused for a
-/// second to the kernel, which a second later zeroes them again for the next matrices: on a
-/// CPU extraction that took about 5% of the patch solves, in page faults. The process keeps
-/// its peak memory instead, which it needs again for every frame.
+/// `MIMALLOC_PURGE_DELAY` says otherwise. By default mimalloc gives pages that stay unused
+/// for a second back to the kernel, and the next patches' matrices fault them in again,
+/// zeroed: about 5% of a CPU extraction's patch solves. The process keeps its peak memory
+/// instead, which it needs again for every frame.
 fn keep_freed_pages() {
     if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
         // SAFETY: sets one of the allocator's options, which it reads when it next purges.
