@@ -2,7 +2,7 @@
 //! algorithm (Householder tridiagonalisation, implicit QR on the tridiagonal matrix with the
 //! rotations accumulated into `U`, the Householder sequence applied back), with a
 //! tridiagonalisation for small matrices ([`super::tridiag`]) and a cheaper QR iteration. It
-//! is close to half of a patch solve. The matrix is first divided by a power of two near its
+//! is about two fifths of a patch solve. The matrix is first divided by a power of two near its
 //! largest entry, which is exact and keeps the sums of squares of the reduction in range.
 //!
 //! The QR sweeps are a chain of dependent divisions and square roots (one Givens rotation per

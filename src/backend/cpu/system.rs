@@ -443,6 +443,6 @@ fn accumulate(acc: &mut [f64; 8], a: &[f64], b: &[f64]) {
 
 /// The partial sums of [`dot`] added in a fixed order.
 #[inline(always)]
-fn total(acc: [f64; 8]) -> f64 {
+pub(super) fn total(acc: [f64; 8]) -> f64 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
 }

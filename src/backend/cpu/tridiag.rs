@@ -23,6 +23,8 @@ use faer::linalg::householder::{
 use faer::linalg::qr::no_pivoting::factor::recommended_block_size;
 use faer::{Conj, Mat, MatMut, MatRef, Par};
 
+use super::system::total;
+
 /// Rows of a padded column are a multiple of this, and so is the first row of every loop.
 const LANES: usize = 8;
 
@@ -196,7 +198,9 @@ impl Tridiagonal {
     }
 
     /// The triangular factors of the blocks of `bs` reflectors, as faer's reduction leaves
-    /// them: its reflectors are `I - v v^T / t` with `t = 1 / tau`.
+    /// them: its reflectors are `I - v v^T / t` with `t = 1 / tau`. `upgrade_householder_factor`
+    /// is the function faer's own reduction builds them with; it is public but left out of
+    /// faer's documentation, so a faer upgrade should be checked against the reduction test.
     fn block_factor(&self, essentials: MatRef<'_, f64>, bs: usize) -> Mat<f64> {
         let n = essentials.ncols();
         let mut factor = Mat::<f64>::zeros(bs, n);
@@ -248,19 +252,13 @@ fn dot(a: &[f64], b: &[f64]) -> f64 {
     for i in 0..LANES {
         acc[i] += odd[i];
     }
-    reduce(acc)
+    total(acc)
 }
 
 /// A chunk of [`LANES`] values as an array, which the compiler keeps in vector registers.
 #[inline(always)]
 fn lanes(x: &[f64]) -> &[f64; LANES] {
     x.try_into().expect("a chunk of LANES values")
-}
-
-/// The partial sums added pairwise, in a fixed order.
-#[inline(always)]
-fn reduce(acc: [f64; LANES]) -> f64 {
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
 }
 
 #[cfg(test)]
