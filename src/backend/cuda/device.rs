@@ -361,17 +361,12 @@ impl Device {
 
     /// Copies host data into the start of a device buffer.
     pub(crate) fn copy_to<T: Copy>(&self, b: &DevBuf<T>, host: &[T], what: &str) -> Result<()> {
-        htod(b, host, self.cu_stream(), what)
+        htod(b, 0, host, self.cu_stream(), what)
     }
 
-    /// [`Device::copy_to`] on the copy stream: it runs while the compute stream works, and
-    /// the compute stream sees it after [`Device::join_copies`]. A pinned `host` must live
-    /// until then.
-    pub(crate) fn upload_to<T: Copy>(&self, b: &DevBuf<T>, host: &[T], what: &str) -> Result<()> {
-        htod(b, host, self.copies.cu_stream(), what)
-    }
-
-    /// [`Device::upload_to`] from index `offset` of `b` on.
+    /// [`Device::copy_to`] from index `offset` of `b` on, on the copy stream: it runs while
+    /// the compute stream works, and the compute stream sees it after
+    /// [`Device::join_copies`]. A pinned `host` must live until then.
     pub(crate) fn upload_at<T: Copy>(
         &self,
         b: &DevBuf<T>,
@@ -379,14 +374,7 @@ impl Device {
         host: &[T],
         what: &str,
     ) -> Result<()> {
-        assert!(offset + host.len() <= b.len);
-        if host.is_empty() {
-            return Ok(());
-        }
-        // SAFETY: bounds checked; the host slice lives until the copy has been staged
-        // (pageable) or until the stream has passed it (pinned, see PinnedBuf).
-        unsafe { drv::memcpy_htod_async(b.at(offset), host, self.copies.cu_stream()) }
-            .map_err(error::driver(format!("copy of {what} to the device")))
+        htod(b, offset, host, self.copies.cu_stream(), what)
     }
 
     /// Uploads `strip`, columns `cols` of every row of an image of `ncols` columns packed row
@@ -454,23 +442,14 @@ impl Device {
             .map_err(error::driver("wait for the uploads"))
     }
 
-    /// Makes the stream of the copies back wait for the work queued on the compute stream so
-    /// far.
-    pub(crate) fn back_after_compute(&self) -> Result<()> {
-        self.back
-            .join(&self.stream)
-            .map_err(error::driver("copies back after the kernels"))
-    }
-
-    /// Makes the stream of the copies back wait for `event` (of the compute stream).
+    /// Makes the stream of the copies back wait for `event` (of the compute stream), or for
+    /// all the work queued on the compute stream so far.
     pub(crate) fn back_after(&self, event: Option<&CudaEvent>) -> Result<()> {
         match event {
-            Some(e) => self
-                .back
-                .wait(e)
-                .map_err(error::driver("copies back after the kernels")),
-            None => self.back_after_compute(),
+            Some(e) => self.back.wait(e),
+            None => self.back.join(&self.stream),
         }
+        .map_err(error::driver("copies back after the kernels"))
     }
 
     /// [`Device::copy_from`] (from index `offset` of `b`) on the stream of the copies back;
@@ -560,15 +539,21 @@ impl Drop for Device {
     }
 }
 
-/// Copies `host` into the start of `b` on `stream`.
-fn htod<T: Copy>(b: &DevBuf<T>, host: &[T], stream: drv_sys::CUstream, what: &str) -> Result<()> {
-    assert!(host.len() <= b.len);
+/// Copies `host` into `b` from index `offset` on, on `stream`.
+fn htod<T: Copy>(
+    b: &DevBuf<T>,
+    offset: usize,
+    host: &[T],
+    stream: drv_sys::CUstream,
+    what: &str,
+) -> Result<()> {
+    assert!(offset + host.len() <= b.len);
     if host.is_empty() {
         return Ok(());
     }
     // SAFETY: sizes checked above; the host slice lives until the copy has been staged
     // (pageable) or until the stream has passed it (pinned, see PinnedBuf).
-    unsafe { drv::memcpy_htod_async(b.ptr, host, stream) }
+    unsafe { drv::memcpy_htod_async(b.at(offset), host, stream) }
         .map_err(error::driver(format!("copy of {what} to the device")))
 }
 

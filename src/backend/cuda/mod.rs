@@ -381,8 +381,8 @@ impl CudaBackend {
             k: &self.kernels,
             sh,
         };
-        let mut queued = Vec::with_capacity(host.planned());
-        for pi in 0..host.planned() {
+        let mut queued = Vec::with_capacity(host.nplanned());
+        for pi in 0..host.nplanned() {
             let Some(wi) = host.prepare_wave(input, patches, sh, pi) else {
                 continue;
             };
@@ -479,8 +479,7 @@ impl CudaBackend {
             .take()
             .unwrap_or_else(|| tables::Uploads::new(&self.dev.ctx));
         let mut host = tables::FrameHost::new(&input, &ordered, &sh, buffers, size);
-        let largest = tables::wave_lengths(patches.len(), size);
-        self.reserve_waves(&sh, largest.into_iter().max().unwrap_or(0));
+        self.reserve_waves(&sh, host.largest_wave());
         // by position in the frame's order
         let mut results: Vec<Option<PatchResult>> = vec![None; patches.len()];
         let solved = self.solve_frame(
@@ -492,7 +491,7 @@ impl CudaBackend {
             &mut timings,
             progress,
         );
-        timings.pageable_upload = !host.pinned || host.pageable_strips > 0;
+        timings.pageable_upload = host.pageable;
         progress.add(host.off.len());
         for (i, r) in std::mem::take(&mut host.off) {
             results[i] = Some(r);

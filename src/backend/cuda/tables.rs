@@ -66,7 +66,7 @@ impl Uploads {
 /// Live patches the device solves together, through the workspace's per-patch buffers: a
 /// frame is one chunk (its tables and image uploaded once), walked in waves so that those
 /// buffers stay within the memory budget, with no host synchronisation between waves.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default)]
 pub(crate) struct Wave {
     /// Its patches, as indices into the frame's live patches.
     pub(crate) live: Range<usize>,
@@ -74,9 +74,10 @@ pub(crate) struct Wave {
     pub(crate) slots: Range<usize>,
     /// Its model boxes within the frame's (its box offsets start at 0).
     pub(crate) boxes: Range<usize>,
-    /// The bundle slots whose traces were built for it (the others came with a wave before).
+    /// The bundle slots whose traces were built for it (the others came with a wave before);
+    /// emptied by its upload.
     pub(crate) traced: Vec<usize>,
-    /// The columns of the CCD uploaded for it.
+    /// The columns of the CCD uploaded for it; emptied by its upload.
     pub(crate) strips: Vec<Range<usize>>,
 }
 
@@ -141,13 +142,12 @@ pub(crate) struct FrameHost {
     corners: Vec<Option<Corners>>,
     /// The columns of the CCD uploaded so far, one range.
     cols: Option<Range<usize>>,
-    /// Strips of the image packed so far, and those packed into pageable memory.
+    /// Strips of the image packed so far.
     packed: usize,
-    pub(crate) pageable_strips: usize,
     /// The buffers of the upload.
     pub(crate) buffers: Uploads,
-    /// Whether the tables go from pinned buffers (the image: `pageable_strips`).
-    pub(crate) pinned: bool,
+    /// Whether a table or a strip of the image went from pageable memory.
+    pub(crate) pageable: bool,
     /// Host time spent preparing the frame, milliseconds.
     pub(crate) prep_ms: f64,
 }
@@ -171,7 +171,7 @@ impl FrameHost {
         let nfibers = bundles.len() * sh.bundlesize;
         buffers.reals.get(2 * nspots + nfibers * coef_per_fiber);
         buffers.ints.get(2 * nspots + patches.len() * sh.nblock);
-        let pinned = buffers.reals.is_pinned() && buffers.ints.is_pinned();
+        let pageable = !(buffers.reals.is_pinned() && buffers.ints.is_pinned());
         let mut start = 0;
         let planned = wave_lengths(patches.len(), wave_max)
             .into_iter()
@@ -195,16 +195,20 @@ impl FrameHost {
             box_total: 0,
             cols: None,
             packed: 0,
-            pageable_strips: 0,
             buffers,
-            pinned,
+            pageable,
             prep_ms: 0.0,
         }
     }
 
     /// Waves planned, live or not.
-    pub(crate) fn planned(&self) -> usize {
+    pub(crate) fn nplanned(&self) -> usize {
         self.planned.len()
+    }
+
+    /// Patches in the longest wave planned.
+    pub(crate) fn largest_wave(&self) -> usize {
+        self.planned.iter().map(|w| w.len()).max().unwrap_or(0)
     }
 
     /// Prepares planned wave `pi`: the traces of its bundles not traced yet, its patches' layout
@@ -419,7 +423,7 @@ impl FrameHost {
         }
         let buf = &mut self.buffers.strips[b];
         buf.get(2 * len);
-        self.pageable_strips += usize::from(!buf.is_pinned());
+        self.pageable |= !buf.is_pinned();
         let (pp, pv) = buf.current_mut(2 * len).split_at_mut(len);
         pack_columns(&img.pix, pp, cols.clone());
         pack_columns(&img.ivar, pv, cols);

@@ -258,7 +258,7 @@ impl Inputs {
         self.boxoff.ensure(dev, npatches)?;
         self.pix.ensure(dev, npix)?;
         self.ivar.ensure(dev, npix)?;
-        dev.upload_to(self.waves.get(), &input.plan.fullwave, "wavelength grid")
+        dev.upload_at(self.waves.get(), 0, &input.plan.fullwave, "wavelength grid")
     }
 
     /// Queues the upload of what wave `wi` of `host` adds to the frame's tables and image on
@@ -273,8 +273,14 @@ impl Inputs {
         host: &mut FrameHost,
         wi: usize,
     ) -> Result<()> {
-        let w = host.waves[wi].clone();
-        for &slot in &w.traced {
+        // what is uploaded once, here, is taken; the rest of the wave stays for its results
+        let wave = &mut host.waves[wi];
+        let (traced, strips) = (
+            std::mem::take(&mut wave.traced),
+            std::mem::take(&mut wave.strips),
+        );
+        let live = wave.live.clone();
+        for &slot in &traced {
             let (at, xy) = host.xy(sh, slot);
             dev.upload_at(self.xy.get(), at, xy, "trace positions")?;
             let (at, corners) = host.corners(sh, slot);
@@ -282,18 +288,18 @@ impl Inputs {
             let (at, coef) = host.coef(sh, slot);
             dev.upload_at(self.coef.get(), at, coef, "PSF coefficients")?;
         }
-        let (p0, p1) = (w.live.start, w.live.end);
-        let first = host.first_spots(sh, w.live.clone());
+        let (p0, p1) = (live.start, live.end);
+        let first = host.first_spots(sh, live);
         dev.upload_at(self.first_spots.get(), p0 * sh.nblock, first, "first spots")?;
         let boxes = &host.boxes[4 * p0..4 * p1];
         dev.upload_at(self.boxes.get(), 4 * p0, boxes, "pixel boxes")?;
         dev.upload_at(self.nkeep.get(), p0, &host.nkeep[p0..p1], "kept bins")?;
         dev.upload_at(self.boxoff.get(), p0, &host.boxoff[p0..p1], "box offsets")?;
         let ncols = input.image.ncols;
-        let widest = w.strips.iter().map(|c| c.len()).max().unwrap_or(0);
+        let widest = strips.iter().map(|c| c.len()).max().unwrap_or(0);
         self.strip
             .ensure(dev, (input.image.nrows * widest).max(1))?;
-        for cols in w.strips {
+        for cols in strips {
             let (pix, ivar) = host.pack_strip(input, cols.clone())?;
             let scratch = self.strip.get();
             dev.upload_columns(self.pix.get(), scratch, pix, ncols, cols.clone(), "pixels")?;
