@@ -23,24 +23,24 @@ use crate::extract::PatchGeometry;
 pub(super) struct Sweeps {
     /// `icov^-1 y`, in the order of the unknowns.
     pub xflux: Vec<f64>,
-    /// `S_b = C_bb^-1` of each core fiber, in the geometry's core order; full symmetric.
+    /// `S_b = C_bb^-1` of each core fiber, in the geometry's core order; on the lower
+    /// triangle only (the upper one is left over from the sweeps).
     pub schur: Vec<Mat<f64>>,
 }
 
 /// Columns of `W` taken together by [`eliminate`].
 const PANEL: usize = 16;
 
-/// `W = L^-1 B` for a lower-triangular `L` (upper triangle zero), and `sigma -= W^T W` on the
-/// lower triangle; returns `W`.
+/// `W = L^-1 B` for a lower-triangular `L` (upper triangle zero), in place of `B` in `w`, and
+/// `sigma -= W^T W` on the lower triangle.
 ///
 /// `B` is a coupling of neighbouring fibers: bin `j` of one fiber overlaps only the bins of
 /// the other within a spot's height, so column `j` of `B` is zero above a row close to `j`,
 /// and so is column `j` of `W` (forward substitution of zeros). The columns go by panels of
 /// [`PANEL`], each solved below its first nonzero row only, and the products of `W^T W` skip
 /// those zero rows too.
-fn eliminate(l: &Mat<f64>, b: Mat<f64>, sigma: &mut Mat<f64>) -> Mat<f64> {
-    let (n, m) = (b.nrows(), b.ncols());
-    let mut w = b;
+fn eliminate(l: &Mat<f64>, w: &mut Mat<f64>, sigma: &mut Mat<f64>) {
+    let (n, m) = (w.nrows(), w.ncols());
     // first row of each panel that may be nonzero
     let panels: Vec<(usize, usize, usize)> = (0..m)
         .step_by(PANEL)
@@ -48,7 +48,7 @@ fn eliminate(l: &Mat<f64>, b: Mat<f64>, sigma: &mut Mat<f64>) -> Mat<f64> {
             let c1 = (c0 + PANEL).min(m);
             let r0 = (c0..c1)
                 .map(|j| {
-                    super::dense::column(&w, j)
+                    super::dense::column(w, j)
                         .iter()
                         .position(|&v| v != 0.0)
                         .unwrap_or(n)
@@ -95,96 +95,85 @@ fn eliminate(l: &Mat<f64>, b: Mat<f64>, sigma: &mut Mat<f64>) -> Mat<f64> {
             Par::Seq,
         );
     }
-    w
 }
 
 /// Runs both sweeps on the regularised blocks (`prior` added to the diagonal); `None` when a
 /// block is not numerically positive definite.
 pub(super) fn solve(ne: &NormalEquations, prior: &[f64], geom: &PatchGeometry) -> Option<Sweeps> {
-    let nt = ne.nt;
-    let nb = ne.order.len();
-    let a: Vec<Mat<f64>> = ne
-        .order
-        .iter()
-        .zip(&ne.diag)
-        .map(|(&b, d)| {
-            let mut d = d.clone();
-            for w in 0..nt {
-                d[(w, w)] += prior[b * nt + w];
-            }
-            d
-        })
-        .collect();
+    let (nt, nb) = (ne.nt, ne.order.len());
     let is_core: Vec<bool> = ne.order.iter().map(|&b| b >= geom.npad).collect();
+    let prior_of = |k: usize| &prior[ne.order[k] * nt..(ne.order[k] + 1) * nt];
 
-    // Forward sweep: the block Cholesky factor and the left Schur complements.
+    // Forward sweep: the block Cholesky factor, and the left Schur complements of the core
+    // fibers, which become their `S`.
     let mut l: Vec<Mat<f64>> = Vec::with_capacity(nb);
     let mut wt: Vec<Mat<f64>> = Vec::with_capacity(nb.saturating_sub(1));
-    let mut left: Vec<Option<Mat<f64>>> = vec![None; nb];
+    let mut schur: Vec<Option<Mat<f64>>> = vec![None; nb];
     for k in 0..nb {
-        let mut sigma = a[k].clone();
+        let mut sigma = regularised(&ne.diag[k], prior_of(k));
         if k > 0 {
-            let w = eliminate(&l[k - 1], ne.sub[k - 1].transpose().to_owned(), &mut sigma);
+            let mut w = ne.sub[k - 1].transpose().to_owned();
+            eliminate(&l[k - 1], &mut w, &mut sigma);
             wt.push(w);
         }
         if is_core[k] {
-            left[k] = Some(sigma.clone());
+            schur[k] = Some(sigma.clone());
         }
         cholesky(&mut sigma).ok()?;
         l.push(sigma);
     }
 
-    // Backward sweep, as far as the leftmost core fiber: the right Schur complements.
+    // Backward sweep, as far as the leftmost core fiber: each right Schur complement goes
+    // into its fiber's `S` as soon as it is known.
     let kmin = is_core.iter().position(|&c| c)?;
-    let mut right: Vec<Option<Mat<f64>>> = vec![None; nb];
-    let mut sigma = a[nb - 1].clone();
+    let mut sigma = regularised(&ne.diag[nb - 1], prior_of(nb - 1));
+    let mut w = Mat::<f64>::zeros(nt, nt);
     for k in (kmin..nb).rev() {
-        if is_core[k] {
-            right[k] = Some(sigma.clone());
+        if let Some(s) = &mut schur[k] {
+            combine(s, &sigma, &ne.diag[k], prior_of(k));
         }
         if k == kmin {
             break;
         }
         cholesky(&mut sigma).ok()?;
-        let l = sigma;
-        sigma = a[k - 1].clone();
-        eliminate(&l, ne.sub[k - 1].to_owned(), &mut sigma);
+        let mut next = regularised(&ne.diag[k - 1], prior_of(k - 1));
+        w.copy_from(&ne.sub[k - 1]);
+        eliminate(&sigma, &mut w, &mut next);
+        sigma = next;
     }
 
-    let mut schur = vec![Mat::<f64>::zeros(0, 0); geom.ncore()];
-    for k in 0..nb {
-        if let (Some(sl), Some(sr)) = (&left[k], &right[k]) {
-            schur[ne.order[k] - geom.npad] = combine(sl, sr, &a[k]);
+    let mut out = vec![Mat::<f64>::zeros(0, 0); geom.ncore()];
+    for (k, s) in schur.into_iter().enumerate() {
+        if let Some(s) = s {
+            out[ne.order[k] - geom.npad] = s;
         }
     }
     Some(Sweeps {
         xflux: flux(ne, &l, &wt),
-        schur,
+        schur: out,
     })
 }
 
-/// `S = Sigma + Sigma' - A` from the lower triangles, mirrored into a full symmetric matrix.
-fn combine(sl: &Mat<f64>, sr: &Mat<f64>, a: &Mat<f64>) -> Mat<f64> {
-    let nt = a.nrows();
-    let mut s = Mat::<f64>::zeros(nt, nt);
-    let (cl, cr, ca) = (columns(sl), columns(sr), columns(a));
-    for j in 0..nt {
-        let out = column_mut(&mut s, j);
-        // above the diagonal: row j of the lower triangles, the same sums as below it
-        for (i, o) in out[..j].iter_mut().enumerate() {
-            *o = cl[i][j] + cr[i][j] - ca[i][j];
-        }
-        let (l, r, a) = (&cl[j][j..], &cr[j][j..], &ca[j][j..]);
-        for (((o, &l), &r), &a) in out[j..].iter_mut().zip(l).zip(r).zip(a) {
-            *o = l + r - a;
-        }
+/// A diagonal block of `icov` with the prior added to its diagonal.
+fn regularised(d: &Mat<f64>, prior: &[f64]) -> Mat<f64> {
+    let mut a = d.clone();
+    for (w, &p) in prior.iter().enumerate() {
+        a[(w, w)] += p;
     }
-    s
+    a
 }
 
-/// The columns of a matrix made by faer, as slices.
-fn columns(m: &Mat<f64>) -> Vec<&[f64]> {
-    (0..m.ncols()).map(|j| column(m, j)).collect()
+/// `S = Sigma + Sigma' - A` on the lower triangle, in place of `Sigma`; `A` is the block `d`
+/// of `icov` plus the prior on its diagonal (added first, as [`regularised`] does).
+fn combine(s: &mut Mat<f64>, right: &Mat<f64>, d: &Mat<f64>, prior: &[f64]) {
+    for (j, &p) in prior.iter().enumerate() {
+        let (r, a) = (&column(right, j)[j..], &column(d, j)[j..]);
+        let out = &mut column_mut(s, j)[j..];
+        out[0] = out[0] + r[0] - (a[0] + p);
+        for ((o, &r), &a) in out.iter_mut().zip(r).zip(a).skip(1) {
+            *o = *o + r - a;
+        }
+    }
 }
 
 /// `icov^-1 y` from the block factor: `L z = y` forward, `L^T x = z` backward.
