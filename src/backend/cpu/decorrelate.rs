@@ -73,9 +73,20 @@ impl Root {
         (0..n).map(|r| dot(column(&self.ut, r), &a)).collect()
     }
 
+    /// `U[r][i] g[i]` for every `i`: the factors that row `r` of `Q` shares by all its
+    /// entries, `Q[r][c] = sum_i U[r][i] g[i] U[c][i]`.
+    fn weighted_row(&self, r: usize, out: &mut [f64]) {
+        for ((o, &u), &g) in out.iter_mut().zip(column(&self.ut, r)).zip(&self.g) {
+            *o = u * g;
+        }
+    }
+
     /// `Q[r][c]`.
+    #[cfg(test)]
     fn entry(&self, r: usize, c: usize) -> f64 {
-        dot3(column(&self.ut, r), &self.g, column(&self.ut, c))
+        let mut ug = vec![0.0; self.n()];
+        self.weighted_row(r, &mut ug);
+        dot(&ug, column(&self.ut, c))
     }
 
     /// The row sums `Q 1` and the decorrelated flux `(Q xb)_r / (Q 1)_r` of every row.
@@ -100,26 +111,6 @@ impl Root {
     pub(super) fn matrix(&self) -> Mat<f64> {
         Mat::from_fn(self.n(), self.n(), |r, c| self.entry(r, c))
     }
-}
-
-/// `sum a[k] b[k] c[k]` in a fixed order (eight interleaved partial sums, as
-/// [`super::system::dot`]).
-#[inline(always)]
-fn dot3(a: &[f64], b: &[f64], c: &[f64]) -> f64 {
-    let n = a.len().min(b.len()).min(c.len());
-    let (a, b, c) = (&a[..n], &b[..n], &c[..n]);
-    let mut acc = [0.0f64; 8];
-    let (ac, bc, cc) = (a.chunks_exact(8), b.chunks_exact(8), c.chunks_exact(8));
-    let (ar, br, cr) = (ac.remainder(), bc.remainder(), cc.remainder());
-    for ((x, y), z) in ac.zip(bc).zip(cc) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i] * z[i];
-        }
-    }
-    for (i, ((x, y), z)) in ar.iter().zip(br).zip(cr).enumerate() {
-        acc[i] += x * y * z;
-    }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
 }
 
 /// `Q = S^(1/2)` of a Schur complement; `None` when `S` is not numerically positive definite
@@ -193,17 +184,19 @@ pub(super) fn fill_fiber(
     let nd = 2 * ndiag + 1;
     let (rowsum, flux) = q.rows(xb);
     for j in 0..nk {
-        let row = p0 + j;
-        let norm = rowsum[row];
-        result.flux[c * nk + j] = flux[row];
+        let norm = rowsum[p0 + j];
+        result.flux[c * nk + j] = flux[p0 + j];
         result.ivar[c * nk + j] = norm * norm;
-        for k in 0..nd {
-            // Rdiags[k][j] = R[j - ndiag + k][j]; R's rows are Q's rows over their sums.
-            let r = (row + k) as i64 - ndiag as i64;
-            if r >= 0 && (r as usize) < nt {
-                let r = r as usize;
-                result.resolution[(c * nd + k) * nk + j] = q.entry(r, row) / rowsum[r];
-            }
+    }
+    // Rdiags[k][j] = R[r][p0 + j] with r = p0 + j - ndiag + k; R's rows are Q's rows over
+    // their sums. Row by row of `Q`, for all of its entries in the band at once.
+    let mut ug = vec![0.0; nt];
+    for r in p0.saturating_sub(ndiag)..(p0 + nk + ndiag).min(nt) {
+        q.weighted_row(r, &mut ug);
+        let rows = r.saturating_sub(ndiag).max(p0)..(r + ndiag + 1).min(p0 + nk);
+        for row in rows {
+            let (j, k) = (row - p0, r + ndiag - row);
+            result.resolution[(c * nd + k) * nk + j] = dot(&ug, column(&q.ut, row)) / rowsum[r];
         }
     }
 }
