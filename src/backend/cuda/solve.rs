@@ -34,7 +34,7 @@ use super::dense::{self, Factorization, Keep};
 use super::launchers::{self, CoreIn, CoreOut, Gpu, TILE_MAX_ORDER};
 use super::results::{self, Back};
 use super::schur;
-use super::tables::FrameHost;
+use super::tables::{FrameHost, Layout};
 use super::timings::{GpuTimings, PhaseClock};
 use super::tuning::{Solve, Tuning};
 use super::workspace::{Region, Shape, Workspace};
@@ -107,18 +107,17 @@ fn spots(
     Ok(())
 }
 
-/// Step 5 for the wave's `n` patches: flux, ivar and resolution of every core block, from the
-/// blocks step 4 left (`kind`), straight into the frame's results from patch `p0` on.
+/// Step 5 for the wave's patches: flux, ivar and resolution of every core block, from the
+/// blocks step 4 left (`kind`), straight into the frame's results at the wave's place `at`.
 fn decorrelate_wave(
     g: Gpu<'_>,
     tuning: &Tuning,
     ws: &mut Workspace,
-    (p0, n): (usize, usize),
+    at: &Layout,
     kind: BlockKind,
 ) -> Result<()> {
     let (dev, sh) = (g.dev, g.sh);
-    let nblocks = n * sh.ncore;
-    let c0 = p0 * sh.ncore * sh.nws;
+    let (n, nblocks, c0) = (at.patches.len(), at.blocks.len(), at.bins.start);
     // sizes for the call's largest wave
     let size = ws.sized(n);
     let blocks = size * sh.ncore;
@@ -192,9 +191,10 @@ fn gather(
 ) -> Result<()> {
     let (dev, sh) = (g.dev, g.sh);
     let w = &host.waves[wi];
-    let (p0, n) = (w.live.start, w.len());
-    let (b0, nb) = (p0 * sh.ncore, n * sh.ncore);
-    let (c0, per) = (b0 * sh.nws, nb * sh.nws);
+    let at = w.layout(sh);
+    let (p0, n) = (at.patches.start, at.patches.len());
+    let (b0, nb) = (at.blocks.start, at.blocks.len());
+    let (c0, per) = (at.bins.start, at.bins.len());
     let out = &ws.out;
     dev.dtod_at(out.pixmask.get(), c0, ws.pixmask.get(), 0, per)?;
     dev.dtod_at(out.chi2.get(), c0, ws.chi2.get(), 0, per)?;
@@ -227,9 +227,10 @@ fn copy_back(
 ) -> Result<(CudaEvent, CudaEvent)> {
     let (dev, sh) = (g.dev, g.sh);
     let w = &host.waves[q.wave];
-    let (p0, n) = (w.live.start, w.len());
-    let (b0, nblocks) = (p0 * sh.ncore, n * sh.ncore);
-    let (c0, per) = (b0 * sh.nws, nblocks * sh.nws);
+    let at = w.layout(sh);
+    let (p0, n) = (at.patches.start, at.patches.len());
+    let (b0, nblocks) = (at.blocks.start, at.blocks.len());
+    let (c0, per) = (at.bins.start, at.bins.len());
     dev.back_after(q.clock.last())?;
     let start = dev.back_event()?;
     let nback = Back::len(per, sh.nd(), if model { w.boxes.len() } else { 0 });
@@ -408,7 +409,7 @@ pub(crate) fn queue_wave<'a>(
             BlockKind::Covariance,
         ),
     };
-    decorrelate_wave(g, tuning, ws, (w.live.start, n), kind)?;
+    decorrelate_wave(g, tuning, ws, &w.layout(g.sh), kind)?;
     clock.mark("decorrelate")?;
     finalize(g, ws, (n, w.boxes.len()), region, input)?;
     clock.mark("finalize")?;
@@ -443,8 +444,8 @@ pub(crate) fn finish_wave(
     drop(q.keep);
     let (sh, model) = (g.sh, input.options.model);
     let w = &host.waves[q.wave];
-    let n = w.len();
-    let nblocks = n * sh.ncore;
+    let at = w.layout(sh);
+    let (n, nblocks, per) = (at.patches.len(), at.blocks.len(), at.bins.len());
     let verdicts = ws
         .verdicts
         .current(2 * nblocks + q.steps.verdicts_per_patch() * n);
@@ -482,7 +483,6 @@ pub(crate) fn finish_wave(
     }
 
     let t_res = Instant::now();
-    let per = nblocks * sh.nws;
     let nback = Back::len(per, sh.nd(), if model { w.boxes.len() } else { 0 });
     let back = Back::split(ws.back.current(nback), per, sh.nd());
     let live = &host.live[w.live.clone()];

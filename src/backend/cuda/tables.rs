@@ -95,6 +95,25 @@ impl Wave {
     pub(crate) fn nspots(&self, sh: &Shape) -> usize {
         self.slots.len() * sh.bundlesize * sh.nfull
     }
+
+    /// Where its results lie in the frame's arrays on the device.
+    pub(crate) fn layout(&self, sh: &Shape) -> Layout {
+        let blocks = self.live.start * sh.ncore..self.live.end * sh.ncore;
+        Layout {
+            patches: self.live.clone(),
+            bins: blocks.start * sh.nws..blocks.end * sh.nws,
+            blocks,
+        }
+    }
+}
+
+/// A wave's place in the frame's results: its patches (the Schur sweeps' verdicts), their
+/// core blocks (polar steps, Jacobi sweeps) and their core bins (flux, ivar, pixmask,
+/// chi2pix; the resolution has `nd` values per bin).
+pub(crate) struct Layout {
+    pub(crate) patches: Range<usize>,
+    pub(crate) blocks: Range<usize>,
+    pub(crate) bins: Range<usize>,
 }
 
 /// The lengths of `n` patches' waves of at most `size` each: a first wave a quarter as long as
@@ -363,11 +382,9 @@ impl FrameHost {
     /// Trace positions `[spot][x, y]` of the spots of bundle slot `slot`, and where they
     /// start in the frame's table.
     pub(crate) fn xy(&self, sh: &Shape, slot: usize) -> (usize, &[f64]) {
-        let per = 2 * sh.bundlesize * sh.nfull;
-        (
-            slot * per,
-            &self.buffers.reals.current((slot + 1) * per)[slot * per..],
-        )
+        self.buffers
+            .reals
+            .part_onward(slot, 2 * sh.bundlesize * sh.nfull)
     }
 
     /// Legendre coefficients of GHSIGX, GHSIGY and the GH-i-j, `[fiber][param][k]`, of the
@@ -383,11 +400,9 @@ impl FrameHost {
 
     /// Spot corners `[spot][column, row]` of bundle slot `slot`, and where they start.
     pub(crate) fn corners(&self, sh: &Shape, slot: usize) -> (usize, &[i32]) {
-        let per = 2 * sh.bundlesize * sh.nfull;
-        (
-            slot * per,
-            &self.buffers.ints.current((slot + 1) * per)[slot * per..],
-        )
+        self.buffers
+            .ints
+            .part_onward(slot, 2 * sh.bundlesize * sh.nfull)
     }
 
     /// The first spot of each fiber block `[live patch][block]` of the live patches `live`,
