@@ -125,6 +125,12 @@ impl<T: Copy + Default + Send + 'static> Staging<T> {
         }
     }
 
+    /// The values of the buffer that the last [`Staging::get`] gave, from part `k` of `per`
+    /// values on, and where that part starts.
+    pub(crate) fn part_onward(&self, k: usize, per: usize) -> (usize, &[T]) {
+        (k * per, &self.current((k + 1) * per)[k * per..])
+    }
+
     /// The first `len` values of the buffer that the last [`Staging::get`] gave, to write.
     pub(crate) fn current_mut(&mut self, len: usize) -> &mut [T] {
         match (&mut self.pinned, self.on_pinned) {
