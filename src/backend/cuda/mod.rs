@@ -224,7 +224,7 @@ impl CudaBackend {
     /// fit in three quarters of the budget (the rest for the spots of a wave) once the frame's
     /// `frame_bytes` (image, results) are held.
     fn wave_size(&self, sh: &Shape, frame_bytes: usize) -> usize {
-        let per = sh.bytes_per_patch(solve::route(self.tuning.solve, sh)) + 8 * 8192;
+        let per = sh.bytes_per_patch(solve::route(self.tuning.solve, sh)) + MODEL_BOX_BYTES;
         let fit = (self.budget * 3 / 4).saturating_sub(frame_bytes) / per;
         match self.max_wave {
             Some(max) => max.min(fit).max(1),
@@ -347,6 +347,10 @@ impl Backend for CudaBackend {
 /// (full r frames on an H200: four waves of 1175 patches 58.1-58.3 ms per frame, six of 784
 /// 57.5-58.7 ms).
 const MAX_WAVE: usize = 800;
+
+/// Device memory set aside per patch for its model box (8192 pixels of f64) when the budget
+/// is shared out: in every wave, and for the frame's results when the models are asked.
+const MODEL_BOX_BYTES: usize = 8 * 8192;
 
 impl CudaBackend {
     /// Solves a frame's `patches` (ordered by bundle) as one chunk: each wave's tables and the
@@ -472,7 +476,11 @@ impl CudaBackend {
         let ordered: Vec<&Patch> = order.iter().map(|&i| &patches[i]).collect();
         let image_bytes = 8 * input.image.nrows * input.image.ncols;
         let out_bytes = workspace::FrameOut::bytes_per_patch(&sh)
-            + if input.options.model { 8 * 8192 } else { 0 };
+            + if input.options.model {
+                MODEL_BOX_BYTES
+            } else {
+                0
+            };
         let size = self.wave_size(&sh, image_bytes + patches.len() * out_bytes);
         let buffers = self
             .uploads
@@ -491,6 +499,11 @@ impl CudaBackend {
             &mut timings,
             progress,
         );
+        // the buffers only grow within a frame and go after it: the device's use now is the
+        // frame's peak
+        if let Ok((free, total)) = self.dev.mem_info() {
+            timings.device_used_bytes = total - free;
+        }
         timings.pageable_upload = host.pageable;
         progress.add(host.off.len());
         for (i, r) in std::mem::take(&mut host.off) {
@@ -542,11 +555,11 @@ impl CudaBackend {
     /// The log line of a call: its time by phase, its routes and counters, its memory.
     fn log_call(&self, timings: &GpuTimings, sh: &Shape) {
         tracing::info!(
-            "cuda: {} patches in {:.1} ms (one upload{}, {} waves; {}); {:?} route, {} patches coupled to second neighbours (largest coupling {:.1e}); decorrelation: {} blocks polar (at most {} steps), {} by Jacobi after the polar route gave up; peak device memory {:.2} GB (process {:.2} GB)",
+            "cuda: {} patches in {:.1} ms ({} waves, {} uploads; {}); {:?} route, {} patches coupled to second neighbours (largest coupling {:.1e}); decorrelation: {} blocks polar (at most {} steps), {} by Jacobi after the polar route gave up; peak device memory {:.2} GB (process {:.2} GB)",
             timings.patches,
             timings.total_ms,
-            if timings.pageable_upload { ", pageable" } else { "" },
             timings.waves,
+            if timings.pageable_upload { "pageable" } else { "pinned" },
             timings
                 .phases
                 .iter()

@@ -478,9 +478,6 @@ pub(crate) fn finish_wave(
     t.polar_fallback += counts.fallback;
     t.max_polar_steps = t.max_polar_steps.max(counts.max_steps);
     t.max_sweeps = t.max_sweeps.max(counts.max_sweeps);
-    if let Ok((free, total)) = g.dev.mem_info() {
-        t.device_used_bytes = t.device_used_bytes.max(total - free);
-    }
 
     let t_res = Instant::now();
     let nback = Back::len(per, sh.nd(), if model { w.boxes.len() } else { 0 });
