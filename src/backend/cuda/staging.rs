@@ -125,10 +125,10 @@ impl<T: Copy + Default + Send + 'static> Staging<T> {
         }
     }
 
-    /// The values of the buffer that the last [`Staging::get`] gave, from part `k` of `per`
-    /// values on, and where that part starts.
-    pub(crate) fn part_onward(&self, k: usize, per: usize) -> (usize, &[T]) {
-        (k * per, &self.current((k + 1) * per)[k * per..])
+    /// Part `k` of the table of parts of `per` values that starts at value `at` of the buffer
+    /// that the last [`Staging::get`] gave, and where the part starts in that table.
+    pub(crate) fn part(&self, at: usize, k: usize, per: usize) -> (usize, &[T]) {
+        (k * per, &self.current(at + (k + 1) * per)[at + k * per..])
     }
 
     /// The first `len` values of the buffer that the last [`Staging::get`] gave, to write.

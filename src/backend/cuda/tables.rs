@@ -384,25 +384,21 @@ impl FrameHost {
     pub(crate) fn xy(&self, sh: &Shape, slot: usize) -> (usize, &[f64]) {
         self.buffers
             .reals
-            .part_onward(slot, 2 * sh.bundlesize * sh.nfull)
+            .part(0, slot, 2 * sh.bundlesize * sh.nfull)
     }
 
     /// Legendre coefficients of GHSIGX, GHSIGY and the GH-i-j, `[fiber][param][k]`, of the
     /// fibers of bundle slot `slot`, and where they start in the frame's table.
     pub(crate) fn coef(&self, sh: &Shape, slot: usize) -> (usize, &[f64]) {
         let per = sh.bundlesize * self.coef_per_fiber;
-        let reals = self
-            .buffers
-            .reals
-            .current(2 * self.nspots + (slot + 1) * per);
-        (slot * per, &reals[2 * self.nspots + slot * per..])
+        self.buffers.reals.part(2 * self.nspots, slot, per)
     }
 
     /// Spot corners `[spot][column, row]` of bundle slot `slot`, and where they start.
     pub(crate) fn corners(&self, sh: &Shape, slot: usize) -> (usize, &[i32]) {
         self.buffers
             .ints
-            .part_onward(slot, 2 * sh.bundlesize * sh.nfull)
+            .part(0, slot, 2 * sh.bundlesize * sh.nfull)
     }
 
     /// The first spot of each fiber block `[live patch][block]` of the live patches `live`,
