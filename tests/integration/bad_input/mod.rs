@@ -1,0 +1,366 @@
+//! Bad input never corrupts or destroys data: the `spex` binary is run on corrupted,
+//! truncated and compressed FITS files, NaN and Inf in its arrays, bad PSFs, absurd option
+//! values, outputs that alias inputs or special files, unwritable places, a full disk,
+//! signals during a write, `--list` edge cases and MPI runs with a failing rank.
+//!
+//! Every case runs in a directory of its own that holds its inputs, and asserts:
+//! - the exit status;
+//! - one line of stderr that names the user's file (or option) and the problem;
+//! - no panic text;
+//! - no file left behind, hidden temporaries included (only the outputs of a success);
+//! - every file that was there before is byte-identical afterwards.
+//!
+//! Each defect found by the adversarial review that motivated this suite has a regression
+//! test named after it. The full-disk cases mount a small tmpfs, which needs root (the
+//! machines that run this suite are root); they fail, saying so, where mounting is refused.
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::common::data;
+use spex::frame::{specmask, Frame};
+
+const PSF: &str = "psf-r0-00067784.fits";
+const IMAGE: &str = "preproc-bundle0.fits";
+/// Longest any case may run: a hang is a failure.
+const TIMEOUT: Duration = Duration::from_secs(120);
+
+/// A directory of its own for one case, with a record of what it held before the run.
+struct Case {
+    dir: tempfile::TempDir,
+    before: BTreeMap<String, Vec<u8>>,
+}
+
+impl Case {
+    fn new() -> Self {
+        Case {
+            dir: tempfile::tempdir().expect("temporary directory"),
+            before: BTreeMap::new(),
+        }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// Copies a file of tests/data into the case's directory.
+    fn copy(&self, name: &str, to: &str) -> PathBuf {
+        let path = self.path(to);
+        std::fs::copy(data(name), &path).expect("copy test data");
+        path
+    }
+
+    /// Every file of the directory (hidden ones included) with its bytes.
+    fn files(&self) -> BTreeMap<String, Vec<u8>> {
+        files_of(self.dir.path())
+    }
+
+    /// Records the directory as it is before the run.
+    fn seal(&mut self) {
+        self.before = self.files();
+    }
+
+    /// Asserts that the directory holds what it held before, byte for byte, plus exactly
+    /// the `created` files.
+    fn unchanged_except(&self, created: &[&str]) {
+        let after = self.files();
+        for (name, bytes) in &self.before {
+            let now = after.get(name);
+            assert!(now.is_some(), "{name} was removed");
+            assert!(now == Some(bytes), "{name} was modified");
+        }
+        let mut new: Vec<&String> = after
+            .keys()
+            .filter(|k| !self.before.contains_key(*k))
+            .collect();
+        new.sort();
+        let mut want: Vec<&str> = created.to_vec();
+        want.sort();
+        assert_eq!(
+            new.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
+            want,
+            "files left in the directory"
+        );
+    }
+}
+
+fn files_of(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    for entry in std::fs::read_dir(dir).expect("list directory") {
+        let entry = entry.expect("entry");
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let kind = entry.file_type().expect("file type");
+        if kind.is_dir() {
+            for (sub, bytes) in files_of(&entry.path()) {
+                out.insert(format!("{name}/{sub}"), bytes);
+            }
+        } else if kind.is_file() {
+            out.insert(name, std::fs::read(entry.path()).expect("read file"));
+        } else {
+            out.insert(name, b"<special>".to_vec());
+        }
+    }
+    out
+}
+
+/// How a run ended.
+struct Outcome {
+    code: Option<i32>,
+    stderr: String,
+}
+
+/// Runs `spex` (under `mpiexec -n ranks` when given) with a time limit.
+fn run(ranks: Option<usize>, args: &[OsString], env: &[(&str, &str)]) -> Outcome {
+    let exe = env!("CARGO_BIN_EXE_spex");
+    let mut cmd = match ranks {
+        None => Command::new(exe),
+        Some(n) => {
+            let mut c = Command::new("mpiexec");
+            c.args([
+                "--allow-run-as-root",
+                "--oversubscribe",
+                "--bind-to",
+                "none",
+            ])
+            .args(["--mca", "btl_vader_single_copy_mechanism", "none"])
+            .args(["-n", &n.to_string(), exe]);
+            c
+        }
+    };
+    let mut child = cmd
+        .args(args)
+        .envs(env.iter().copied())
+        .env_remove("SPEX_LOG")
+        .env_remove("DESI_NO_GPU")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("cannot start spex (or mpiexec, which the MPI cases need)");
+    let stderr = read_in_background(child.stderr.take().expect("stderr"));
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        if t0.elapsed() > TIMEOUT {
+            let _ = child.kill();
+            panic!("spex {args:?} did not finish in {TIMEOUT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Outcome {
+        code: status.code(),
+        stderr: stderr.join().expect("stderr reader"),
+    }
+}
+
+fn read_in_background(mut pipe: impl Read + Send + 'static) -> std::thread::JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = pipe.read_to_string(&mut s);
+        s
+    })
+}
+
+fn spex(args: Vec<OsString>) -> Outcome {
+    run(None, &args, &[])
+}
+
+/// Arguments from strings and paths.
+macro_rules! args {
+    ($($a:expr),* $(,)?) => { vec![$(OsString::from($a)),*] };
+}
+
+/// The extraction options of every case: bundle 0, 51 bins, one thread.
+fn options() -> Vec<OsString> {
+    args![
+        "-w",
+        "6000,6040,0.8",
+        "-s",
+        "0",
+        "-n",
+        "25",
+        "--threads",
+        "1"
+    ]
+}
+
+fn extract(input: &Path, psf: &Path, output: &Path, extra: Vec<OsString>) -> Outcome {
+    let mut a = args!["-i", input, "-p", psf, "-o", output];
+    a.extend(options());
+    a.extend(extra);
+    spex(a)
+}
+
+/// Asserts the exit status, that no panic was printed, and that one line of stderr holds
+/// every one of `needles`.
+fn expect(o: &Outcome, code: i32, needles: &[&str]) {
+    assert_eq!(o.code, Some(code), "exit status; stderr:\n{}", o.stderr);
+    for bad in ["panicked", "RUST_BACKTRACE", "stack backtrace"] {
+        assert!(
+            !o.stderr.contains(bad),
+            "panic text in stderr:\n{}",
+            o.stderr
+        );
+    }
+    if needles.is_empty() {
+        return;
+    }
+    assert!(
+        o.stderr
+            .lines()
+            .any(|l| needles.iter().all(|n| l.contains(n))),
+        "no line of stderr holds all of {needles:?}:\n{}",
+        o.stderr
+    );
+}
+
+/// cfitsio's value for undefined floating pixels: NaNs are written as this through
+/// `ffppne`, which is how fpack and astropy store them in compressed tiles.
+const FLOAT_NULL: f32 = -9.11912e-36;
+
+/// Writes a small preproc image (1000 x 330 pixels, enough for bundle 0 at 6000-6040 A):
+/// IMAGE and IVAR from the closures (NaN allowed), MASK 0; tile-compressed if asked.
+fn write_image(
+    path: &Path,
+    compressed: bool,
+    pix: impl Fn(usize, usize) -> f32,
+    ivar: impl Fn(usize, usize) -> f32,
+) {
+    use fitsio::images::{ImageDescription, ImageType};
+    let (nrows, ncols) = (1000, 330);
+    let name = match compressed {
+        true => format!("{}[compress]", path.display()),
+        false => path.display().to_string(),
+    };
+    let mut f = fitsio::FitsFile::create(&name)
+        .open()
+        .expect("create image");
+    let float = ImageDescription {
+        data_type: ImageType::Float,
+        dimensions: &[nrows, ncols],
+    };
+    for (extname, values) in [("IMAGE", &pix as &dyn Fn(_, _) -> f32), ("IVAR", &ivar)] {
+        f.create_image(extname, &float).expect("create HDU");
+        let mut v: Vec<f32> = (0..nrows * ncols)
+            .map(|i| values(i / ncols, i % ncols))
+            .map(|x| if x.is_nan() { FLOAT_NULL } else { x })
+            .collect();
+        let mut status = 0;
+        // SAFETY: the file is open on the image just created, of `v.len()` pixels.
+        unsafe {
+            fitsio::sys::ffppne(
+                f.as_raw(),
+                1,
+                1,
+                v.len() as i64,
+                v.as_mut_ptr(),
+                FLOAT_NULL,
+                &mut status,
+            )
+        };
+        assert_eq!(status, 0, "writing {extname}");
+    }
+    let int = ImageDescription {
+        data_type: ImageType::Long,
+        dimensions: &[nrows, ncols],
+    };
+    let hdu = f.create_image("MASK", &int).expect("create MASK");
+    hdu.write_image(&mut f, &vec![0i32; nrows * ncols])
+        .expect("write MASK");
+}
+
+fn unit(_: usize, _: usize) -> f32 {
+    1.0
+}
+
+/// Overwrites `values` in the numeric column `column` of HDU `hdu`, row `row`, from element
+/// `first` (all counted from 1), through cfitsio.
+fn edit_column(path: &Path, hdu: &str, column: &str, row: i64, first: i64, values: &[f64]) {
+    let mut f = fitsio::FitsFile::edit(path).expect("open for edit");
+    f.hdu(hdu).expect("HDU");
+    let mut cname = std::ffi::CString::new(column)
+        .unwrap()
+        .into_bytes_with_nul();
+    let (mut colnum, mut status) = (0, 0);
+    let mut v = values.to_vec();
+    // SAFETY: an open file positioned on `hdu`; NUL-terminated column name; `v` alive.
+    unsafe {
+        let ptr = f.as_raw();
+        fitsio::sys::ffgcno(ptr, 0, cname.as_mut_ptr().cast(), &mut colnum, &mut status);
+        fitsio::sys::ffpcld(
+            ptr,
+            colnum,
+            row,
+            first,
+            v.len() as i64,
+            v.as_mut_ptr(),
+            &mut status,
+        );
+    }
+    assert_eq!(status, 0, "editing {column}");
+}
+
+/// Overwrites the first `values.len()` values of image HDU `hdu`.
+fn edit_image(path: &Path, hdu: &str, values: &[f64]) {
+    let mut f = fitsio::FitsFile::edit(path).expect("open for edit");
+    let h = f.hdu(hdu).expect("HDU");
+    h.write_section(&mut f, 0, values.len(), values)
+        .expect("write image");
+}
+
+/// The row of parameter `param` in the PSF table (counted from 1).
+fn psf_row(path: &Path, param: &str) -> i64 {
+    let mut f = spex::fits::Fits::open(path).unwrap();
+    f.move_to("PSF").unwrap();
+    let names = f.column_str("PARAM").unwrap();
+    names.iter().position(|n| n.trim() == param).unwrap() as i64 + 1
+}
+
+/// A small tmpfs of `kib` KiB mounted on a new directory, unmounted on drop.
+struct Tmpfs {
+    dir: tempfile::TempDir,
+}
+
+impl Tmpfs {
+    fn mount(kib: usize, read_only: bool) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let mut opts = format!("size={}k", kib);
+        if read_only {
+            opts.push_str(",ro");
+        }
+        let status = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &opts, "tmpfs"])
+            .arg(dir.path())
+            .status()
+            .expect("run mount");
+        assert!(
+            status.success(),
+            "cannot mount a tmpfs (the full-disk cases need root): {status}"
+        );
+        Tmpfs { dir }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(self.dir.path()).status();
+    }
+}
+
+fn bytes_of(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    files_of(dir)
+}
+
+// After the harness: the cases use its `args!` macro.
+mod files;
+mod regressions;
