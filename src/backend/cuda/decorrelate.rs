@@ -3,7 +3,7 @@
 //! eigensolver (kernels/decorrelate.cu) for the blocks the polar route gave up on, with no
 //! host round trip between them. The counts of both go to the backend's log line.
 
-use super::device::DevBuf;
+use super::buffers::DevBuf;
 use super::launchers::{self, CoreIn, CoreOut, Gpu, TILE_MAX_ORDER};
 use super::tuning::{Route, Tuning};
 use crate::error::Result;

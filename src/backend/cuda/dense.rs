@@ -15,11 +15,13 @@
 use cudarc::cublas::sys as cublas_sys;
 use cudarc::cusolver::sys as cusolver_sys;
 
-use super::device::{DevBuf, Device};
+use super::buffers::DevBuf;
+use super::device::Device;
 use super::error;
 use super::launchers::{self, Gpu};
+use super::shape::Shape;
 use super::tuning::Solve;
-use super::workspace::{pointer_array, Region, Shape, Workspace};
+use super::workspace::{pointer_array, Region, Workspace};
 use crate::backend::cpu::RETRY_REGULARIZE;
 use crate::error::Result;
 use crate::extract::PatchStatus;

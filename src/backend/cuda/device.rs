@@ -1,49 +1,16 @@
-//! One CUDA device: its context and stream, the cuBLAS and cuSOLVER handles bound to that
-//! stream (created when first needed), device buffers that count the memory they hold, and
-//! pinned host buffers.
-//!
-//! Buffers are plain `cuMemAlloc` allocations owned by [`DevBuf`]: the solve passes raw device
-//! pointers to NVRTC kernels and to the batched cuBLAS/cuSOLVER routines, so a thin owner with
-//! byte accounting (peak device memory is a documented limit) serves better than a typed
-//! stream-tracked slice.
+//! One CUDA device: its context and streams, the cuBLAS and cuSOLVER handles bound to the
+//! compute stream (created when first needed), the allocation of device buffers
+//! (`buffers` owns them) and the copies between host and device.
 
-use std::marker::PhantomData;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use cudarc::cublas::sys as cublas_sys;
 use cudarc::cusolver::sys as cusolver_sys;
 use cudarc::driver::{result as drv, sys as drv_sys, CudaContext, CudaEvent, CudaStream};
 
+use super::buffers::{DevBuf, MemStats};
 use super::error;
 use crate::error::{Error, Result};
-
-/// Bytes of device memory held by this process's buffers, now and at most.
-#[derive(Default, Debug)]
-pub(crate) struct MemStats {
-    current: AtomicUsize,
-    peak: AtomicUsize,
-}
-
-impl MemStats {
-    fn add(&self, n: usize) {
-        let now = self.current.fetch_add(n, Ordering::Relaxed) + n;
-        self.peak.fetch_max(now, Ordering::Relaxed);
-    }
-
-    fn sub(&self, n: usize) {
-        self.current.fetch_sub(n, Ordering::Relaxed);
-    }
-
-    pub(crate) fn peak(&self) -> usize {
-        self.peak.load(Ordering::Relaxed)
-    }
-
-    pub(crate) fn reset_peak(&self) {
-        self.peak
-            .store(self.current.load(Ordering::Relaxed), Ordering::Relaxed);
-    }
-}
 
 /// Checks that a CUDA library can be loaded before anything calls into it (cudarc panics
 /// on a missing library; spex reports it as an error instead).
@@ -283,16 +250,7 @@ impl Device {
         let bytes = (len.max(1)) * std::mem::size_of::<T>();
         // SAFETY: a plain allocation in the bound context.
         match unsafe { drv::malloc_sync(bytes) } {
-            Ok(ptr) => {
-                self.stats.add(bytes);
-                Ok(DevBuf {
-                    ptr,
-                    len,
-                    bytes,
-                    stats: self.stats.clone(),
-                    _t: PhantomData,
-                })
-            }
+            Ok(ptr) => Ok(DevBuf::adopt(ptr, len, bytes, self.stats.clone())),
             Err(e) => {
                 let (free, total) = self.mem_info().unwrap_or((0, 0));
                 Err(Error::Gpu(format!(
@@ -573,136 +531,4 @@ fn dtoh<T: Copy>(
     // copy.
     unsafe { drv::memcpy_dtoh_async(host, b.at(offset), stream) }
         .map_err(error::driver(format!("copy of {what} from the device")))
-}
-
-/// Device memory of `len` values of `T`, freed on drop.
-pub(crate) struct DevBuf<T> {
-    pub ptr: drv_sys::CUdeviceptr,
-    pub len: usize,
-    bytes: usize,
-    stats: Arc<MemStats>,
-    _t: PhantomData<T>,
-}
-
-impl<T> DevBuf<T> {
-    /// The same memory as bytes.
-    fn erased(self) -> DevBuf<u8> {
-        let b = std::mem::ManuallyDrop::new(self);
-        DevBuf {
-            ptr: b.ptr,
-            len: b.bytes,
-            bytes: b.bytes,
-            // SAFETY: moved out of `b`, which is never dropped.
-            stats: unsafe { std::ptr::read(&b.stats) },
-            _t: PhantomData,
-        }
-    }
-
-    /// Device address of element `i`.
-    pub(crate) fn at(&self, i: usize) -> u64 {
-        self.ptr + (i * std::mem::size_of::<T>()) as u64
-    }
-}
-
-impl<T> Drop for DevBuf<T> {
-    fn drop(&mut self) {
-        // SAFETY: allocated by malloc_sync; cuMemFree waits for work that uses it.
-        unsafe {
-            let _ = drv::free_sync(self.ptr);
-        }
-        self.stats.sub(self.bytes);
-    }
-}
-
-/// Page-locked host memory, for transfers that overlap with computation and run at full
-/// bus speed.
-pub(crate) struct PinnedBuf<T: Copy + Default> {
-    ptr: *mut T,
-    len: usize,
-}
-
-// SAFETY: the buffer is plain host memory owned by this value.
-unsafe impl<T: Copy + Default + Send> Send for PinnedBuf<T> {}
-
-impl<T: Copy + Default> PinnedBuf<T> {
-    pub(crate) fn len(&self) -> usize {
-        self.len
-    }
-
-    pub(crate) fn as_slice(&self) -> &[T] {
-        // SAFETY: allocated and initialised in `new`.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-
-    pub(crate) fn new(len: usize) -> Result<Self> {
-        let bytes = len.max(1) * std::mem::size_of::<T>();
-        // SAFETY: plain allocation; initialised below.
-        let ptr = unsafe { drv::malloc_host(bytes, 0) }.map_err(error::driver(format!(
-            "cannot allocate {:.1} MiB of pinned host memory",
-            bytes as f64 / 1048576.0
-        )))? as *mut T;
-        // SAFETY: `ptr` holds `len` values of T.
-        unsafe { std::slice::from_raw_parts_mut(ptr, len).fill(T::default()) };
-        Ok(PinnedBuf { ptr, len })
-    }
-
-    pub(crate) fn as_mut_slice(&mut self) -> &mut [T] {
-        // SAFETY: allocated and initialised in `new`.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
-}
-
-impl<T: Copy + Default> Drop for PinnedBuf<T> {
-    fn drop(&mut self) {
-        // SAFETY: allocated by malloc_host.
-        unsafe {
-            let _ = drv::free_host(self.ptr as *mut std::ffi::c_void);
-        }
-    }
-}
-
-/// A device buffer kept between waves and calls, grown when a larger one is needed: large
-/// allocations and frees synchronise the device and cost milliseconds each.
-pub(crate) struct Slot<T> {
-    buf: Option<DevBuf<T>>,
-    what: &'static str,
-}
-
-impl<T> Slot<T> {
-    pub(crate) const fn new(what: &'static str) -> Self {
-        Slot { buf: None, what }
-    }
-
-    /// Makes the buffer hold at least `len` values; returns whether it was allocated anew,
-    /// which loses its contents (a grown buffer does not keep them).
-    pub(crate) fn ensure(&mut self, dev: &Device, len: usize) -> Result<bool> {
-        if self.buf.as_ref().is_none_or(|b| b.len < len) {
-            if let Some(old) = self.buf.take() {
-                dev.retire(old);
-            }
-            self.buf = Some(dev.alloc(len, self.what)?);
-            return Ok(true);
-        }
-        Ok(false)
-    }
-
-    /// Makes the buffer hold at least `len` values, keeping the first `kept` (a grown buffer
-    /// is twice as large at least, and filled from the old one on the compute stream).
-    pub(crate) fn grow_keeping(&mut self, dev: &Device, len: usize, kept: usize) -> Result<()> {
-        let old_len = self.buf.as_ref().map_or(0, |b| b.len);
-        if old_len >= len {
-            return Ok(());
-        }
-        let new = dev.alloc(len.max(2 * old_len), self.what)?;
-        if let Some(old) = self.buf.take() {
-            dev.dtod(&new, &old, kept.min(old_len))?;
-            dev.retire(old);
-        }
-        self.buf = Some(new);
-        Ok(())
-    }
-
-    pub(crate) fn get(&self) -> &DevBuf<T> {
-        self.buf.as_ref().expect("Slot::ensure before Slot::get")
-    }
 }

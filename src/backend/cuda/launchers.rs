@@ -2,10 +2,12 @@
 //! writes and fills in the argument list in the kernel's order, so that the steps of the solve
 //! read as calls.
 
-use super::device::{DevBuf, Device};
+use super::buffers::DevBuf;
+use super::device::Device;
 use super::kernels::{launch, Args, Kernels};
+use super::shape::Shape;
 use super::tuning::Solve;
-use super::workspace::{Region, Shape, Workspace};
+use super::workspace::{Region, Workspace};
 use crate::backend::cpu::EIGEN_CLIP;
 use crate::error::Result;
 use crate::psf::GaussHermitePsf;

@@ -18,7 +18,9 @@
 //! after.
 //! Device and pinned buffers are kept between calls (a process extracts frame after frame).
 //!
-//! The code is split by concern: `workspace` (buffers kept between calls and shapes),
+//! The code is split by concern: `device` (context, streams, allocation and copies),
+//! `buffers` (device and pinned memory owned), `shape` (the shapes of a frame's patches),
+//! `workspace` (buffers kept between calls),
 //! `staging` (host buffers of the transfers, pinned in the background), `tables` (host
 //! tables of a frame and its waves), `launchers` (one typed launcher per kernel), `dense`
 //! (factorisation and core covariance through cuSOLVER and cuBLAS), `schur` (the same by
@@ -31,6 +33,7 @@
 //! `SPEX_GPU_COUPLING_MAX`, `SPEX_GPU_RETRY_CAPACITY`, `SPEX_GPU_DECORRELATE`,
 //! `SPEX_GPU_JACOBI_THREADS`, `SPEX_GPU_JACOBI_TOL`).
 
+mod buffers;
 mod decorrelate;
 mod dense;
 mod device;
@@ -39,6 +42,7 @@ mod kernels;
 mod launchers;
 mod results;
 mod schur;
+mod shape;
 mod solve;
 mod staging;
 mod tables;
@@ -64,9 +68,9 @@ use crate::plan::Patch;
 use device::Device;
 use kernels::Kernels;
 use launchers::{CoreIn, CoreOut, Gpu};
+use shape::Shape;
 use timings::PhaseClock;
 use tuning::Tuning;
-use workspace::Shape;
 
 /// Default budget of device memory per backend, in bytes.
 const DEFAULT_BUDGET: f64 = 4e9;

@@ -7,8 +7,8 @@ use std::collections::BTreeMap;
 use rayon::prelude::*;
 
 use super::dense::Factorization;
+use super::shape::Shape;
 use super::tables::Live;
-use super::workspace::Shape;
 use crate::backend::cpu;
 use crate::backend::FrameInput;
 use crate::extract::{ModelPatch, PatchGeometry, PatchResult, PatchStatus};

@@ -21,8 +21,9 @@
 //! fibers per patch. A coupling block lies in the rows of the fiber first along the CCD; the
 //! sweep from the right reads it row-wise, coalesced, and transposes it in shared memory.
 
+use super::buffers::DevBuf;
 use super::dense::Factorization;
-use super::device::{DevBuf, Device};
+use super::device::Device;
 use super::kernels::{launch, Args};
 use super::launchers::{self, Gpu};
 use super::tuning::Solve;

@@ -17,7 +17,7 @@ use std::thread::JoinHandle;
 
 use cudarc::driver::CudaContext;
 
-use super::device::PinnedBuf;
+use super::buffers::PinnedBuf;
 use super::error;
 use crate::error::Result;
 

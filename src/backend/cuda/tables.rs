@@ -13,8 +13,8 @@ use cudarc::driver::{CudaContext, CudaEvent};
 use ndarray::{s, ArrayViewMut1};
 use rayon::prelude::*;
 
+use super::shape::Shape;
 use super::staging::Staging;
-use super::workspace::Shape;
 use crate::backend::FrameInput;
 use crate::error::Result;
 use crate::extract::{PatchGeometry, PatchResult, PatchStatus};

@@ -1,99 +1,18 @@
-//! Buffers and workspace of the batched solve: the shapes shared by every patch of a call,
-//! the device and pinned buffers kept by a backend between waves and calls, the frame's
-//! uploaded tables and results, and the region of the CCD a frame uploads.
+//! Buffers and workspace of the batched solve: the device and pinned buffers kept by a
+//! backend between waves and calls ([`Slot`]), the frame's uploaded tables and results, and
+//! the region of the CCD a frame uploads. Their sizes follow from `shape`.
 
 use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 
-use super::device::{DevBuf, Device, Slot};
+use super::buffers::DevBuf;
+use super::device::Device;
+use super::shape::Shape;
 use super::staging::Staging;
 use super::tables::FrameHost;
-use super::tuning::Solve;
 use crate::backend::FrameInput;
 use crate::error::Result;
-use crate::plan::Patch;
-
-/// Shapes shared by every patch of a call.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Shape {
-    pub nx: usize,
-    pub ny: usize,
-    pub nt: usize,
-    pub nws: usize,
-    pub wavepad: usize,
-    pub ncore: usize,
-    pub nblock: usize,
-    pub nfull: usize,
-    pub bundlesize: usize,
-    pub ndiag: usize,
-}
-
-impl Shape {
-    pub(crate) fn new(input: &FrameInput<'_>, patches: &[Patch]) -> Self {
-        let plan = input.plan;
-        let (ny, nx) = input.psf.spot_shape();
-        let ncore = plan.options.layout.bundlesize / plan.options.layout.nsubbundles;
-        let nblock = patches
-            .iter()
-            .map(|p| p.nspecpad())
-            .max()
-            .unwrap_or(ncore)
-            .max(ncore);
-        Shape {
-            nx,
-            ny,
-            nt: plan.nwavetot,
-            nws: plan.options.layout.nwavestep,
-            wavepad: plan.wavepad,
-            ncore,
-            nblock,
-            nfull: plan.fullwave.len(),
-            bundlesize: plan.options.layout.bundlesize,
-            ndiag: input.psf.hsizey,
-        }
-    }
-
-    pub(crate) fn m(&self) -> usize {
-        self.nblock * self.nt
-    }
-
-    pub(crate) fn mc(&self) -> usize {
-        self.ncore * self.nt
-    }
-
-    pub(crate) fn nd(&self) -> usize {
-        2 * self.ndiag + 1
-    }
-
-    /// Doubles per stored row of a patch's icov (kernels/common.cuh): m on the dense route,
-    /// which hands the whole matrix to cuSOLVER; on the Schur route the band of
-    /// [`BAND_BLOCKS`] fiber blocks that the sweeps and the coupling check read.
-    pub(crate) fn icov_row_len(&self, solve: Solve) -> usize {
-        match solve {
-            Solve::Dense => self.m(),
-            Solve::Schur => BAND_BLOCKS * self.nt,
-        }
-    }
-
-    /// Device bytes per patch of the per-patch buffers (icov, which on the dense route later
-    /// holds the covariance blocks; L22^-1 on the dense route, the complements, the end
-    /// fibers' factors and the sweeps' vectors on the Schur route; the parked polar factors,
-    /// vectors, pixmask and chi2pix), without the model boxes.
-    pub(crate) fn bytes_per_patch(&self, solve: Solve) -> usize {
-        let (m, mc, nt) = (self.m(), self.mc(), self.nt);
-        let route = match solve {
-            Solve::Dense => mc * mc,
-            Solve::Schur => self.ncore * nt * nt + 2 * nt * nt + 2 * self.nblock * nt,
-        };
-        let icov = m * self.icov_row_len(solve);
-        8 * (icov + route + self.ncore * nt * nt + 6 * m + 2 * self.ncore * self.nws) + 4 * m + 64
-    }
-}
-
-/// Fiber blocks per stored row of icov on the Schur route, `SPEX_BAND_BLOCKS` in
-/// kernels/common.cuh: the fiber's own block and those of the next two fibers along the CCD.
-pub(crate) const BAND_BLOCKS: usize = 3;
 
 /// Device addresses `base + i * step` for `ids`, as a device array of pointers.
 pub(crate) fn pointer_array(
@@ -452,4 +371,50 @@ pub(crate) struct Region {
     pub(crate) row0: usize,
     pub(crate) col0: usize,
     pub(crate) width: usize,
+}
+
+/// A device buffer kept between waves and calls, grown when a larger one is needed: large
+/// allocations and frees synchronise the device and cost milliseconds each.
+pub(crate) struct Slot<T> {
+    buf: Option<DevBuf<T>>,
+    what: &'static str,
+}
+
+impl<T> Slot<T> {
+    pub(crate) const fn new(what: &'static str) -> Self {
+        Slot { buf: None, what }
+    }
+
+    /// Makes the buffer hold at least `len` values; returns whether it was allocated anew,
+    /// which loses its contents (a grown buffer does not keep them).
+    pub(crate) fn ensure(&mut self, dev: &Device, len: usize) -> Result<bool> {
+        if self.buf.as_ref().is_none_or(|b| b.len < len) {
+            if let Some(old) = self.buf.take() {
+                dev.retire(old);
+            }
+            self.buf = Some(dev.alloc(len, self.what)?);
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// Makes the buffer hold at least `len` values, keeping the first `kept` (a grown buffer
+    /// is twice as large at least, and filled from the old one on the compute stream).
+    pub(crate) fn grow_keeping(&mut self, dev: &Device, len: usize, kept: usize) -> Result<()> {
+        let old_len = self.buf.as_ref().map_or(0, |b| b.len);
+        if old_len >= len {
+            return Ok(());
+        }
+        let new = dev.alloc(len.max(2 * old_len), self.what)?;
+        if let Some(old) = self.buf.take() {
+            dev.dtod(&new, &old, kept.min(old_len))?;
+            dev.retire(old);
+        }
+        self.buf = Some(new);
+        Ok(())
+    }
+
+    pub(crate) fn get(&self) -> &DevBuf<T> {
+        self.buf.as_ref().expect("Slot::ensure before Slot::get")
+    }
 }
