@@ -559,7 +559,7 @@ impl CudaBackend {
     /// The log line of a call: its time by phase, its routes and counters, its memory.
     fn log_call(&self, timings: &GpuTimings, sh: &Shape) {
         tracing::info!(
-            "cuda: {} patches in {:.1} ms ({} waves, {} uploads; {}); {:?} route, {} patches coupled to second neighbours (largest coupling {:.1e}); decorrelation: {} blocks polar (at most {} steps), {} by Jacobi after the polar route gave up; peak device memory {:.2} GB (process {:.2} GB)",
+            "cuda: {} patches in {:.1} ms ({} waves, {} uploads; {}); {:?} route, {} patches coupled to second neighbours (largest coupling {:.1e}); {} patches solved on the CPU ({} coupled, {} after a failed retry; {} retried on the device); decorrelation: {} blocks polar (at most {} steps), {} by Jacobi after the polar route gave up; peak device memory {:.2} GB (process {:.2} GB)",
             timings.patches,
             timings.total_ms,
             timings.waves,
@@ -573,6 +573,10 @@ impl CudaBackend {
             solve::route(self.tuning.solve, sh),
             timings.coupled,
             timings.max_coupling,
+            timings.cpu_fallback,
+            timings.coupled,
+            timings.cpu_fallback - timings.coupled,
+            timings.retried,
             timings.polar_blocks,
             timings.max_polar_steps,
             timings.polar_fallback,

@@ -136,6 +136,16 @@ pub(crate) fn unpack(
         .collect()
 }
 
+/// Why a patch leaves the device for the CPU reference.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FallbackReason {
+    /// Its factorisation failed, and again after the regularised retry.
+    FailedTwice,
+    /// The Schur route would drop a second-neighbour coupling over the tuning's bound; the
+    /// CPU reference solves it by its dense route, as the CPU backend does such a patch.
+    Coupled,
+}
+
 /// Solves a wave's patches `to_cpu` with the CPU reference; results by position in the frame.
 pub(crate) fn cpu_fallback(
     input: &FrameInput<'_>,
@@ -144,6 +154,7 @@ pub(crate) fn cpu_fallback(
     live: &[Live],
     bundles: &[usize],
     to_cpu: &[usize],
+    reason: FallbackReason,
 ) -> Vec<(usize, PatchResult)> {
     let mut host_spots: BTreeMap<usize, Spots> = BTreeMap::new();
     let mut results = Vec::with_capacity(to_cpu.len());
@@ -154,11 +165,14 @@ pub(crate) fn cpu_fallback(
         let spots = host_spots
             .entry(b)
             .or_insert_with(|| input.psf.spots(b..b + sh.bundlesize, &input.plan.fullwave));
-        tracing::warn!(
-            "patch fibers {:?} bins {:?}: Cholesky failed twice on the GPU, solved on the CPU",
-            patch.fibers,
-            patch.waves
-        );
+        // a coupled patch is logged (debug) where the coupling check finds it, schur::outcome
+        if reason == FallbackReason::FailedTwice {
+            tracing::warn!(
+                "patch fibers {:?} bins {:?}: Cholesky failed twice on the GPU, solved on the CPU",
+                patch.fibers,
+                patch.waves
+            );
+        }
         let r = cpu::solve_patch(input.plan, patch, spots, input.image, input.options);
         results.push((*ci, r));
     }

@@ -32,7 +32,7 @@ use cudarc::driver::CudaEvent;
 use super::decorrelate::{self, BlockKind, Counts, Scratch};
 use super::dense::{self, Factorization, Keep};
 use super::launchers::{self, CoreIn, CoreOut, Gpu, TILE_MAX_ORDER};
-use super::results::{self, Back};
+use super::results::{self, Back, FallbackReason};
 use super::schur;
 use super::shape::Shape;
 use super::tables::{FrameHost, Layout};
@@ -457,7 +457,7 @@ pub(crate) fn finish_wave(
     q.clock.collect(t)?;
     t.add("copies out", copies_ms as f64);
     *sink.last_mark = q.clock.idle_since(sink.last_mark.take(), t)?;
-    let fact = match q.steps {
+    let (fact, coupled) = match q.steps {
         Steps::Schur {
             capacity,
             coupling_max,
@@ -466,11 +466,11 @@ pub(crate) fn finish_wave(
             let (fact, c) = schur::outcome(&q.live, sweeps, coupling, capacity, coupling_max);
             t.coupled += c.patches;
             t.max_coupling = t.max_coupling.max(c.largest);
-            fact
+            (fact, c.patches)
         }
         Steps::Dense(fact) => {
             t.dense_route = true;
-            fact
+            (fact, 0)
         }
     };
     t.retried += fact.retried;
@@ -486,8 +486,13 @@ pub(crate) fn finish_wave(
     let live = &host.live[w.live.clone()];
     let boxoff = &host.boxoff[w.live.clone()];
     let solved = results::unpack(sh, &q.live, live, boxoff, &back, &fact, model);
-    let fallback = results::cpu_fallback(input, sh, &q.live, live, &host.bundles, &fact.to_cpu);
-    for (ci, r) in solved.into_iter().chain(fallback) {
+    // schur::outcome lists the coupled patches after the failed ones
+    let (failed, coupled) = fact.to_cpu.split_at(fact.to_cpu.len() - coupled);
+    let fallback =
+        |ids, why| results::cpu_fallback(input, sh, &q.live, live, &host.bundles, ids, why);
+    let failed = fallback(failed, FallbackReason::FailedTwice);
+    let coupled = fallback(coupled, FallbackReason::Coupled);
+    for (ci, r) in solved.into_iter().chain(failed).chain(coupled) {
         sink.results[ci] = Some(r);
     }
     sink.timings
