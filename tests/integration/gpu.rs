@@ -17,6 +17,8 @@ use spex::plan::{Plan, PlanOptions};
 use spex::psf::GaussHermitePsf;
 use spex::simulate::{simulate, SimulateOptions};
 
+mod fallbacks;
+
 /// Prints past the test harness's output capture, so that the figures are always visible.
 fn say(msg: &str) {
     let _ = writeln!(std::io::stderr(), "{msg}");
