@@ -122,6 +122,7 @@ pub fn run(
             overlap::Lanes {
                 read_ahead,
                 io_threads: config.io_threads,
+                cores: layout.threads,
             },
             me,
             &prefix,
