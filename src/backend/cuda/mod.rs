@@ -59,7 +59,7 @@ pub use kernels::{
     arch_name, built_in_archs, compile, nvrtc_version, prebuilt, resources, Origin, SOURCES,
 };
 pub use timings::GpuTimings;
-pub use tuning::{Route, Solve};
+pub use tuning::{Route, Solve, COUPLING_MAX};
 
 use crate::backend::{Backend, FrameInput, Progress};
 use crate::error::{Error, Result};

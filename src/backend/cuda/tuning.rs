@@ -16,9 +16,11 @@ pub enum Route {
 ///
 /// The Schur route assumes icov block-tridiagonal in fiber order along the CCD, which holds
 /// on the r-camera PSFs of the test data: fibers two apart couple only through their stamps'
-/// tails, at most 4.8e-13 relative on a full simulated frame. It is the default (about a
-/// third of the dense route's time for steps 2-3); a patch whose second-neighbour coupling
-/// exceeds `coupling_max` goes to the CPU reference, which solves it densely.
+/// tails, at most 4.8e-13 relative on a full simulated frame of PSF r0-00067784 and 4.2e-12 on
+/// one of r0-00051060 (5 of its 4700 patches over 1e-12, all in its first bundle). It is the
+/// default (about a third of the dense route's time for steps 2-3); a patch whose
+/// second-neighbour coupling exceeds `coupling_max` ([`COUPLING_MAX`]) goes to the CPU
+/// reference, which solves it densely.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Solve {
     /// Dense Cholesky, xflux and core covariance blocks through cuSOLVER and cuBLAS (`dense`).
@@ -27,9 +29,18 @@ pub enum Solve {
     Schur,
 }
 
+/// The largest relative second-neighbour coupling the Schur route drops by default. Dropping a
+/// coupling `delta` moves a flux by about `delta` times the signal-to-noise ratio of the
+/// fibers it couples, in units of its sigma (the CPU backend's `FAR_COUPLING_LIMIT`): at most
+/// 1e-8 sigma up to a signal-to-noise ratio of 100 per bin, 1e-7 at 1000, well under the 1e-6
+/// sigma to which the GPU and CPU backends agree. The CPU backend keeps couplings over 1e-12
+/// (its dense route); at the CPU's bound the GPU sent the patches over it to the CPU reference,
+/// about 5 per full frame of PSF r0-00051060, whose host results then took 100-166 ms.
+pub const COUPLING_MAX: f64 = 1e-10;
+
 /// The backend's tuning, read once per backend from the environment (for measurements rather
 /// than production): `SPEX_GPU_SOLVE` (`schur`, the default, or `dense`), `SPEX_GPU_COUPLING_MAX` (largest
-/// relative second-neighbour coupling the Schur route accepts, default 1e-12),
+/// relative second-neighbour coupling the Schur route accepts, default [`COUPLING_MAX`]),
 /// `SPEX_GPU_RETRY_CAPACITY` (patches per wave the Schur route retries on the device, default
 /// 32),
 /// `SPEX_GPU_DECORRELATE` (`polar` or `jacobi`), `SPEX_GPU_JACOBI_THREADS` (threads per Jacobi
@@ -87,7 +98,7 @@ impl Tuning {
         };
         Ok(Tuning {
             solve,
-            coupling_max: var("SPEX_GPU_COUPLING_MAX", 1e-12)?,
+            coupling_max: var("SPEX_GPU_COUPLING_MAX", COUPLING_MAX)?,
             retry_capacity: var("SPEX_GPU_RETRY_CAPACITY", 32)?,
             route,
             polar_tol: 1e-7,
