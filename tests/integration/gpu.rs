@@ -401,7 +401,7 @@ fn schur_route_sends_coupled_patches_to_the_reference() {
         .extract(input, &plan.patches, &Progress::silent())
         .unwrap();
     let t = gpu.timings().clone();
-    gpu.set_coupling_max(1e-12);
+    gpu.set_coupling_max(cuda::COUPLING_MAX);
     say(&format!("bound -1: {} patches to the reference", t.coupled));
     assert!(t.coupled > 0);
     assert_eq!(t.cpu_fallback, t.coupled);
