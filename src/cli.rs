@@ -107,10 +107,10 @@ pub struct ExtractArgs {
     /// Wavelength grid `wmin,wmax,dw` in Angstrom (default: the PSF's range at 0.8).
     #[arg(short, long, value_parser = parse_wavelength, allow_hyphen_values = true)]
     pub wavelength: Option<(f64, f64, f64)>,
-    /// First spectrum to extract (a multiple of bundlesize).
+    /// First spectrum to extract (any fiber; its bundle is solved as in a full extraction).
     #[arg(short, long, default_value_t = 0)]
     pub specmin: usize,
-    /// Number of spectra (a multiple of bundlesize; default: all fibers from specmin).
+    /// Number of spectra (any positive number; default: all fibers from specmin).
     #[arg(short, long)]
     pub nspec: Option<usize>,
     /// Regularization amount.

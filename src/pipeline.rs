@@ -99,18 +99,9 @@ impl ExtractRequest {
         }
         let l = &self.layout;
         l.check()?;
-        if self.specmin % l.bundlesize != 0 {
-            return Err(Error::config(format!(
-                "specmin ({}) must be a multiple of bundlesize ({})",
-                self.specmin, l.bundlesize
-            )));
-        }
         if let Some(nspec) = self.nspec {
-            if nspec == 0 || nspec % l.bundlesize != 0 {
-                return Err(Error::config(format!(
-                    "nspec ({nspec}) must be a positive multiple of bundlesize ({})",
-                    l.bundlesize
-                )));
+            if nspec == 0 {
+                return Err(Error::config("nspec must be positive"));
             }
             if self.specmin.checked_add(nspec).is_none() {
                 return Err(Error::config(format!(
@@ -181,7 +172,18 @@ impl ExtractRequest {
         }
         let mut o = PlanOptions::new(wmin, wmax, dw, self.specmin, nspec);
         o.layout = self.layout.clone();
-        Plan::new(o)
+        let plan = Plan::new(o)?;
+        // Any fiber range is solved inside whole bundles, as a full extraction solves it.
+        if plan.solved_fibers().end > psf.nfiber {
+            return Err(Error::config(format!(
+                "fibers {}..{} lie in bundles of {} that end beyond the PSF's {} fibers",
+                self.specmin,
+                self.specmin + nspec,
+                self.layout.bundlesize,
+                psf.nfiber
+            )));
+        }
+        Ok(plan)
     }
 
     /// Options of the patch solve for `psf`.
@@ -383,7 +385,7 @@ pub fn read_frame(request: &ExtractRequest) -> Result<(Inputs, PixelBox)> {
 /// clipped to the image. Patch pixel boxes lie inside it, so workers need no other pixel: a
 /// frame of a few bundles or a short wavelength range broadcasts a small part of the CCD.
 fn plan_box(plan: &Plan, inputs: &Inputs) -> PixelBox {
-    let corners = inputs.psf.corners(plan.fibers(), &plan.fullwave);
+    let corners = inputs.psf.corners(plan.solved_fibers(), &plan.fullwave);
     let (ny, nx) = (corners.ny as i64, corners.nx as i64);
     let bounds = |v: &[i32], n: i64, limit: usize| -> Range<usize> {
         let lo = v.iter().copied().min().map_or(0, i64::from);
