@@ -99,7 +99,11 @@ impl JobConfig {
         let mut config = JobConfig {
             frames: Vec::with_capacity(requests.len()),
             skipped: Vec::new(),
-            backend: backend_choice(args, no_gpu_env),
+            backend: crate::outliers::backend_for(
+                args.reject_outliers,
+                backend_choice(args, no_gpu_env),
+            )
+            .map_err(usage)?,
             device: args.device,
             threads: args.threads,
             async_io: args.async_io,
@@ -195,6 +199,7 @@ fn request(args: &ExtractArgs, files: FrameFiles) -> ExtractRequest {
         mask_rule: args.mask_bits,
         barycentric_correction: args.barycentric_correction,
         scores: !args.no_scores,
+        reject_outliers: args.reject_outliers,
     }
 }
 

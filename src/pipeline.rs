@@ -49,6 +49,9 @@ pub struct ExtractRequest {
     pub barycentric_correction: bool,
     /// Append desispec's SCORES HDU.
     pub scores: bool,
+    /// `--reject-outliers NSIGMA` (see [`crate::outliers`]); `None`: off.
+    #[serde(default)]
+    pub reject_outliers: Option<f64>,
 }
 
 impl ExtractRequest {
@@ -73,6 +76,7 @@ impl ExtractRequest {
             mask_rule: MaskRule::AnyBit,
             barycentric_correction: false,
             scores: false,
+            reject_outliers: None,
         }
     }
 
@@ -96,6 +100,13 @@ impl ExtractRequest {
         }
         if let Some((wmin, wmax, dw)) = self.wavelength {
             crate::plan::check_grid(wmin, wmax, dw)?;
+        }
+        if let Some(k) = self.reject_outliers {
+            if !(k.is_finite() && k > 0.0) {
+                return Err(Error::config(format!(
+                    "reject-outliers NSIGMA ({k}) must be finite and positive"
+                )));
+            }
         }
         let l = &self.layout;
         l.check()?;
@@ -192,6 +203,7 @@ impl ExtractRequest {
             regularize: self.regularize,
             psferr: self.psferr.or(psf.psferr).unwrap_or(DEFAULT_PSFERR),
             model: self.model.is_some(),
+            reject_outliers: self.reject_outliers,
         }
     }
 
@@ -431,6 +443,9 @@ pub fn assemble(
     let (mut frame, counts) = timings.time("assemble", || Frame::assemble(plan, ndiag, results))?;
     log_counts(&counts);
     flag_bins_without_data(&mut frame, &request.output);
+    if request.reject_outliers.is_some() {
+        crate::outliers::log_rejection(&mut frame, plan, results);
+    }
     if inputs.heliocor != 1.0 {
         frame.wave = request.frame_meta(inputs).output_wave(&frame)?;
     }

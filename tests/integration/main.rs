@@ -9,7 +9,7 @@
 //! - `extract`: physics and numerics of the CPU extraction against the reference cases;
 //! - `mpi`: multi-rank runs under a real `mpiexec`;
 //! - `desispec`: desispec itself (a pinned venv, `scripts/desispec-env`) reads spex's files;
-//! - `science`: capabilities beyond gpu_specter's (any fiber range);
+//! - `science`: capabilities beyond gpu_specter's (any fiber range, outlier rejection);
 //! - `gpu`: the CUDA backend against the CPU (ignored without a GPU; `scripts/gpu-check`).
 
 mod bad_input;

@@ -1,12 +1,16 @@
-//! Capabilities beyond gpu_specter's: any fiber range, extracted as the full frame extracts it.
+//! Capabilities beyond gpu_specter's: any fiber range, extracted as the full frame extracts
+//! it, and outlier pixels rejected by re-extraction.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use ndarray::s;
 use spex::backend::cpu::CpuBackend;
-use spex::backend::Progress;
+use spex::backend::{Backend, FrameInput, Progress};
+use spex::compare::{self, Truth};
+use spex::extract::PatchResult;
 use spex::fits::Fits;
 use spex::frame::Frame;
+use spex::outliers;
 use spex::pipeline::{self, ExtractRequest};
 use spex::simulate::{simulate, SimulateOptions};
 
@@ -18,7 +22,7 @@ const SIM_FIBERS: std::ops::Range<usize> = 450..500;
 const GRID: (f64, f64, f64) = (6000.0, 6160.0, 0.8);
 
 /// Writes a simulated preproc file of [`SIM_FIBERS`] into `dir`.
-fn simulated_preproc(dir: &Path) -> std::path::PathBuf {
+fn simulated_preproc(dir: &Path) -> PathBuf {
     let psf = psf_a();
     let img = dir.join("preproc.fits");
     let mut o = SimulateOptions::new(SIM_FIBERS, 5900.0, 6260.0);
@@ -110,4 +114,95 @@ fn a_range_past_the_psf_is_refused() {
     assert!(err.contains("beyond the PSF"), "{err}");
     r.nspec = Some(2);
     assert!(r.plan(&psf).is_ok());
+}
+
+/// A simulated bundle with many cosmic-ray tracks (`density` per million pixels), all or none
+/// of them left out of the MASK.
+fn cosmic_preproc(dir: &Path, name: &str, density: f64, unmasked: f64) -> (PathBuf, PathBuf) {
+    let img = dir.join(format!("{name}.fits"));
+    let truth = dir.join(format!("{name}-truth.fits"));
+    let mut o = SimulateOptions::new(450..475, 5900.0, 6260.0);
+    o.seed = 38;
+    o.cosmic_density = density;
+    o.unmasked_cosmics = unmasked;
+    simulate(&psf_a(), &o).unwrap().write(&img, &truth).unwrap();
+    (img, truth)
+}
+
+/// The CPU extraction of one bundle of `img`, with rejection at `nsigma` or without: the
+/// frame (bins that lost pixels flagged) and the patch results.
+fn solve(img: &Path, nsigma: Option<f64>) -> (Frame, Vec<PatchResult>) {
+    let mut r = ExtractRequest::new(img, data("psf-r0-00067784.fits"), "unused.fits");
+    r.wavelength = Some(GRID);
+    r.specmin = 450;
+    r.nspec = Some(25);
+    r.reject_outliers = nsigma;
+    let inputs = pipeline::read_inputs(&r).unwrap();
+    let plan = r.plan(&inputs.psf).unwrap();
+    let options = r.solve_options(&inputs.psf);
+    let input = FrameInput::new(&plan, &inputs.psf, &inputs.image, &options);
+    let results = CpuBackend::new(2)
+        .unwrap()
+        .extract(input, &plan.patches, &Progress::silent())
+        .unwrap();
+    let (mut frame, _) = Frame::assemble(&plan, inputs.psf.hsizey, &results).unwrap();
+    outliers::flag_rejected_bins(&mut frame, &plan, &results);
+    (frame, results)
+}
+
+/// `frame` without the bins that `flagged` marks as having lost pixels (ivar 0: pulls skip
+/// them).
+fn without_flagged(frame: &Frame, flagged: &Frame) -> Frame {
+    let mut f = frame.clone();
+    for (iv, &m) in f.ivar.iter_mut().zip(&flagged.mask) {
+        if m & outliers::REJECTED != 0 {
+            *iv = 0.0;
+        }
+    }
+    f
+}
+
+/// Tracks missed by the MASK: rejection at 5 sigma leaves at least 10x fewer bins with
+/// |pull| > 5, and the other bins' pulls are those of the extraction in which every track is
+/// masked (the same noise: only pixels that one run weights and the other does not differ).
+/// Without tracks, rejection takes no more pixels than Gaussian noise puts beyond 5 sigma.
+#[test]
+fn outlier_rejection_removes_unmasked_cosmics() {
+    let dir = tempfile::tempdir().unwrap();
+    let (hit, truth_path) = cosmic_preproc(dir.path(), "unmasked", 3000.0, 1.0);
+    let (masked, _) = cosmic_preproc(dir.path(), "masked", 3000.0, 0.0);
+    let truth = Truth::read(&truth_path, None).unwrap();
+    let (plain, _) = solve(&hit, None);
+    let (cleaned, results) = solve(&hit, Some(5.0));
+    let (reference, _) = solve(&masked, None);
+    let before = compare::pulls(&plain, &truth).unwrap();
+    let after = compare::pulls(&cleaned, &truth).unwrap();
+    let nrejected: usize = results.iter().map(|r| r.nrejected).sum();
+    assert!(nrejected > 0 && before.over5 >= 50, "{before}");
+    assert!(
+        10 * after.over5 <= before.over5,
+        "|pull| > 5: {} without rejection, {} with",
+        before.over5,
+        after.over5
+    );
+    let elsewhere = compare::pulls(&without_flagged(&cleaned, &cleaned), &truth).unwrap();
+    let ideal = compare::pulls(&without_flagged(&reference, &cleaned), &truth).unwrap();
+    // The mean and the std of N pulls scatter by 1/sqrt(N) and 1/sqrt(2N): the two runs share
+    // their noise, so a tenth of that bounds what the few differently weighted pixels move.
+    let n = ideal.nbins as f64;
+    assert!(
+        (elsewhere.mean - ideal.mean).abs() <= 0.1 / n.sqrt()
+            && (elsewhere.std - ideal.std).abs() <= 0.1 / (2.0 * n).sqrt(),
+        "unflagged bins with rejection:\n{elsewhere}\nwith every track masked:\n{ideal}"
+    );
+
+    // No tracks: a pixel is beyond 5 sigma with probability 5.7e-7; the patches solve about
+    // 1e5 pixels, so 0.06 are expected and 3 or more would happen once in 4e4 runs.
+    let (quiet, _) = cosmic_preproc(dir.path(), "quiet", 0.0, 0.0);
+    let (_, results) = solve(&quiet, Some(5.0));
+    let nrejected: usize = results.iter().map(|r| r.nrejected).sum();
+    assert!(
+        nrejected <= 2,
+        "{nrejected} pixels rejected without cosmics"
+    );
 }
