@@ -351,4 +351,28 @@ mod tests {
         let c = config(&["--list", list.to_str().unwrap()]).unwrap();
         assert_eq!((c.frames.len(), c.skipped.len()), (2, 0));
     }
+
+    #[test]
+    fn reject_outliers_takes_an_optional_nsigma_and_the_cpu() {
+        let with = |extra: &[&str]| {
+            let mut words = vec!["-i", "a", "-p", "b", "-o", "c"];
+            words.extend_from_slice(extra);
+            config(&words)
+        };
+        assert_eq!(with(&[]).unwrap().frames[0].reject_outliers, None);
+        let c = with(&["--reject-outliers"]).unwrap();
+        assert_eq!(c.frames[0].reject_outliers, Some(5.0));
+        assert_eq!(c.backend, BackendChoice::Cpu);
+        let c = with(&["--reject-outliers", "4"]).unwrap();
+        assert_eq!(c.frames[0].reject_outliers, Some(4.0));
+        for refused in [
+            &["--reject-outliers", "--gpu"][..],
+            &["--reject-outliers", "0"],
+        ] {
+            assert!(
+                matches!(with(refused), Err(ConfigError::Usage(_))),
+                "{refused:?}"
+            );
+        }
+    }
 }
