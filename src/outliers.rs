@@ -36,8 +36,8 @@ pub const REJECTED: u32 = 1 << 2;
 
 /// Gives weight zero to the outliers of one pass over a solved patch; returns how many.
 /// `pix`, `ivar` and `model` are the patch's pixels in one order; only the pixels that
-/// `core` marks are tested: those of the core bins' spots, which the patch models completely
-/// (the box's edges also see light of bins and fibers that the patch does not solve).
+/// `core` marks are tested: those of the core fibers' spots away from the box's edges, which
+/// also see light of bins and fibers that the patch does not solve.
 pub fn reject_pass(
     pix: &[f64],
     ivar: &mut [f64],

@@ -353,8 +353,7 @@ fn solve_one(
     let solution = match (solution, options.reject_outliers) {
         (Some(first), Some(nsigma)) => {
             let before = result.pixmask_fraction.clone();
-            let columns = (0..ncore).flat_map(|c| (0..nk).map(move |j| core_col(c, j)));
-            let core = reject::core_pixels(&sys, columns);
+            let core = reject::core_pixels(&sys, reject::tested_columns(geom, p0));
             let (last, done) =
                 reject::reject_and_resolve(&mut sys, &core, first, nsigma, options, counts);
             // Rejected pixels count as masked ones; the bins whose fraction grew lost pixels.

@@ -4,7 +4,7 @@
 
 use super::system::PatchSystem;
 use super::{decorrelation, Decorrelation, RouteCounts};
-use crate::extract::SolveOptions;
+use crate::extract::{PatchGeometry, SolveOptions};
 use crate::outliers::{reject_pass, MAX_RESOLVES};
 
 /// What rejection did to one patch.
@@ -54,7 +54,18 @@ pub(super) fn reject_and_resolve(
     (Some(solution), done)
 }
 
-/// The box pixels where the spots of `columns` (the core bins) are not zero.
+/// The columns whose spots' pixels are tested: the core fibers' bins but the outer half of
+/// the padding (`p0` bins) on each side. A pixel there gets light only from bins the patch
+/// solves, as long as half the padding spans more CCD rows than half a spot (6 bins of 0.8 A
+/// and 5 rows on DESI PSFs); and a track in the padding rows, which the next patch tests as
+/// its core, is tested here too, where it would pull the padding bins next to the core.
+pub(super) fn tested_columns(geom: &PatchGeometry, p0: usize) -> impl Iterator<Item = usize> {
+    let (nt, npad) = (geom.nwavetot, geom.npad);
+    (npad..geom.block_fibers.len())
+        .flat_map(move |b| (p0 / 2..nt - p0 / 2).map(move |j| b * nt + j))
+}
+
+/// The box pixels where the spots of `columns` are not zero.
 pub(super) fn core_pixels(
     sys: &PatchSystem<'_>,
     columns: impl Iterator<Item = usize>,
