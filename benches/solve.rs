@@ -46,6 +46,7 @@ fn bench_patch(c: &mut Criterion) {
         regularize: 0.0,
         psferr: 0.01,
         model: false,
+        reject_outliers: None,
     };
     // a middle sub-bundle: the full 7 fibers x 74 bins = 518 unknowns
     let patch = plan

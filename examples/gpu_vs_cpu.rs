@@ -107,6 +107,7 @@ fn main() -> anyhow::Result<()> {
         regularize: args.regularize,
         psferr: psf.psferr.unwrap_or(spex::psf::DEFAULT_PSFERR),
         model: args.model,
+        reject_outliers: None,
     };
     let input = FrameInput::new(&plan, &psf, &image, &options);
     println!(

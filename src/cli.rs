@@ -64,6 +64,10 @@ pub struct SimulateArgs {
     /// Log level: debug, info, warning, error.
     #[arg(long, default_value = "info")]
     pub loglevel: String,
+    /// Fraction of the cosmic-ray tracks left out of the MASK (IVAR kept), as tracks that
+    /// preprocessing missed.
+    #[arg(long, value_name = "FRACTION", default_value_t = 0.0)]
+    pub unmasked_cosmics: f64,
 }
 
 impl SimulateArgs {
@@ -78,6 +82,7 @@ impl SimulateArgs {
         o.noise = !self.no_noise;
         o.cosmic_density = self.cosmic_density;
         o.bad_column = self.bad_column;
+        o.unmasked_cosmics = self.unmasked_cosmics;
         o
     }
 }
@@ -107,10 +112,10 @@ pub struct ExtractArgs {
     /// Wavelength grid `wmin,wmax,dw` in Angstrom (default: the PSF's range at 0.8).
     #[arg(short, long, value_parser = parse_wavelength, allow_hyphen_values = true)]
     pub wavelength: Option<(f64, f64, f64)>,
-    /// First spectrum to extract (a multiple of bundlesize).
+    /// First spectrum to extract (any fiber; its bundle is solved as in a full extraction).
     #[arg(short, long, default_value_t = 0)]
     pub specmin: usize,
-    /// Number of spectra (a multiple of bundlesize; default: all fibers from specmin).
+    /// Number of spectra (any positive number; default: all fibers from specmin).
     #[arg(short, long)]
     pub nspec: Option<usize>,
     /// Regularization amount.
@@ -202,6 +207,10 @@ pub struct ExtractArgs {
     /// Log at debug level (desi_extract_spectra's spelling).
     #[arg(short, long)]
     pub verbose: bool,
+    /// Reject pixels whose residual exceeds NSIGMA times the model's noise and solve their
+    /// patch again (CPU backend; off by default, NSIGMA 5 when given without a value).
+    #[arg(long, value_name = "NSIGMA", num_args = 0..=1, default_missing_value = "5")]
+    pub reject_outliers: Option<f64>,
 }
 
 impl ExtractArgs {

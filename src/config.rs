@@ -99,7 +99,11 @@ impl JobConfig {
         let mut config = JobConfig {
             frames: Vec::with_capacity(requests.len()),
             skipped: Vec::new(),
-            backend: backend_choice(args, no_gpu_env),
+            backend: crate::outliers::backend_for(
+                args.reject_outliers,
+                backend_choice(args, no_gpu_env),
+            )
+            .map_err(usage)?,
             device: args.device,
             threads: args.threads,
             async_io: args.async_io,
@@ -195,6 +199,7 @@ fn request(args: &ExtractArgs, files: FrameFiles) -> ExtractRequest {
         mask_rule: args.mask_bits,
         barycentric_correction: args.barycentric_correction,
         scores: !args.no_scores,
+        reject_outliers: args.reject_outliers,
     }
 }
 
@@ -345,5 +350,29 @@ mod tests {
         assert_eq!(c.frames[0].output, PathBuf::from("new.fits"));
         let c = config(&["--list", list.to_str().unwrap()]).unwrap();
         assert_eq!((c.frames.len(), c.skipped.len()), (2, 0));
+    }
+
+    #[test]
+    fn reject_outliers_takes_an_optional_nsigma_and_the_cpu() {
+        let with = |extra: &[&str]| {
+            let mut words = vec!["-i", "a", "-p", "b", "-o", "c"];
+            words.extend_from_slice(extra);
+            config(&words)
+        };
+        assert_eq!(with(&[]).unwrap().frames[0].reject_outliers, None);
+        let c = with(&["--reject-outliers"]).unwrap();
+        assert_eq!(c.frames[0].reject_outliers, Some(5.0));
+        assert_eq!(c.backend, BackendChoice::Cpu);
+        let c = with(&["--reject-outliers", "4"]).unwrap();
+        assert_eq!(c.frames[0].reject_outliers, Some(4.0));
+        for refused in [
+            &["--reject-outliers", "--gpu"][..],
+            &["--reject-outliers", "0"],
+        ] {
+            assert!(
+                matches!(with(refused), Err(ConfigError::Usage(_))),
+                "{refused:?}"
+            );
+        }
     }
 }

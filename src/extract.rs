@@ -21,6 +21,9 @@ pub struct SolveOptions {
     pub psferr: f64,
     /// Whether to return model images of the patches (`-m`).
     pub model: bool,
+    /// `--reject-outliers NSIGMA`: pixels beyond NSIGMA times the model's noise are
+    /// rejected and the patch solved again (see [`crate::outliers`]); `None`: off.
+    pub reject_outliers: Option<f64>,
 }
 
 /// How a patch was solved, for logs and statistics.
@@ -69,6 +72,16 @@ pub struct PatchResult {
     pub pixmask_fraction: Vec<f64>,
     pub chi2pix: Vec<f64>,
     pub model: Option<ModelPatch>,
+    /// `[fiber][wave]`: the fraction of each core spot on pixels rejected as outliers
+    /// (empty when rejection is off).
+    #[serde(default)]
+    pub rejected: Vec<f64>,
+    /// Pixels of the patch rejected as outliers.
+    #[serde(default)]
+    pub nrejected: usize,
+    /// Times the patch was solved again after rejecting pixels.
+    #[serde(default)]
+    pub nresolves: usize,
 }
 
 impl PatchResult {
@@ -87,6 +100,9 @@ impl PatchResult {
             pixmask_fraction: vec![0.0; nf * nw],
             chi2pix: vec![0.0; nf * nw],
             model: None,
+            rejected: Vec::new(),
+            nrejected: 0,
+            nresolves: 0,
         }
     }
 

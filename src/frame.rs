@@ -578,8 +578,11 @@ fn check_results(
             PatchStatus::OffImage => counts.off_image += 1,
             PatchStatus::NonFinite => counts.non_finite += 1,
         }
+        // A patch's sub-bundle may hold fibers outside the frame's range: not kept.
         for f in patch.fibers.clone() {
-            by_fiber[f - specmin].push(i);
+            if let Some(ids) = f.checked_sub(specmin).and_then(|k| by_fiber.get_mut(k)) {
+                ids.push(i);
+            }
         }
     }
     if let Some(missing) = seen.iter().position(|s| !s) {

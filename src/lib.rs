@@ -16,6 +16,7 @@ pub mod extract;
 pub mod fits;
 pub mod frame;
 pub mod image;
+pub mod outliers;
 pub mod output;
 pub mod parallel;
 pub mod pipeline;

@@ -49,6 +49,9 @@ pub struct ExtractRequest {
     pub barycentric_correction: bool,
     /// Append desispec's SCORES HDU.
     pub scores: bool,
+    /// `--reject-outliers NSIGMA` (see [`crate::outliers`]); `None`: off.
+    #[serde(default)]
+    pub reject_outliers: Option<f64>,
 }
 
 impl ExtractRequest {
@@ -73,6 +76,7 @@ impl ExtractRequest {
             mask_rule: MaskRule::AnyBit,
             barycentric_correction: false,
             scores: false,
+            reject_outliers: None,
         }
     }
 
@@ -97,20 +101,18 @@ impl ExtractRequest {
         if let Some((wmin, wmax, dw)) = self.wavelength {
             crate::plan::check_grid(wmin, wmax, dw)?;
         }
+        if let Some(k) = self.reject_outliers {
+            if !(k.is_finite() && k > 0.0) {
+                return Err(Error::config(format!(
+                    "reject-outliers NSIGMA ({k}) must be finite and positive"
+                )));
+            }
+        }
         let l = &self.layout;
         l.check()?;
-        if self.specmin % l.bundlesize != 0 {
-            return Err(Error::config(format!(
-                "specmin ({}) must be a multiple of bundlesize ({})",
-                self.specmin, l.bundlesize
-            )));
-        }
         if let Some(nspec) = self.nspec {
-            if nspec == 0 || nspec % l.bundlesize != 0 {
-                return Err(Error::config(format!(
-                    "nspec ({nspec}) must be a positive multiple of bundlesize ({})",
-                    l.bundlesize
-                )));
+            if nspec == 0 {
+                return Err(Error::config("nspec must be positive"));
             }
             if self.specmin.checked_add(nspec).is_none() {
                 return Err(Error::config(format!(
@@ -181,7 +183,19 @@ impl ExtractRequest {
         }
         let mut o = PlanOptions::new(wmin, wmax, dw, self.specmin, nspec);
         o.layout = self.layout.clone();
-        Plan::new(o)
+        let plan = Plan::new(o)?;
+        // Any fiber range is solved inside whole bundles, as a full extraction solves it (the
+        // GPU backend evaluates the spots of whole bundles).
+        if plan.bundles().last().is_some_and(|b| b.end > psf.nfiber) {
+            return Err(Error::config(format!(
+                "fibers {}..{} lie in bundles of {} that end beyond the PSF's {} fibers",
+                self.specmin,
+                self.specmin + nspec,
+                self.layout.bundlesize,
+                psf.nfiber
+            )));
+        }
+        Ok(plan)
     }
 
     /// Options of the patch solve for `psf`.
@@ -190,6 +204,7 @@ impl ExtractRequest {
             regularize: self.regularize,
             psferr: self.psferr.or(psf.psferr).unwrap_or(DEFAULT_PSFERR),
             model: self.model.is_some(),
+            reject_outliers: self.reject_outliers,
         }
     }
 
@@ -383,7 +398,7 @@ pub fn read_frame(request: &ExtractRequest) -> Result<(Inputs, PixelBox)> {
 /// clipped to the image. Patch pixel boxes lie inside it, so workers need no other pixel: a
 /// frame of a few bundles or a short wavelength range broadcasts a small part of the CCD.
 fn plan_box(plan: &Plan, inputs: &Inputs) -> PixelBox {
-    let corners = inputs.psf.corners(plan.fibers(), &plan.fullwave);
+    let corners = inputs.psf.corners(plan.solved_fibers(), &plan.fullwave);
     let (ny, nx) = (corners.ny as i64, corners.nx as i64);
     let bounds = |v: &[i32], n: i64, limit: usize| -> Range<usize> {
         let lo = v.iter().copied().min().map_or(0, i64::from);
@@ -429,6 +444,9 @@ pub fn assemble(
     let (mut frame, counts) = timings.time("assemble", || Frame::assemble(plan, ndiag, results))?;
     log_counts(&counts);
     flag_bins_without_data(&mut frame, &request.output);
+    if request.reject_outliers.is_some() {
+        crate::outliers::log_rejection(&mut frame, plan, results);
+    }
     if inputs.heliocor != 1.0 {
         frame.wave = request.frame_meta(inputs).output_wave(&frame)?;
     }

@@ -186,18 +186,14 @@ impl Plan {
         let l = &o.layout;
         check_grid(o.wmin, o.wmax, o.dw)?;
         l.check()?;
-        if o.specmin % l.bundlesize != 0 {
+        if o.nspec == 0 || o.specmin.checked_add(o.nspec).is_none() {
             return Err(Error::config(format!(
-                "specmin ({}) must be a multiple of bundlesize ({})",
-                o.specmin, l.bundlesize
+                "nspec ({}) must be positive and specmin ({}) + nspec a fiber number",
+                o.nspec, o.specmin
             )));
         }
-        if o.nspec == 0 || o.nspec % l.bundlesize != 0 || o.specmin.checked_add(o.nspec).is_none() {
-            return Err(Error::config(format!(
-                "nspec ({}) must be a positive multiple of bundlesize ({})",
-                o.nspec, l.bundlesize
-            )));
-        }
+        let covering = covering_bundles(o.specmin..o.specmin + o.nspec, l.bundlesize)
+            .ok_or_else(|| Error::config("the bundles of the fiber range overflow"))?;
         let wave = output_grid(o.wmin, o.wmax, o.dw);
         let wavepad = l
             .effective_wavepad()
@@ -207,10 +203,16 @@ impl Plan {
 
         let nper = l.bundlesize / l.nsubbundles;
         let mut patches = Vec::new();
-        for bundle_start in (o.specmin..o.specmin + o.nspec).step_by(l.bundlesize) {
+        let wanted = o.specmin..o.specmin + o.nspec;
+        for bundle_start in covering.step_by(l.bundlesize) {
             let bundle_end = bundle_start + l.bundlesize;
             for sub in (bundle_start..bundle_end).step_by(nper) {
                 let fibers = sub..sub + nper;
+                // A sub-bundle without a requested fiber is not solved; one with some is
+                // solved whole, with the neighbours of a full extraction.
+                if fibers.end <= wanted.start || fibers.start >= wanted.end {
+                    continue;
+                }
                 let lo = if sub == bundle_start { sub } else { sub - 1 };
                 let hi = if fibers.end == bundle_end {
                     fibers.end
@@ -244,18 +246,26 @@ impl Plan {
         self.wave.len()
     }
 
-    /// Fibers of the frame.
+    /// Fibers of the frame (the requested ones).
     pub fn fibers(&self) -> Range<usize> {
         self.options.specmin..self.options.specmin + self.options.nspec
     }
 
-    /// Bundles of the frame, as absolute fiber ranges.
+    /// Fibers whose spots the patches use: the requested fibers' sub-bundles with their
+    /// neighbours, inside the bundles that cover the requested fibers.
+    pub fn solved_fibers(&self) -> Range<usize> {
+        let lo = self.patches.iter().map(|p| p.padded_fibers.start).min();
+        let hi = self.patches.iter().map(|p| p.padded_fibers.end).max();
+        lo.unwrap_or(0)..hi.unwrap_or(0)
+    }
+
+    /// Bundles that cover the frame's fibers, as absolute fiber ranges: bundles start at
+    /// multiples of `bundlesize`, as in a full extraction.
     pub fn bundles(&self) -> Vec<Range<usize>> {
         let o = &self.options;
-        (o.specmin..o.specmin + o.nspec)
-            .step_by(o.layout.bundlesize)
-            .map(|s| s..s + o.layout.bundlesize)
-            .collect()
+        let bs = o.layout.bundlesize;
+        covering_bundles(self.fibers(), bs)
+            .map_or_else(Vec::new, |c| c.step_by(bs).map(|s| s..s + bs).collect())
     }
 
     /// One line for logs: fibers, output grid and number of patches.
@@ -275,6 +285,14 @@ impl Plan {
     pub fn patch_waves(&self, patch: &Patch) -> Range<usize> {
         patch.padded_wave_start..patch.padded_wave_start + self.nwavetot
     }
+}
+
+/// The fibers of the bundles that hold `fibers`: from the bundle boundary at or below its
+/// start to the one at or above its end (`None` on overflow).
+fn covering_bundles(fibers: Range<usize>, bundlesize: usize) -> Option<Range<usize>> {
+    let start = fibers.start / bundlesize * bundlesize;
+    let end = fibers.end.checked_next_multiple_of(bundlesize)?;
+    Some(start..end)
 }
 
 /// The output grid exactly as desispec builds it, `np.arange(wmin, wmax + 0.5*dw, dw)`: numpy
@@ -390,6 +408,35 @@ mod tests {
     }
 
     #[test]
+    fn any_fiber_range_solves_its_sub_bundles_as_the_full_frame_does() {
+        let full = Plan::new(PlanOptions::new(6000.0, 6400.0, 0.8, 0, 75)).unwrap();
+        for (specmin, nspec) in [(7, 1), (22, 6), (74, 1), (3, 25), (0, 75)] {
+            let p = Plan::new(PlanOptions::new(6000.0, 6400.0, 0.8, specmin, nspec)).unwrap();
+            let wanted = specmin..specmin + nspec;
+            // the patches are exactly the full plan's patches whose core meets the range
+            let expect: Vec<_> = full
+                .patches
+                .iter()
+                .filter(|q| q.fibers.start < wanted.end && wanted.start < q.fibers.end)
+                .collect();
+            assert_eq!(p.patches.len(), expect.len(), "{wanted:?}");
+            for (q, e) in p.patches.iter().zip(expect) {
+                assert_eq!(
+                    (&q.fibers, &q.padded_fibers, q.bundle_start, &q.waves),
+                    (&e.fibers, &e.padded_fibers, e.bundle_start, &e.waves)
+                );
+            }
+            assert_eq!(p.fibers(), wanted);
+            let covered = p.bundles();
+            assert!(covered[0].start <= specmin && covered.last().unwrap().end >= wanted.end);
+            assert!(covered.iter().all(|b| b.start % 25 == 0 && b.len() == 25));
+        }
+        let crossing = Plan::new(PlanOptions::new(6000.0, 6400.0, 0.8, 22, 6)).unwrap();
+        assert_eq!(crossing.bundles(), vec![0..25, 25..50]);
+        assert_eq!(crossing.solved_fibers(), 19..31);
+    }
+
+    #[test]
     fn last_patch_of_a_row_is_partial() {
         let p = plan(6400.0);
         let row: Vec<_> = p.patches.iter().filter(|q| q.fibers.start == 25).collect();
@@ -429,10 +476,10 @@ mod tests {
         o.dw = 0.0;
         assert!(Plan::new(o).is_err());
         let mut o = base.clone();
-        o.specmin = 3;
+        o.nspec = 0;
         assert!(Plan::new(o).is_err());
         let mut o = base.clone();
-        o.nspec = 30;
+        o.specmin = usize::MAX - 3;
         assert!(Plan::new(o).is_err());
         let mut o = base.clone();
         o.layout.nsubbundles = 4;

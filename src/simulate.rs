@@ -27,6 +27,7 @@ use crate::fits::Fits;
 use crate::plan::output_grid;
 use crate::psf::GaussHermitePsf;
 
+mod cosmics;
 mod exposure;
 mod files;
 mod spectra;
@@ -91,6 +92,9 @@ pub struct SimulateOptions {
     pub camera: Option<String>,
     /// EXPID keyword.
     pub expid: i64,
+    /// Fraction of the cosmic-ray tracks left out of the MASK, with the IVAR of the light
+    /// beneath them (0: every track masked).
+    pub unmasked_cosmics: f64,
 }
 
 impl SimulateOptions {
@@ -113,6 +117,7 @@ impl SimulateOptions {
             margin: 3,
             camera: None,
             expid: 1,
+            unmasked_cosmics: 0.0,
         }
     }
 
@@ -161,6 +166,12 @@ impl SimulateOptions {
             return Err(Error::config(format!(
                 "cosmic-ray density {} must be in 0..={MAX_COSMIC_DENSITY} tracks per million pixels",
                 self.cosmic_density
+            )));
+        }
+        if !(0.0..=1.0).contains(&self.unmasked_cosmics) {
+            return Err(Error::config(format!(
+                "unmasked cosmic fraction {} must be in 0..1",
+                self.unmasked_cosmics
             )));
         }
         if !(0.0..=1.0).contains(&self.sky_fraction) {
@@ -485,7 +496,9 @@ fn add_cosmics(
     let (r0, r1) = (region.rows.start as f64, region.rows.end as f64);
     let (c0, c1) = (region.cols.start as f64, region.cols.end as f64);
     let mut pixels: Vec<(i64, i64)> = Vec::with_capacity(16);
+    let mut masking = cosmics::TrackMasking::new(opts.seed, opts.unmasked_cosmics);
     for _ in 0..ntrack {
+        let masked = masking.next_is_masked();
         let x0 = rng.random_range(c0 - 0.5..c1 - 0.5);
         let y0 = rng.random_range(r0 - 0.5..r1 - 0.5);
         let angle: f64 = rng.random_range(0.0..std::f64::consts::PI);
@@ -512,8 +525,10 @@ fn add_cosmics(
             let i = [row, col];
             // Charge shared along the track, with some pixel-to-pixel variation.
             image[i] += (charge * rng.random_range(0.5..1.5)) as f32;
-            ivar[i] = 0.0;
-            mask[i] |= MASK_COSMIC;
+            if masked {
+                ivar[i] = 0.0;
+                mask[i] |= MASK_COSMIC;
+            }
         }
     }
     ntrack

@@ -220,6 +220,9 @@ mod tests {
             resolution: (0..n * (2 * ndiag + 1)).map(|i| (i as f64).sin()).collect(),
             pixmask_fraction: ramp(0.01),
             chi2pix: ramp(1e-300),
+            rejected: ramp(0.5),
+            nrejected: 3,
+            nresolves: 1,
             model: model.then(|| ModelPatch {
                 rows: 10..12,
                 cols: 4..7,

@@ -186,6 +186,7 @@ fn ill_conditioned_blocks_match_a_double_double_reference() {
         regularize: 0.0,
         psferr: 0.01,
         model: false,
+        reject_outliers: None,
     };
     let result = solve_patch(&plan, &patch, &spots, &image, &options);
     assert_eq!(result.status, PatchStatus::Ok);

@@ -18,6 +18,7 @@ fn options() -> SolveOptions {
         regularize: 0.0,
         psferr: 0.01,
         model: true,
+        reject_outliers: None,
     }
 }
 

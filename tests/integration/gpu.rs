@@ -55,6 +55,7 @@ fn solve_options(regularize: f64, model: bool) -> SolveOptions {
         regularize,
         psferr: 0.01,
         model,
+        reject_outliers: None,
     }
 }
 

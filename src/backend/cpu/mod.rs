@@ -23,6 +23,7 @@ mod cholesky;
 mod decorrelate;
 mod dense;
 mod eigen;
+mod reject;
 mod schur;
 mod system;
 mod tridiag;
@@ -338,8 +339,8 @@ fn solve_one(
     if geom.is_empty() {
         return PatchResult::empty(patch, ndiag, PatchStatus::OffImage);
     }
-    let sys = system::PatchSystem::new(geom, spots, image);
-    let geom = &sys.geom;
+    let mut sys = system::PatchSystem::new(geom, spots, image);
+    let geom = &sys.geom.clone();
     let (nt, p0, nk) = (geom.nwavetot, plan.wavepad, patch.waves.len());
     let ncore = geom.ncore();
     let core_col = |c: usize, j: usize| (geom.npad + c) * nt + p0 + j;
@@ -348,8 +349,27 @@ fn solve_one(
     pixmask_fraction(&sys, &mut result, ncore, nk, core_col);
 
     let ne = sys.normal_equations_bounded();
-    let Some(solution) = decorrelation(&ne, geom, options, counts, &|| sys.normal_equations())
-    else {
+    let solution = decorrelation(&ne, geom, options, counts, &|| sys.normal_equations());
+    let solution = match (solution, options.reject_outliers) {
+        (Some(first), Some(nsigma)) => {
+            let before = result.pixmask_fraction.clone();
+            let core = reject::core_pixels(&sys, reject::tested_columns(geom, p0));
+            let (last, done) =
+                reject::reject_and_resolve(&mut sys, &core, first, nsigma, options, counts);
+            // Rejected pixels count as masked ones; the bins whose fraction grew lost pixels.
+            pixmask_fraction(&sys, &mut result, ncore, nk, core_col);
+            result.rejected = result
+                .pixmask_fraction
+                .iter()
+                .zip(&before)
+                .map(|(a, b)| a - b)
+                .collect();
+            (result.nrejected, result.nresolves) = (done.nrejected, done.nresolves);
+            last
+        }
+        (solution, _) => solution,
+    };
+    let Some(solution) = solution else {
         result.status = PatchStatus::Masked;
         return result;
     };
@@ -406,6 +426,8 @@ fn solve_one(
         );
         let mut empty = PatchResult::empty(patch, ndiag, PatchStatus::NonFinite);
         empty.pixmask_fraction = result.pixmask_fraction;
+        (empty.rejected, empty.nrejected) = (result.rejected, result.nrejected);
+        empty.nresolves = result.nresolves;
         return empty;
     }
     result
@@ -519,6 +541,7 @@ mod tests {
             regularize: 0.0,
             psferr: 0.0,
             model: false,
+            reject_outliers: None,
         }
     }
 

@@ -400,9 +400,9 @@ fn usage_errors_exit_2_before_reading_inputs() {
         "-p",
         c.path("missing-psf.fits")
     ];
-    a.extend(args!["-o", c.path("f.fits"), "-s", "0", "-n", "30"]);
+    a.extend(args!["-o", c.path("f.fits"), "-s", "0", "-n", "0"]);
     let o = spex(a);
-    expect(&o, 2, &["nspec (30)", "bundlesize"]);
+    expect(&o, 2, &["nspec must be positive"]);
     assert!(
         !o.stderr.contains("missing.fits"),
         "inputs were read: {}",

@@ -1,0 +1,185 @@
+//! Outlier pixels rejected by re-extraction (`--reject-outliers [NSIGMA]`): which pixels of a
+//! solved patch are outliers, how many times a patch is solved again, and the MASK bit of
+//! the bins that lost pixels.
+//!
+//! Cosmic rays that the preproc MASK misses put their charge into the flux of the bins they
+//! cross. After a patch is solved, a pixel whose residual `p - m` (data minus the patch's
+//! model `m = A xflux`) exceeds `NSIGMA` times the noise the model predicts is given weight
+//! zero and the patch is solved again, at most [`MAX_RESOLVES`] times. The noise is the
+//! model's, not the data's (a cosmic's own charge would otherwise hide it):
+//! `var = rn2 + max(m, 0) + (psferr m)^2`, the read noise, the model's Poisson term and the
+//! PSF error that chi2pix also allows for. The read-noise variance `rn2` is the patch's median
+//! of `1/ivar - max(m, 0)`: a preproc's ivar is `1 / (rn2 + signal)`, and the median is not
+//! moved by the few outliers.
+//!
+//! A pass rejects the positive outliers; only a pass that finds none rejects negative ones,
+//! so that the dip a cosmic's pull leaves around it in the first fit is not taken for
+//! outliers.
+
+use ndarray::Array2;
+
+use crate::config::BackendChoice;
+use crate::extract::PatchResult;
+use crate::frame::Frame;
+use crate::plan::Plan;
+
+/// How many times a patch is solved again at most, after its first solve.
+pub const MAX_RESOLVES: usize = 3;
+
+/// Default `NSIGMA` of `--reject-outliers` given without a value.
+pub const DEFAULT_NSIGMA: f64 = 5.0;
+
+/// MASK bit of a bin whose spot lost pixels to outlier rejection: desispec's specmask
+/// `COSMIC` (bit 2, "input pixels included a masked cosmic"), which its extraction never
+/// sets. A bin that lost more than half of its spot also gets SOMEBADPIX, as for masked pixels.
+pub const REJECTED: u32 = 1 << 2;
+
+/// Gives weight zero to the outliers of one pass over a solved patch; returns how many.
+/// `pix`, `ivar` and `model` are the patch's pixels in one order; only the pixels that
+/// `core` marks are tested: those of the core fibers' spots away from the box's edges, which
+/// also see light of bins and fibers that the patch does not solve.
+pub fn reject_pass(
+    pix: &[f64],
+    ivar: &mut [f64],
+    model: &[f64],
+    core: &[bool],
+    nsigma: f64,
+    psferr: f64,
+) -> usize {
+    let Some(rn2) = read_noise_variance(ivar, model) else {
+        return 0;
+    };
+    let pull = |p: usize| {
+        let m = model[p];
+        let var = rn2 + m.max(0.0) + (psferr * m) * (psferr * m);
+        (pix[p] - m) / var.sqrt()
+    };
+    let live = (0..pix.len()).filter(|&p| core[p] && ivar[p] > 0.0);
+    let high: Vec<usize> = live.clone().filter(|&p| pull(p) > nsigma).collect();
+    let chosen = if high.is_empty() {
+        live.filter(|&p| pull(p) < -nsigma).collect()
+    } else {
+        high
+    };
+    for &p in &chosen {
+        ivar[p] = 0.0;
+    }
+    chosen.len()
+}
+
+/// The median of `1/ivar - max(m, 0)` over the pixels with weight, at least 0; `None` when
+/// no pixel has weight.
+fn read_noise_variance(ivar: &[f64], model: &[f64]) -> Option<f64> {
+    let mut v: Vec<f64> = ivar
+        .iter()
+        .zip(model)
+        .filter(|(&iv, _)| iv > 0.0)
+        .map(|(&iv, &m)| 1.0 / iv - m.max(0.0))
+        .collect();
+    if v.is_empty() {
+        return None;
+    }
+    let mid = v.len() / 2;
+    let (_, median, _) = v.select_nth_unstable_by(mid, f64::total_cmp);
+    Some(median.max(0.0))
+}
+
+/// Sets [`REJECTED`] on the frame's bins whose spot lost pixels to rejection (the patch
+/// results' `rejected` fractions), for the fibers the frame holds. Returns the number of
+/// bins flagged.
+pub fn flag_rejected_bins(frame: &mut Frame, plan: &Plan, results: &[PatchResult]) -> usize {
+    let mut flagged = Array2::<bool>::from_elem(frame.mask.dim(), false);
+    for r in results.iter().filter(|r| !r.rejected.is_empty()) {
+        let patch = &plan.patches[r.patch];
+        for (c, fiber) in patch.fibers.clone().enumerate() {
+            let Some(row) = fiber
+                .checked_sub(frame.specmin)
+                .filter(|&f| f < frame.nspec)
+            else {
+                continue;
+            };
+            for (j, w) in patch.waves.clone().enumerate() {
+                if r.rejected[c * r.nwave + j] > 0.0 {
+                    flagged[[row, w]] = true;
+                }
+            }
+        }
+    }
+    let mut n = 0;
+    for (m, &f) in frame.mask.iter_mut().zip(&flagged) {
+        if f {
+            *m |= REJECTED;
+            n += 1;
+        }
+    }
+    n
+}
+
+/// The backend of a job with `--reject-outliers` (`nsigma`): the CPU, which alone rejects
+/// outliers. A GPU that `--gpu` requires is a usage error; one that would be used by default
+/// gives way to the CPU (the job logs it).
+pub fn backend_for(nsigma: Option<f64>, choice: BackendChoice) -> Result<BackendChoice, String> {
+    match (nsigma, choice) {
+        (Some(_), BackendChoice::Gpu { required: true }) => Err(
+            "--reject-outliers runs on the CPU backend only: drop --gpu (or add --no-gpu)".into(),
+        ),
+        (Some(_), BackendChoice::Gpu { required: false }) => Ok(BackendChoice::Cpu),
+        (_, choice) => Ok(choice),
+    }
+}
+
+/// Flags the bins that lost pixels ([`flag_rejected_bins`]) and logs the frame's rejected
+/// pixels, re-solved patches and flagged bins.
+pub fn log_rejection(frame: &mut Frame, plan: &Plan, results: &[PatchResult]) {
+    let bins = flag_rejected_bins(frame, plan, results);
+    let pixels: usize = results.iter().map(|r| r.nrejected).sum();
+    let resolved = results.iter().filter(|r| r.nresolves > 0).count();
+    let passes: usize = results.iter().map(|r| r.nresolves).sum();
+    tracing::info!(
+        "outliers: {pixels} pixels rejected, {resolved} of {} patches solved again ({passes} extra solves), {bins} bins flagged COSMIC",
+        results.len()
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pixels on a flat model with read noise 3: a pixel 6 sigma high is rejected, one 4
+    /// sigma high is not, and a low pixel waits for a pass without high ones.
+    #[test]
+    fn a_pass_rejects_high_pixels_first() {
+        let n = 101;
+        let model = vec![16.0; n];
+        let var: f64 = 9.0 + 16.0;
+        let mut ivar = vec![1.0 / var; n];
+        let mut core = vec![true; n];
+        let mut pix = model.clone();
+        pix[3] += 6.0 * var.sqrt();
+        // outside the core footprint a pixel is never tested
+        pix[50] += 100.0 * var.sqrt();
+        core[50] = false;
+        pix[7] += 4.0 * var.sqrt();
+        pix[9] -= 6.0 * var.sqrt();
+        assert_eq!(reject_pass(&pix, &mut ivar, &model, &core, 5.0, 0.0), 1);
+        assert_eq!(ivar[3], 0.0);
+        assert!(ivar[7] > 0.0 && ivar[9] > 0.0);
+        assert_eq!(reject_pass(&pix, &mut ivar, &model, &core, 5.0, 0.0), 1);
+        assert_eq!(ivar[9], 0.0);
+        assert_eq!(reject_pass(&pix, &mut ivar, &model, &core, 5.0, 0.0), 0);
+    }
+
+    /// The noise is the model's: a pixel whose own ivar is tiny (its data's Poisson term
+    /// included the cosmic) is still rejected.
+    #[test]
+    fn the_noise_is_the_models_not_the_datas() {
+        let model = vec![4.0; 11];
+        let mut ivar = vec![1.0 / 13.0; 11];
+        let core = vec![true; 11];
+        let mut pix = model.clone();
+        pix[5] = 2000.0;
+        ivar[5] = 1.0 / 2009.0;
+        assert_eq!(reject_pass(&pix, &mut ivar, &model, &core, 5.0, 0.01), 1);
+        assert_eq!(read_noise_variance(&[1.0 / 13.0; 3], &[4.0; 3]), Some(9.0));
+    }
+}
