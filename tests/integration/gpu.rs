@@ -97,7 +97,17 @@ fn assert_agree(gpu: &[PatchResult], cpu: &[PatchResult]) {
     say(&format!("gpu vs cpu: {a}"));
     let failures = a.failures(1e-6);
     assert!(failures.is_empty(), "{failures:?}");
+    // The README's figure for the flux (7.1e-10 sigma on a full frame), with the next decade
+    // as the bound; ivar, resolution and chi2pix are held to 1e-6 above.
+    assert!(
+        a.max_dflux_sigma < FLUX_SIGMA_LIMIT,
+        "GPU flux {:.3e} sigma from the CPU's",
+        a.max_dflux_sigma
+    );
 }
+
+/// Largest flux difference between the GPU and the CPU backends, in sigma.
+const FLUX_SIGMA_LIMIT: f64 = 1e-9;
 
 #[test]
 #[ignore = "needs the NVRTC library: scripts/test runs it with the one of scripts/nvrtc-env"]
