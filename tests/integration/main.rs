@@ -9,7 +9,9 @@
 //! - `extract`: physics and numerics of the CPU extraction against the reference cases;
 //! - `mpi`: multi-rank runs under a real `mpiexec`;
 //! - `desispec`: desispec itself (a pinned venv, `scripts/desispec-env`) reads spex's files;
-//! - `gpu`: the CUDA backend against the CPU (ignored without a GPU; `scripts/gpu-check`).
+//! - `gpu`: the CUDA backend against the CPU (ignored without a GPU; `scripts/gpu-check`);
+//! - `promises`: README promises no other module pins (pulls from the truth files
+//!   computed here, the barycentric correction applied to the extraction).
 
 mod bad_input;
 mod cli;
@@ -23,3 +25,4 @@ mod gpu;
 // A spex built without the `mpi` feature has no multi-rank runs to test.
 #[cfg(feature = "mpi")]
 mod mpi;
+mod promises;
