@@ -1,6 +1,8 @@
 //! Promises of the README that no other module pins: the pulls of the reference cases
 //! computed here from their truth files (made by a simulator that shares no code with spex),
-//! and `--barycentric-correction` applied to the extraction itself.
+//! `--barycentric-correction` applied to the extraction itself, `--psferr`'s default,
+//! `--no-scores`, `--test` outside its limits, the default grid, and the MASK bits
+//! SOMEBADPIX and BAD2DFIT.
 
 use std::path::Path;
 use std::process::Command;
@@ -165,4 +167,179 @@ fn barycentric_correction_extracts_on_the_divided_grid() {
         moved > 1.0,
         "the correction moved no bin by a sigma ({moved:e})"
     );
+}
+
+/// Runs `spex` on bundle 0 of reference case 0 (`input` and `psf`), 6000-6200 A, with
+/// `extra` options, and returns its exit status and stderr.
+fn extract_bundle0(input: &Path, psf: &Path, out: &Path, extra: &[&str]) -> (Option<i32>, String) {
+    let mut args = vec!["-i", s(input), "-p", s(psf), "-o", s(out)];
+    args.extend([
+        "-w",
+        "6000,6200,0.8",
+        "-s",
+        "0",
+        "-n",
+        "25",
+        "--threads",
+        "2",
+    ]);
+    args.extend(extra);
+    let o = Command::new(env!("CARGO_BIN_EXE_spex"))
+        .args(&args)
+        .env_remove("SPEX_LOG")
+        .output()
+        .expect("spex runs");
+    (
+        o.status.code(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+/// `--psferr` defaults to the PSF's PSFERR (else 0.01), and `--no-scores` leaves out the
+/// SCORES HDU that is otherwise written.
+#[test]
+fn psferr_defaults_to_the_psf_and_no_scores_drops_the_scores() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = data("preproc-bundle0.fits");
+    let (psf, with_psferr) = (data("psf-r0-00067784.fits"), dir.path().join("psf.fits"));
+    std::fs::copy(&psf, &with_psferr).unwrap();
+    let mut f = fitsio::FitsFile::edit(&with_psferr).unwrap();
+    let hdu = f.hdu("PSF").unwrap();
+    hdu.write_key(&mut f, "PSFERR", 0.05).unwrap();
+    drop(f);
+    let run = |name: &str, psf: &Path, extra: &[&str]| {
+        let out = dir.path().join(name);
+        let (code, stderr) = extract_bundle0(&input, psf, &out, extra);
+        assert_eq!(code, Some(0), "{stderr}");
+        out
+    };
+    let from_psf = run("a.fits", &with_psferr, &[]);
+    let given = run("b.fits", &psf, &["--psferr", "0.05", "--no-scores"]);
+    let default = run("c.fits", &psf, &[]);
+    let chi2 = |p: &Path| Frame::read(p).unwrap().chi2pix;
+    assert_eq!(chi2(&from_psf), chi2(&given), "PSFERR of the PSF not used");
+    assert_ne!(chi2(&from_psf), chi2(&default), "psferr changes nothing");
+    assert!(Fits::open(&from_psf).unwrap().has_hdu("SCORES"));
+    assert!(!Fits::open(&given).unwrap().has_hdu("SCORES"));
+}
+
+/// `--test` with a reference outside the parity limits (one bin moved by a tenth of a sigma)
+/// exits with status 3.
+#[test]
+fn test_outside_its_limits_exits_3() {
+    let dir = tempfile::tempdir().unwrap();
+    let (input, psf) = (data("preproc-bundle0.fits"), data("psf-r0-00067784.fits"));
+    let good = dir.path().join("good.fits");
+    let (code, stderr) = extract_bundle0(&input, &psf, &good, &[]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let mut frame = Frame::read(&good).unwrap();
+    frame.flux[[3, 100]] += 0.1 / frame.ivar[[3, 100]].sqrt();
+    let moved = dir.path().join("moved.fits");
+    frame.write(&moved, &Default::default()).unwrap();
+    let out = dir.path().join("f.fits");
+    let (code, stderr) = extract_bundle0(&input, &psf, &out, &["--test", s(&moved)]);
+    assert_eq!(code, Some(3), "{stderr}");
+    assert!(stderr.contains("max |df|/sigma"), "{stderr}");
+    let (code, stderr) = extract_bundle0(&input, &psf, &out, &["--test", s(&good)]);
+    assert_eq!(code, Some(0), "{stderr}");
+}
+
+/// Without `-w` the grid is the PSF's wavelength range at 0.8 A, numpy's
+/// `arange(wmin, wmax + dw/2, dw)` (whose bits the `desispec` tests compare with numpy's).
+#[test]
+fn default_grid_is_the_psf_range() {
+    let dir = tempfile::tempdir().unwrap();
+    let (input, psf) = (data("preproc-bundle0.fits"), data("psf-r0-00067784.fits"));
+    let out = dir.path().join("f.fits");
+    spex(&[
+        "-i",
+        s(&input),
+        "-p",
+        s(&psf),
+        "-o",
+        s(&out),
+        "-s",
+        "0",
+        "-n",
+        "25",
+        "--loglevel",
+        "warning",
+    ]);
+    let (wmin, wmax) = spex::psf::GaussHermitePsf::read(&psf)
+        .unwrap()
+        .param_domain();
+    let wave = Frame::read(&out).unwrap().wave;
+    let n = ((wmax + 0.4 - wmin) / 0.8).ceil() as usize;
+    assert_eq!((wave.len(), wave[0]), (n, wmin), "grid of {wmin}..{wmax}");
+    // numpy steps by (wmin + dw) - wmin, which differs from dw by up to an ulp of wmin
+    let ulp = wmax * f64::EPSILON;
+    for (i, w) in wave.iter().enumerate() {
+        let off = (w - (wmin + i as f64 * 0.8)).abs();
+        assert!(off <= (i + 1) as f64 * ulp, "bin {i}: {w}");
+    }
+}
+
+/// A copy of reference case 0, uncompressed, with `change` applied to its IMAGE and IVAR.
+fn changed_image(path: &Path, change: impl Fn(&mut [f32], &mut [f32], usize)) {
+    let mut f = Fits::open(&data("preproc-bundle0.fits")).unwrap();
+    let mut read = |hdu: &str| {
+        f.move_to(hdu).unwrap();
+        f.read_image::<f32>().unwrap()
+    };
+    let (shape, mut pix) = read("IMAGE");
+    let (_, mut ivar) = read("IVAR");
+    f.move_to("MASK").unwrap();
+    let (_, mask) = f.read_image::<i32>().unwrap();
+    change(&mut pix, &mut ivar, shape[1]);
+    let mut out = Fits::create(path).unwrap();
+    out.write_image::<f32>("IMAGE", &shape, &pix).unwrap();
+    out.write_image::<f32>("IVAR", &shape, &ivar).unwrap();
+    out.write_image::<i32>("MASK", &shape, &mask).unwrap();
+    out.close().unwrap();
+}
+
+/// MASK as the README states it: BAD2DFIT exactly where chi2pix > 100 (a hot spot left
+/// unmasked on fiber 12's trace), SOMEBADPIX where over half of a bin's pixels are masked
+/// (the left half of fiber 5's trace and its centre, over 6100-6150 A), neither on a fiber
+/// that neither touches.
+#[test]
+fn mask_bits_follow_chi2pix_and_masked_pixels() {
+    use spex::frame::specmask::{ALLBADPIX, BAD2DFIT, SOMEBADPIX};
+    let dir = tempfile::tempdir().unwrap();
+    let psf_path = data("psf-r0-00067784.fits");
+    let psf = spex::psf::GaussHermitePsf::read(&psf_path).unwrap();
+    let input = dir.path().join("in.fits");
+    let hot = psf.xy(12, 6050.0);
+    let (lo, hi) = (psf.xy(5, 6100.0).1 as usize, psf.xy(5, 6150.0).1 as usize);
+    changed_image(&input, |pix, ivar, ncols| {
+        let (x, y) = (hot.0.round() as usize, hot.1.round() as usize);
+        for i in [y * ncols + x, y * ncols + x + 1, (y + 1) * ncols + x] {
+            pix[i] += 5e4;
+        }
+        for y in lo..hi {
+            let xc = psf
+                .xy(5, 6100.0 + 50.0 * (y - lo) as f64 / (hi - lo) as f64)
+                .0;
+            for x in xc.round() as usize - 6..=xc.round() as usize {
+                ivar[y * ncols + x] = 0.0;
+            }
+        }
+    });
+    let out = dir.path().join("f.fits");
+    let (code, stderr) = extract_bundle0(&input, &psf_path, &out, &[]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let frame = Frame::read(&out).unwrap();
+    let mut bad_fits = 0;
+    for (i, &m) in frame.mask.indexed_iter() {
+        let chi2 = frame.chi2pix[i];
+        assert_eq!(m & BAD2DFIT != 0, chi2 > 100.0, "bin {i:?}: chi2pix {chi2}");
+        bad_fits += (m & BAD2DFIT != 0) as usize;
+    }
+    assert!(bad_fits > 0, "the hot spot left no bin with chi2pix > 100");
+    let bin = |w: f64| frame.wave.iter().position(|&x| x >= w).unwrap();
+    for j in bin(6110.0)..bin(6140.0) {
+        let m = frame.mask[[5, j]];
+        assert_eq!(m & (SOMEBADPIX | ALLBADPIX), SOMEBADPIX, "fiber 5 bin {j}");
+    }
+    assert!(frame.mask.row(20).iter().all(|&m| m == 0), "fiber 20");
 }
