@@ -279,8 +279,9 @@ fn default_grid_is_the_psf_range() {
     }
 }
 
-/// A copy of reference case 0, uncompressed, with `change` applied to its IMAGE and IVAR.
-fn changed_image(path: &Path, change: impl Fn(&mut [f32], &mut [f32], usize)) {
+/// A copy of reference case 0, uncompressed, with `change` applied to its IMAGE, IVAR and
+/// MASK (and the row length).
+pub fn changed_image(path: &Path, change: impl Fn(&mut [f32], &mut [f32], &mut [i32], usize)) {
     let mut f = Fits::open(&data("preproc-bundle0.fits")).unwrap();
     let mut read = |hdu: &str| {
         f.move_to(hdu).unwrap();
@@ -289,8 +290,8 @@ fn changed_image(path: &Path, change: impl Fn(&mut [f32], &mut [f32], usize)) {
     let (shape, mut pix) = read("IMAGE");
     let (_, mut ivar) = read("IVAR");
     f.move_to("MASK").unwrap();
-    let (_, mask) = f.read_image::<i32>().unwrap();
-    change(&mut pix, &mut ivar, shape[1]);
+    let (_, mut mask) = f.read_image::<i32>().unwrap();
+    change(&mut pix, &mut ivar, &mut mask, shape[1]);
     let mut out = Fits::create(path).unwrap();
     out.write_image::<f32>("IMAGE", &shape, &pix).unwrap();
     out.write_image::<f32>("IVAR", &shape, &ivar).unwrap();
@@ -311,7 +312,7 @@ fn mask_bits_follow_chi2pix_and_masked_pixels() {
     let input = dir.path().join("in.fits");
     let hot = psf.xy(12, 6050.0);
     let (lo, hi) = (psf.xy(5, 6100.0).1 as usize, psf.xy(5, 6150.0).1 as usize);
-    changed_image(&input, |pix, ivar, ncols| {
+    changed_image(&input, |pix, ivar, _, ncols| {
         let (x, y) = (hot.0.round() as usize, hot.1.round() as usize);
         for i in [y * ncols + x, y * ncols + x + 1, (y + 1) * ncols + x] {
             pix[i] += 5e4;
