@@ -1,8 +1,8 @@
 //! Promises of the README that no other module pins: the pulls of the reference cases
 //! computed here from their truth files (made by a simulator that shares no code with spex),
 //! `--barycentric-correction` applied to the extraction itself, `--psferr`'s default,
-//! `--no-scores`, `--test` outside its limits, the default grid, and the MASK bits
-//! SOMEBADPIX and BAD2DFIT.
+//! `--no-scores`, `--test` outside its limits, the default grid, the MASK bits
+//! SOMEBADPIX and BAD2DFIT, and the pulls that `scripts/demo` promises.
 
 use std::path::Path;
 use std::process::Command;
@@ -343,4 +343,79 @@ fn mask_bits_follow_chi2pix_and_masked_pixels() {
         assert_eq!(m & (SOMEBADPIX | ALLBADPIX), SOMEBADPIX, "fiber 5 bin {j}");
     }
     assert!(frame.mask.row(20).iter().all(|&m| m == 0), "fiber 20");
+}
+
+/// `scripts/demo`'s promise, with its commands: 50 fibers of the r camera simulated from
+/// the bundled PSF (seed 1, 5760-7620 A), extracted, and compared with the truth give pull
+/// mean ~0, std ~1 and median |pull| ~0.67. Over N unit normals the standard errors are
+/// 1/sqrt(N) (mean), sqrt(1/(2N)) (std) and sqrt(1/(4N)) / (2 phi(0.6745)) (median of |z|,
+/// 0.6745): each is held to 5 of them.
+#[test]
+fn demo_reaches_the_promised_pulls() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = |n: &str| dir.path().join(n);
+    let psf = data("psf-r0-00067784.fits");
+    let (image, truth, frame) = (path("preproc.fits"), path("truth.fits"), path("frame.fits"));
+    let wave = "5760,7620,0.8";
+    spex(&[
+        "simulate",
+        "-p",
+        s(&psf),
+        "-o",
+        s(&image),
+        "--truth",
+        s(&truth),
+        "-w",
+        wave,
+        "-s",
+        "0",
+        "-n",
+        "50",
+        "--seed",
+        "1",
+        "--loglevel",
+        "warning",
+    ]);
+    spex(&[
+        "extract",
+        "-i",
+        s(&image),
+        "-p",
+        s(&psf),
+        "-o",
+        s(&frame),
+        "-w",
+        wave,
+        "-s",
+        "0",
+        "-n",
+        "50",
+        "--loglevel",
+        "warning",
+    ]);
+    let pulls = spex::compare::pulls(
+        &Frame::read(&frame).unwrap(),
+        &Truth::read(&truth, None).unwrap(),
+    )
+    .unwrap();
+    let n = pulls.nbins as f64;
+    assert!(n > 50.0 * 2300.0, "{} bins compared", pulls.nbins);
+    let density = 2.0 * (-0.6745f64.powi(2) / 2.0).exp() / (2.0 * std::f64::consts::PI).sqrt();
+    let limits = [
+        ("mean", pulls.mean, 0.0, 1.0 / n.sqrt()),
+        ("std", pulls.std, 1.0, (0.5 / n).sqrt()),
+        (
+            "median |pull|",
+            pulls.median_abs,
+            0.6745,
+            (0.25 / n).sqrt() / density,
+        ),
+    ];
+    for (name, got, want, error) in limits {
+        assert!(
+            (got - want).abs() < 5.0 * error,
+            "{name} {got} (want {want} within {})",
+            5.0 * error
+        );
+    }
 }
