@@ -52,6 +52,11 @@ fn clean_up_on_signals() {
                     for path in live.values() {
                         let _ = std::fs::remove_file(path);
                     }
+                    let name = if signal == SIGTERM { "SIGTERM" } else { "SIGINT" };
+                    eprintln!(
+                        "spex: error: stopped by {name}: {} unfinished output file(s) removed",
+                        live.len()
+                    );
                     std::process::exit(128 + signal);
                 }
             });

@@ -10,7 +10,11 @@
 //! - `mpi`: multi-rank runs under a real `mpiexec`;
 //! - `desispec`: desispec itself (a pinned venv, `scripts/desispec-env`) reads spex's files;
 //! - `science`: capabilities beyond gpu_specter's (any fiber range, outlier rejection);
-//! - `gpu`: the CUDA backend against the CPU (ignored without a GPU; `scripts/gpu-check`).
+//! - `gpu`: the CUDA backend against the CPU (ignored without a GPU; `scripts/gpu-check`);
+//! - `options`: the extraction options end to end, input protection, `--skip-existing` and
+//!   SIGTERM in `--list` runs;
+//! - `promises`: README promises no other module pins (pulls from the truth files
+//!   computed here, the barycentric correction applied to the extraction).
 
 mod bad_input;
 mod cli;
@@ -24,4 +28,6 @@ mod gpu;
 // A spex built without the `mpi` feature has no multi-rank runs to test.
 #[cfg(feature = "mpi")]
 mod mpi;
+mod options;
+mod promises;
 mod science;

@@ -5,7 +5,8 @@
 //!
 //! Every case runs in a directory of its own that holds its inputs, and asserts:
 //! - the exit status;
-//! - one line of stderr that names the user's file (or option) and the problem;
+//! - exactly one error line on stderr, naming the user's file (or option) and the problem
+//!   (besides it only the log, clap's usage lines and an MPI launcher's own lines);
 //! - no panic text;
 //! - no file left behind, hidden temporaries included (only the outputs of a success);
 //! - every file that was there before is byte-identical afterwards.
@@ -111,6 +112,8 @@ fn files_of(dir: &Path) -> BTreeMap<String, Vec<u8>> {
 struct Outcome {
     code: Option<i32>,
     stderr: String,
+    /// Whether `mpiexec` ran it, whose own lines may follow spex's.
+    launched: bool,
 }
 
 /// Runs `spex` (under `mpiexec -n ranks` when given) with a time limit.
@@ -156,6 +159,7 @@ fn run(ranks: Option<usize>, args: &[OsString], env: &[(&str, &str)]) -> Outcome
     Outcome {
         code: status.code(),
         stderr: stderr.join().expect("stderr reader"),
+        launched: ranks.is_some(),
     }
 }
 
@@ -197,8 +201,35 @@ fn extract(input: &Path, psf: &Path, output: &Path, extra: Vec<OsString>) -> Out
     spex(a)
 }
 
-/// Asserts the exit status, that no panic was printed, and that one line of stderr holds
-/// every one of `needles`.
+/// A line of spex's log: a timestamp, behind `[rank R] ` under a launcher.
+fn is_log_line(line: &str) -> bool {
+    let line = match line.strip_prefix("[rank ") {
+        Some(rest) => rest.split_once("] ").map_or("", |(_, l)| l),
+        None => line,
+    };
+    let b = line.as_bytes();
+    b.len() > 20 && b[..4].iter().all(u8::is_ascii_digit) && b[4] == b'-' && b[10] == b'T'
+}
+
+/// spex's error line: `spex: error:`, `spex: rank R: error:`, `spex: comparison failed:` (exit
+/// status 3), or clap's `error:` for a usage error.
+fn is_error_line(line: &str) -> bool {
+    line.starts_with("error: ")
+        || line.starts_with("spex: comparison failed: ")
+        || (line.starts_with("spex: ") && line.contains(": error: "))
+}
+
+/// The count that ends a `--list` run with failed frames: `spex: N of M frames failed`.
+fn is_list_summary(line: &str) -> bool {
+    line.starts_with("spex: ") && line.ends_with(" frames failed")
+}
+
+/// Asserts the exit status, that no panic was printed, and what stderr holds besides the log:
+/// - a failure (`code` not 0): exactly one error line, which holds every one of `needles`
+///   (after it, clap's usage and hint lines for a usage error, the count of failed frames of
+///   a `--list` run, and under a launcher the launcher's own lines); no other line;
+/// - a success: no error line and no line outside the log; `needles`, if any, all in one
+///   warning of the log.
 fn expect(o: &Outcome, code: i32, needles: &[&str]) {
     assert_eq!(o.code, Some(code), "exit status; stderr:\n{}", o.stderr);
     for bad in ["panicked", "RUST_BACKTRACE", "stack backtrace"] {
@@ -208,14 +239,68 @@ fn expect(o: &Outcome, code: i32, needles: &[&str]) {
             o.stderr
         );
     }
-    if needles.is_empty() {
+    let lines: Vec<&str> = o.stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    let errors: Vec<usize> = (0..lines.len())
+        .filter(|&i| is_error_line(lines[i]))
+        .collect();
+    let holds = |l: &str| needles.iter().all(|n| l.contains(n));
+    if code == 0 {
+        assert!(
+            errors.is_empty(),
+            "an error line in a success:\n{}",
+            o.stderr
+        );
+        let stray: Vec<&&str> = lines.iter().filter(|l| !is_log_line(l)).collect();
+        assert!(stray.is_empty(), "lines outside the log: {stray:?}");
+        if !needles.is_empty() {
+            let warnings: Vec<&&str> = lines
+                .iter()
+                .filter(|l| l.contains(" WARN ") && holds(l))
+                .collect();
+            assert_eq!(
+                warnings.len(),
+                1,
+                "one warning must hold all of {needles:?}:\n{}",
+                o.stderr
+            );
+        }
         return;
     }
+    assert!(
+        !needles.is_empty(),
+        "a failure must be checked for its cause"
+    );
+    assert_eq!(
+        errors.len(),
+        1,
+        "exactly one error line expected:\n{}",
+        o.stderr
+    );
+    let at = errors[0];
+    assert!(
+        holds(lines[at]),
+        "the error line does not hold all of {needles:?}: {}",
+        lines[at]
+    );
+    let usage = lines[at].starts_with("error: ");
+    for (i, l) in lines.iter().enumerate() {
+        let allowed =
+            i == at || is_log_line(l) || (i > at && (usage || o.launched || is_list_summary(l)));
+        assert!(allowed, "a line outside the log and the error: {l:?}");
+    }
+}
+
+/// A rank killed by a signal cannot say why: the launcher's lines must name the rank and the
+/// signal (besides the exit status and no panic text).
+fn expect_launcher_report(o: &Outcome, code: i32, needles: &[&str]) {
+    assert!(o.launched);
+    assert_eq!(o.code, Some(code), "exit status; stderr:\n{}", o.stderr);
+    assert!(!o.stderr.contains("panicked"), "{}", o.stderr);
     assert!(
         o.stderr
             .lines()
             .any(|l| needles.iter().all(|n| l.contains(n))),
-        "no line of stderr holds all of {needles:?}:\n{}",
+        "no line of the launcher holds all of {needles:?}:\n{}",
         o.stderr
     );
 }
