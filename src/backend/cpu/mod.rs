@@ -350,8 +350,9 @@ fn solve_one(
     let ne = sys.normal_equations_bounded();
     let Some(solution) = decorrelation(&ne, geom, options, counts, &|| sys.normal_equations())
     else {
-        result.status = PatchStatus::Masked;
-        return result;
+        let mut masked = PatchResult::unconstrained(patch, ndiag, options.regularize);
+        masked.pixmask_fraction = result.pixmask_fraction;
+        return masked;
     };
     let xflux = &solution.xflux;
     result.status = solution.status;

@@ -484,7 +484,8 @@ pub(crate) fn finish_wave(
     let back = Back::split(ws.back.current(nback), per, sh.nd());
     let live = &host.live[w.live.clone()];
     let boxoff = &host.boxoff[w.live.clone()];
-    let solved = results::unpack(sh, &q.live, live, boxoff, &back, &fact, model);
+    let reg = input.options.regularize;
+    let solved = results::unpack(sh, &q.live, live, boxoff, &back, &fact, model, reg);
     let fallback = results::cpu_fallback(input, sh, &q.live, live, &host.bundles, &fact.to_cpu);
     for (ci, r) in solved.into_iter().chain(fallback) {
         sink.results[ci] = Some(r);
