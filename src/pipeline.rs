@@ -49,6 +49,8 @@ pub struct ExtractRequest {
     pub barycentric_correction: bool,
     /// Append desispec's SCORES HDU.
     pub scores: bool,
+    /// Which bins get BAD2DFIT.
+    pub bad2dfit: frame::Bad2dfit,
 }
 
 impl ExtractRequest {
@@ -73,6 +75,7 @@ impl ExtractRequest {
             mask_rule: MaskRule::AnyBit,
             barycentric_correction: false,
             scores: false,
+            bad2dfit: frame::Bad2dfit::default(),
         }
     }
 
@@ -428,6 +431,9 @@ pub fn assemble(
     let ndiag = inputs.psf.hsizey;
     let (mut frame, counts) = timings.time("assemble", || Frame::assemble(plan, ndiag, results))?;
     log_counts(&counts);
+    if request.bad2dfit != frame::Bad2dfit::default() {
+        frame.set_mask(request.bad2dfit);
+    }
     flag_bins_without_data(&mut frame, &request.output);
     if inputs.heliocor != 1.0 {
         frame.wave = request.frame_meta(inputs).output_wave(&frame)?;
