@@ -153,6 +153,10 @@ pub struct ExtractArgs {
     /// Do not compute the SCORES HDU.
     #[arg(long)]
     pub no_scores: bool,
+    /// BAD2DFIT rule: `100` (chi2pix > 100, desispec 0.70.0) or `median5` (chi2pix > 5 times
+    /// its median over fibers and over wavelengths, desispec 0.71's production rule).
+    #[arg(long, default_value = "100")]
+    pub bad2dfit: crate::frame::Bad2dfit,
     /// Refused: desispec's default extraction does not decorrelate across fibers either.
     #[arg(long)]
     pub decorrelate_fibers: bool,

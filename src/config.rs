@@ -200,6 +200,7 @@ fn request(args: &ExtractArgs, files: FrameFiles) -> ExtractRequest {
         barycentric_correction: args.barycentric_correction,
         scores: !args.no_scores,
         reject_outliers: args.reject_outliers,
+        bad2dfit: args.bad2dfit,
     }
 }
 
@@ -293,6 +294,18 @@ mod tests {
         assert_eq!(r.psferr, Some(0.04));
         assert!(r.barycentric_correction && !r.scores);
         assert_eq!(r.wavelength, Some((5760.0, 7620.0, 0.8)));
+    }
+
+    #[test]
+    fn bad2dfit_rule_is_desispec_0_70_unless_asked() {
+        let rule = |extra: &[&str]| {
+            let mut w = vec!["-i", "a", "-p", "b", "-o", "c"];
+            w.extend_from_slice(extra);
+            JobConfig::from_args(&args(&w), false).map(|c| c.frames[0].bad2dfit)
+        };
+        assert_eq!(rule(&[]).unwrap(), crate::frame::Bad2dfit::Above100);
+        let median = rule(&["--bad2dfit", "median5"]).unwrap();
+        assert_eq!(median, crate::frame::Bad2dfit::Median(5.0));
     }
 
     #[test]

@@ -36,7 +36,8 @@ pub enum PatchStatus {
     Regularized,
     /// Cholesky failed twice; the clipped eigendecomposition was used.
     EigenFallback,
-    /// No usable pixel: flux 0, ivar 0.
+    /// No usable pixel: the values of [`PatchResult::unconstrained`] (flux 0, ivar of the
+    /// regularisation alone, resolution the identity), as gpu_specter's solve leaves them.
     Masked,
     /// The patch is off the CCD: flux 0, ivar 0.
     OffImage,
@@ -104,6 +105,28 @@ impl PatchResult {
             nrejected: 0,
             nresolves: 0,
         }
+    }
+
+    /// What gpu_specter's regularised solve leaves for a patch that no usable pixel
+    /// constrains (every `fluxweight` 0, so `minweight` is 0 and no bin counts as poorly
+    /// constrained): `icov = d I` with `d = regularize^2 + 1e-15`, `xflux = 0`, each fiber's
+    /// covariance block `C_b = I / d`, `Q_b = C_b^(-1/2)` diagonal, `R` the identity and
+    /// `ivar = Q_jj^2`, computed in gpu_specter's order of operations (the inverse of the
+    /// eigenvalue, the eigenvalue of `C_b`, `sqrt(1 / w)`, squared) so that it is the same
+    /// value. desispec writes these bins as they come (IVAR `1e-15 dw^2`, RESOLUTION the
+    /// identity): its sky step averages RESOLUTION over all fibers, so zero rows here would
+    /// change the sky model of every fiber. chi2pix is 0 (no pixel counts) and the model 0.
+    pub fn unconstrained(patch: &Patch, ndiag: usize, regularize: f64) -> Self {
+        let mut r = PatchResult::empty(patch, ndiag, PatchStatus::Masked);
+        let d = regularize * regularize + 1e-15;
+        let w = 1.0 / d;
+        let q = (1.0 / w).sqrt();
+        r.ivar.fill(q * q);
+        let (nd, nk) = (2 * ndiag + 1, r.nwave);
+        for c in 0..r.nfiber {
+            r.resolution[(c * nd + ndiag) * nk..(c * nd + ndiag + 1) * nk].fill(1.0);
+        }
+        r
     }
 
     /// Whether every output value is finite.

@@ -52,6 +52,8 @@ pub struct ExtractRequest {
     /// `--reject-outliers NSIGMA` (see [`crate::outliers`]); `None`: off.
     #[serde(default)]
     pub reject_outliers: Option<f64>,
+    /// Which bins get BAD2DFIT.
+    pub bad2dfit: frame::Bad2dfit,
 }
 
 impl ExtractRequest {
@@ -77,6 +79,7 @@ impl ExtractRequest {
             barycentric_correction: false,
             scores: false,
             reject_outliers: None,
+            bad2dfit: frame::Bad2dfit::default(),
         }
     }
 
@@ -443,6 +446,9 @@ pub fn assemble(
     let ndiag = inputs.psf.hsizey;
     let (mut frame, counts) = timings.time("assemble", || Frame::assemble(plan, ndiag, results))?;
     log_counts(&counts);
+    if request.bad2dfit != frame::Bad2dfit::default() {
+        frame.set_mask(request.bad2dfit);
+    }
     flag_bins_without_data(&mut frame, &request.output);
     if request.reject_outliers.is_some() {
         crate::outliers::log_rejection(&mut frame, plan, results);

@@ -70,7 +70,7 @@ def vet(path):
 def job_line(path, preproc, grid, barycentric):
     import fitsio
     from astropy.io import fits
-    from desiutil.depend import hasdep
+    from desiutil.depend import getdep, hasdep
 
     wmin, wmax, dw = map(float, grid.split(","))
     if path.endswith(".gz"):
@@ -85,6 +85,9 @@ def job_line(path, preproc, grid, barycentric):
     client.check(meta.get("BUNIT") == "electron/Angstrom", f"{path}: BUNIT {meta.get('BUNIT')!r}")
     client.check(meta.get("NSPEC") == frame.flux.shape[0], f"{path}: NSPEC {meta.get('NSPEC')}")
     client.check(hasdep(meta, "spex"), f"{path}: DEPNAM/DEPVER do not name spex")
+    # the keywords spex writes beyond desispec's (vet() passed above with them)
+    client.check(meta.get("SPECTER") == getdep(meta, "spex"), f"{path}: SPECTER {meta.get('SPECTER')!r}")
+    client.check("SPECMIN" in meta, f"{path}: no SPECMIN")
     if barycentric:
         want = extraction_factor(preproc)
         got = meta.get("HELIOCOR")

@@ -138,6 +138,11 @@ fn extracted_frame_has_desispecs_layout_and_keywords() {
         "the PSF's own IN_PSF"
     );
     assert_eq!(key::<i64>(&mut f, 0, "FIBERMIN"), 25);
+    assert_eq!(
+        key::<String>(&mut f, 0, "SPECTER"),
+        env!("CARGO_PKG_VERSION"),
+        "the extraction code's version, as desispec writes gpu_specter's"
+    );
     assert_eq!(key::<String>(&mut f, 0, "BUNIT"), "electron/Angstrom");
     assert_eq!(key::<String>(&mut f, 0, "CAMERA"), "r0", "preproc header");
     assert!(

@@ -20,6 +20,7 @@ mod bad_input;
 mod cli;
 mod common;
 mod conditioning;
+mod dead_bins;
 mod desispec;
 mod extract;
 mod format;

@@ -370,8 +370,11 @@ fn solve_one(
         (solution, _) => solution,
     };
     let Some(solution) = solution else {
-        result.status = PatchStatus::Masked;
-        return result;
+        let mut masked = PatchResult::unconstrained(patch, ndiag, options.regularize);
+        masked.pixmask_fraction = result.pixmask_fraction;
+        (masked.rejected, masked.nrejected) = (result.rejected, result.nrejected);
+        masked.nresolves = result.nresolves;
+        return masked;
     };
     let xflux = &solution.xflux;
     result.status = solution.status;

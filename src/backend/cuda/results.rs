@@ -61,6 +61,7 @@ fn patch_result(
     status: PatchStatus,
     masked: bool,
     core_model: bool,
+    regularize: f64,
 ) -> PatchResult {
     let (ncore, nws, nd) = (sh.ncore, sh.nws, sh.nd());
     let nk = patch.waves.len();
@@ -70,8 +71,9 @@ fn patch_result(
         r.pixmask_fraction[c * nk..(c + 1) * nk].copy_from_slice(&back.mask[o..o + nk]);
     }
     if masked {
-        r.status = PatchStatus::Masked;
-        return r;
+        let mut masked = PatchResult::unconstrained(patch, sh.ndiag, regularize);
+        masked.pixmask_fraction = r.pixmask_fraction;
+        return masked;
     }
     for c in 0..ncore {
         let o = (li * ncore + c) * nws;
@@ -106,7 +108,9 @@ fn patch_result(
 }
 
 /// The results of a wave's patches (`patches`, with their tables `live` and model box offsets
-/// `boxoff`) that the device solved, by position in the frame.
+/// `boxoff`) that the device solved, by position in the frame; a patch without any usable
+/// pixel gets [`PatchResult::unconstrained`] with the solve's `regularize`.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn unpack(
     sh: &Shape,
     patches: &[&Patch],
@@ -115,6 +119,7 @@ pub(crate) fn unpack(
     back: &Back<'_>,
     fact: &Factorization,
     core_model: bool,
+    regularize: f64,
 ) -> Vec<(usize, PatchResult)> {
     live.par_iter()
         .enumerate()
@@ -130,6 +135,7 @@ pub(crate) fn unpack(
                 fact.status[li],
                 fact.masked[li] != 0,
                 core_model,
+                regularize,
             );
             (*ci, r)
         })

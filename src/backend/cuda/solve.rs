@@ -485,7 +485,8 @@ pub(crate) fn finish_wave(
     let back = Back::split(ws.back.current(nback), per, sh.nd());
     let live = &host.live[w.live.clone()];
     let boxoff = &host.boxoff[w.live.clone()];
-    let solved = results::unpack(sh, &q.live, live, boxoff, &back, &fact, model);
+    let reg = input.options.regularize;
+    let solved = results::unpack(sh, &q.live, live, boxoff, &back, &fact, model, reg);
     // schur::outcome lists the coupled patches after the failed ones
     let (failed, coupled) = fact.to_cpu.split_at(fact.to_cpu.len() - coupled);
     let fallback =

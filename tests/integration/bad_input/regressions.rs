@@ -25,9 +25,10 @@ fn nan_block_in_compressed_image_is_flagged_not_extracted() {
     expect(&o, 0, &[]);
     c.unchanged_except(&["f.fits"]);
     let frame = Frame::read(&out).unwrap();
+    // no weight: only gpu_specter's regularisation, 1e-15 per bin, as desispec writes it
     assert!(
-        frame.ivar.iter().all(|&v| v == 0.0),
-        "a bin of NaN pixels has ivar > 0"
+        frame.ivar.iter().all(|&v| v < 1e-14),
+        "a bin of NaN pixels has ivar above the regularisation's"
     );
     assert!(frame.flux.iter().all(|&f| f == 0.0));
     assert!(frame.mask.iter().all(|&m| m & specmask::ALLBADPIX != 0));
