@@ -590,6 +590,22 @@ fn log_counts(c: &PatchCounts) {
     );
 }
 
+/// Extracts a frame whose inputs a host process holds in memory: plan, solve every patch on
+/// `backend`, stitch, as [`extract_frame`] does between its read and its write.
+pub fn extract_in_memory(
+    request: &ExtractRequest,
+    inputs: &Inputs,
+    backend: &mut dyn Backend,
+) -> Result<(Frame, PatchCounts)> {
+    if interrupted() {
+        return Err(Error::Interrupted);
+    }
+    let plan = request.plan_for(inputs)?;
+    let all = 0..plan.patches.len();
+    let results = solve(request, inputs, &plan, all, backend, &Progress::silent())?;
+    assemble(request, &plan, inputs, &results, &mut Timings::default())
+}
+
 /// Extracts one frame in this process: read, plan, solve every patch on `backend`, write.
 pub fn extract_frame(
     request: &ExtractRequest,
