@@ -1,5 +1,5 @@
 """One rank of the MPI tests (run by test_mpi.py under mpiexec): desi_proc's ways of calling
-the extraction over a communicator. Each rank prints one line `rank R: ok` or
+the extraction over a communicator. Rank 0 prints one line per rank, `rank R: ok` or
 `rank R: ExceptionType: message`; the test reads them.
 
     mpi_job.py world LINE                  every rank of COMM_WORLD, one job line
@@ -56,8 +56,9 @@ def main():
         outcome = "ok"
     except Exception as e:  # desi_proc catches per rank, then meets at a barrier
         outcome = f"{type(e).__name__}: {e}".replace("\n", " | ")
-    comm.barrier()
-    print(f"rank {rank}: {outcome}", flush=True)
+    outcomes = comm.gather(outcome, root=0)
+    if rank == 0:
+        print("\n".join(f"rank {r}: {o}" for r, o in enumerate(outcomes)), flush=True)
 
 
 main()
