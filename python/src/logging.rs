@@ -11,7 +11,8 @@ use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 
 use pyo3::prelude::*;
 use tracing::field::{Field, Visit};
-use tracing::{Event, Level, Subscriber};
+use tracing::subscriber::Interest;
+use tracing::{Event, Level, Metadata, Subscriber};
 use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
 
 /// Python's level of the `spex` logger, as read at the start of the job.
@@ -70,6 +71,16 @@ fn passes(target: &str, level: u8) -> bool {
 struct ToPython;
 
 impl<S: Subscriber> Layer<S> for ToPython {
+    /// Asked at every event (the level can change between jobs), so that events the logger
+    /// would drop are never built: the debug events of the solves cost nothing.
+    fn register_callsite(&self, _: &'static Metadata<'static>) -> Interest {
+        Interest::sometimes()
+    }
+
+    fn enabled(&self, meta: &Metadata<'_>, _ctx: Context<'_, S>) -> bool {
+        passes(meta.target(), python_level(meta.level()))
+    }
+
     fn on_event(&self, event: &Event<'_>, _ctx: Context<'_, S>) {
         let meta = event.metadata();
         let level = python_level(meta.level());
