@@ -134,7 +134,10 @@ fn run_interruptible(py: Python<'_>, config: &JobConfig) -> PyResult<Result<JobO
 /// The program's `extract` after its configuration: roles, layout, the parallel layer's job,
 /// and the verdict, the same on every rank of `world`.
 fn execute(world: &Comm, launched: bool, config: &JobConfig) -> Result<JobOutcome, Failure> {
-    check_inputs(world, config)?;
+    // A job of several frames goes on past one whose inputs are missing, as `--list` does.
+    if config.frames.len() == 1 {
+        check_inputs(world, config)?;
+    }
     let roles = Roles::new(world.size(), config.async_io, config.frame_groups)
         .map_err(|e| Failure::Usage(e.to_string()))?;
     let is_worker = roles.is_worker(world.rank());
@@ -178,7 +181,7 @@ fn frame_failures(lines: &str, outcome: &JobOutcome) -> String {
     }
 }
 
-/// Refuses, on every rank, a job whose input files are missing: FileNotFoundError where one
+/// Refuses, on every rank, a job of one frame whose input files are missing: FileNotFoundError where one
 /// is missing, RuntimeError on the ranks that saw them all.
 fn check_inputs(world: &Comm, config: &JobConfig) -> Result<(), Failure> {
     let missing = config.frames.iter().find_map(|r| {

@@ -102,3 +102,13 @@ def test_exposure_in_one_call_writes_every_cameras_frame(inputs, workdir):
         if not theirs.exists():
             run_program(job_line(inputs, camera, "flat", theirs).split()[1:])
         assert_same_frame(workdir / f"exposure-{camera}.fits", theirs)
+
+
+def test_exposure_goes_on_past_a_camera_without_inputs(inputs, workdir):
+    lines = [job_line(inputs, c, "flat", workdir / f"partial-{c}.fits") for c in CAMERAS]
+    lines[0] = lines[0].replace(str(inputs["b0"][0]), str(workdir / "no-such-preproc.fits"))
+    with pytest.raises(RuntimeError, match="1 of 3 frames failed") as caught:
+        spex.desispec.main_exposure([parse(line) for line in lines])
+    assert "no-such-preproc.fits" in str(caught.value)
+    assert not (workdir / "partial-b0.fits").exists()
+    assert (workdir / "partial-r0.fits").exists() and (workdir / "partial-z0.fits").exists()
