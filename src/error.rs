@@ -53,6 +53,10 @@ pub enum Error {
         bin: usize,
     },
 
+    /// The host process asked the job to stop (Ctrl-C in Python) before this frame.
+    #[error("interrupted")]
+    Interrupted,
+
     /// Plain I/O outside cfitsio (renames, list files).
     #[error("{path}: {source}")]
     Io {

@@ -195,6 +195,55 @@ impl Image {
     }
 }
 
+impl Image {
+    /// An image a host process holds in memory (numpy arrays in Python), named `label` in
+    /// messages: the mask rule applied to `mask` as [`Image::read`] applies it to MASK, and
+    /// non-finite pixels treated the same way. Without a mask, only non-finite pixels are
+    /// rejected.
+    pub fn from_arrays(
+        label: impl Into<PathBuf>,
+        mut pix: Array2<f32>,
+        mut ivar: Array2<f32>,
+        mask: Option<&[i32]>,
+        rule: MaskRule,
+    ) -> Result<Self> {
+        let path = label.into();
+        let shape = pix.dim();
+        if ivar.dim() != shape || mask.is_some_and(|m| m.len() != shape.0 * shape.1) {
+            return Err(Error::Image {
+                path,
+                message: format!("image, ivar and mask differ in shape (image {shape:?})"),
+            });
+        }
+        let (Some(p), Some(v)) = (pix.as_slice_mut(), ivar.as_slice_mut()) else {
+            return Err(Error::Internal(
+                "image arrays not in standard layout".into(),
+            ));
+        };
+        let zeros;
+        let mask = match mask {
+            Some(m) => m,
+            None => {
+                zeros = vec![0; p.len()];
+                &zeros
+            }
+        };
+        let (nmasked, nnonfinite) = apply_mask(p, v, mask, rule);
+        Ok(Image {
+            path,
+            nrows: shape.0,
+            ncols: shape.1,
+            pix,
+            ivar,
+            header: Vec::new(),
+            has_fibermap: false,
+            nmasked,
+            nnonfinite,
+            inflated: KeepAlive::default(),
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -30,9 +30,21 @@ fn live() -> MutexGuard<'static, BTreeMap<u64, PathBuf>> {
     LIVE.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// Set by a host process that handles SIGINT and SIGTERM itself (Python: KeyboardInterrupt).
+static HOST_HANDLES_SIGNALS: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// Leaves SIGINT and SIGTERM to the host process: spex then never exits the process on them.
+pub fn leave_signals_to_host() {
+    HOST_HANDLES_SIGNALS.store(true, Ordering::Relaxed);
+}
+
 /// Starts, once per process, the thread that removes the live temporaries on SIGTERM or
 /// SIGINT and then exits with 128 + the signal's number.
 fn clean_up_on_signals() {
+    if HOST_HANDLES_SIGNALS.load(Ordering::Relaxed) {
+        return;
+    }
     static INSTALLED: Once = Once::new();
     INSTALLED.call_once(|| {
         use signal_hook::consts::{SIGINT, SIGTERM};

@@ -23,6 +23,20 @@ use crate::plan::{PatchLayout, Plan, PlanOptions};
 use crate::psf::{GaussHermitePsf, DEFAULT_PSFERR};
 use crate::scores::ScoresHdu;
 
+/// Set when the host process was interrupted (Ctrl-C in Python): frames not yet started fail
+/// with [`Error::Interrupted`] instead of being extracted.
+static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Asks the frames not yet started to stop (`true`), or clears the request before a new job.
+pub fn set_interrupted(on: bool) {
+    INTERRUPTED.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether the host asked the frames to stop.
+pub fn interrupted() -> bool {
+    INTERRUPTED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// How far (Angstrom) the output grid may reach beyond the PSF's wavelength domain.
 pub const WAVE_TOLERANCE: f64 = 5.0;
 
@@ -389,6 +403,9 @@ pub type PixelBox = (Range<usize>, Range<usize>);
 /// the inputs, the plan); returns the inputs and the box of pixels the plan's patches can use.
 pub fn read_frame(request: &ExtractRequest) -> Result<(Inputs, PixelBox)> {
     let _range = nvtx::LocalRange::new(c"read");
+    if interrupted() {
+        return Err(Error::Interrupted);
+    }
     request.check_outputs()?;
     let inputs = read_inputs(request)?;
     let plan = request.plan_for(&inputs)?;
@@ -595,6 +612,22 @@ fn log_counts(c: &PatchCounts) {
         c.off_image,
         c.non_finite
     );
+}
+
+/// Extracts a frame whose inputs a host process holds in memory: plan, solve every patch on
+/// `backend`, stitch, as [`extract_frame`] does between its read and its write.
+pub fn extract_in_memory(
+    request: &ExtractRequest,
+    inputs: &Inputs,
+    backend: &mut dyn Backend,
+) -> Result<(Frame, PatchCounts)> {
+    if interrupted() {
+        return Err(Error::Interrupted);
+    }
+    let plan = request.plan_for(inputs)?;
+    let all = 0..plan.patches.len();
+    let results = solve(request, inputs, &plan, all, backend, &Progress::silent())?;
+    assemble(request, &plan, inputs, &results, &mut Timings::default())
 }
 
 /// Extracts one frame in this process: read, plan, solve every patch on `backend`, write.

@@ -274,3 +274,41 @@ fn out_of_memory(bytes: usize) -> Error {
         bytes as f64 / 1e6
     ))
 }
+
+impl Comm {
+    /// A communicator of a host process, from its Fortran handle (`comm.py2f()` in mpi4py,
+    /// an integer under every MPI implementation, unlike the C handle): spex works on its own duplicate, freed when the returned `Comm` drops, so the
+    /// host's communicator and its pending messages are untouched. Collective over the
+    /// host's communicator.
+    ///
+    /// # Safety
+    /// `handle` must be a valid intracommunicator handle of the MPI library spex is linked
+    /// with, and MPI must stay initialised while the returned `Comm` lives.
+    pub unsafe fn from_fortran_handle(handle: i32) -> Result<Comm> {
+        let mut initialized = 0;
+        mpi::ffi::MPI_Initialized(&mut initialized);
+        if initialized == 0 {
+            return Err(Error::Mpi(
+                "a communicator was given but MPI is not initialised".into(),
+            ));
+        }
+        let host = mpi::ffi::MPI_Comm_f2c(handle);
+        let mut dup = std::mem::zeroed::<mpi::ffi::MPI_Comm>();
+        let status = mpi::ffi::MPI_Comm_dup(host, &mut dup);
+        if status != 0 {
+            return Err(Error::Mpi(format!(
+                "cannot duplicate the host's communicator (MPI error {status})"
+            )));
+        }
+        use mpi::raw::FromRaw;
+        Ok(Comm(Some(SimpleCommunicator::from_raw(dup))))
+    }
+}
+
+impl Comm {
+    /// A group of this process alone, without MPI: what a host process that passes no
+    /// communicator gets, even when a launcher started it.
+    pub fn alone() -> Comm {
+        Comm(None)
+    }
+}

@@ -90,3 +90,22 @@ impl Comm {
         std::process::exit(code)
     }
 }
+
+impl Comm {
+    /// Refused: a host's communicator needs spex built with the `mpi` feature.
+    ///
+    /// # Safety
+    /// Nothing is read from `handle`; the signature matches the MPI build's.
+    pub unsafe fn from_fortran_handle(_handle: i32) -> Result<Comm> {
+        Err(crate::error::Error::Mpi(
+            "a communicator was given, but this spex was built without the `mpi` feature".into(),
+        ))
+    }
+}
+
+impl Comm {
+    /// A group of this process alone.
+    pub fn alone() -> Comm {
+        Comm(())
+    }
+}

@@ -68,10 +68,34 @@ pub struct JobOutcome {
     pub comparison_failed: usize,
 }
 
+/// The lines [`print_line`] printed since [`capture_lines`] started a capture (`None`: no
+/// capture): a host process raises them as its exception's message.
+static CAPTURED: std::sync::Mutex<Option<Vec<String>>> = std::sync::Mutex::new(None);
+
+fn captured() -> std::sync::MutexGuard<'static, Option<Vec<String>>> {
+    CAPTURED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Starts keeping the lines that [`print_line`] prints (they are still printed), dropping
+/// those kept before.
+pub fn capture_lines() {
+    *captured() = Some(Vec::new());
+}
+
+/// The lines kept since [`capture_lines`], ending the capture.
+pub fn take_captured_lines() -> Vec<String> {
+    captured().take().unwrap_or_default()
+}
+
 /// Prints one line on stderr in a single write, so that lines of several ranks sharing the
 /// launcher's stderr never interleave within a line (`eprintln!` may write in pieces).
 pub fn print_line(line: &str) {
     use std::io::Write;
+    if let Some(lines) = captured().as_mut() {
+        lines.push(line.to_string());
+    }
     let mut text = String::with_capacity(line.len() + 1);
     text.push_str(line);
     text.push('\n');

@@ -1,0 +1,31 @@
+"""Type stubs of the extension module spex._spex (see spex.desispec for the public calls)."""
+
+__version__: str
+
+def run_job(argvs: list[list[str]], comm: int | None = None) -> tuple[int, int, int]:
+    """Runs the frames of `argvs` (each one job line's `spex extract` arguments) over the
+    communicator with Fortran handle `comm` (every rank calls in), or in this process alone.
+    Returns (frames, written, failed); raises when a frame failed."""
+
+import os
+from typing import Any
+
+import numpy as np
+
+class Psf:
+    """A GAUSS-HERMITE PSF read by spex."""
+
+    def __init__(self, path: str | os.PathLike) -> None: ...
+    @property
+    def nfiber(self) -> int: ...
+    @property
+    def path(self) -> str: ...
+
+def extract_arrays(
+    image: np.ndarray,
+    ivar: np.ndarray,
+    mask: np.ndarray | None,
+    psf: Psf,
+    options: dict[str, Any],
+) -> dict[str, Any]:
+    """spex.extract_frame's work on C-contiguous float32 image and ivar (int32 mask)."""

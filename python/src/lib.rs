@@ -1,0 +1,35 @@
+//! The extension module `spex._spex`: a thin edge over the spex library for Python, beside
+//! the `spex` program's `main`. It turns Python's arguments into the same job configuration
+//! the program builds, runs the same parallel layer outside the GIL, and turns the outcome into
+//! Python values and exceptions. The pure-Python package `spex` (python/spex) wraps it with
+//! desispec's and gpu_specter's signatures.
+
+mod arrays;
+mod errors;
+mod job;
+mod logging;
+
+use pyo3::prelude::*;
+
+// The program's allocator, for the same reason (see its main.rs): the patch solves allocate
+// and free megabyte-sized matrices at a high rate. It serves Rust's allocations only; Python
+// keeps its own.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// mimalloc's `purge_delay` option: its index in `mi_option_e` (the same in mimalloc 2 and 3).
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+#[pymodule]
+fn _spex(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // Freed pages stay mapped, as in the program, unless MIMALLOC_PURGE_DELAY says otherwise.
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+        // SAFETY: sets one of the allocator's options, which it reads when it next purges.
+        unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
+    }
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(job::run_job, m)?)?;
+    m.add_function(wrap_pyfunction!(arrays::extract_arrays, m)?)?;
+    m.add_class::<arrays::Psf>()?;
+    Ok(())
+}
