@@ -362,5 +362,7 @@ fn bytes_of(dir: &Path) -> BTreeMap<String, Vec<u8>> {
 }
 
 // After the harness: the cases use its `args!` macro.
+mod data_loss;
 mod files;
 mod regressions;
+mod silent_results;
