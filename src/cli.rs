@@ -230,19 +230,19 @@ pub struct CompareArgs {
     #[arg(long)]
     pub truth_fibermin: Option<usize>,
     /// Parity: minimum fraction of bins with |df|/sigma < 1e-4.
-    #[arg(long, default_value_t = 0.999)]
+    #[arg(long, default_value_t = 0.999, value_parser = parse_limit)]
     pub min_fraction: f64,
     /// Parity: largest |df|/sigma allowed.
-    #[arg(long, default_value_t = 1e-2)]
+    #[arg(long, default_value_t = 1e-2, value_parser = parse_limit)]
     pub max_dflux: f64,
     /// Parity: relative tolerance of ivar, resolution and chi2pix.
-    #[arg(long, default_value_t = 1e-4)]
+    #[arg(long, default_value_t = 1e-4, value_parser = parse_limit)]
     pub rel_tolerance: f64,
     /// Pulls: largest |mean| allowed.
-    #[arg(long, default_value_t = 0.01)]
+    #[arg(long, default_value_t = 0.01, value_parser = parse_limit)]
     pub max_mean: f64,
     /// Pulls: largest standard deviation allowed.
-    #[arg(long, default_value_t = 1.02)]
+    #[arg(long, default_value_t = 1.02, value_parser = parse_limit)]
     pub max_std: f64,
     /// Pulls: allowed range of the median |pull|, `lo,hi`.
     #[arg(long, default_value = "0.66,0.70", value_parser = parse_pair)]
@@ -283,19 +283,35 @@ pub fn parse_count(s: &str) -> std::result::Result<usize, String> {
     }
 }
 
-/// Parses `lo,hi`.
+/// Parses a comparison limit: a finite number, not negative. A NaN limit would make every
+/// comparison with it pass.
+pub fn parse_limit(s: &str) -> std::result::Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number"))?;
+    if !v.is_finite() || v < 0.0 {
+        return Err(format!("a limit must be finite and not negative, got {s}"));
+    }
+    Ok(v)
+}
+
+/// Parses `lo,hi`: finite numbers, `lo <= hi`.
 pub fn parse_pair(s: &str) -> std::result::Result<(f64, f64), String> {
     let (a, b) = s
         .split_once(',')
         .ok_or_else(|| format!("expected lo,hi, got {s:?}"))?;
     let a = a
         .trim()
-        .parse()
+        .parse::<f64>()
         .map_err(|_| format!("{a:?} is not a number"))?;
     let b = b
         .trim()
-        .parse()
+        .parse::<f64>()
         .map_err(|_| format!("{b:?} is not a number"))?;
+    if !(a.is_finite() && b.is_finite() && a <= b) {
+        return Err(format!("expected finite lo <= hi, got {s}"));
+    }
     Ok((a, b))
 }
 

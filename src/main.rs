@@ -325,7 +325,12 @@ fn run_compare(args: &CompareArgs) -> anyhow::Result<ExitCode> {
         if let Some(why) = compare::truth_mismatch(&frame, &truth) {
             return Ok(comparison_failed(&[why]));
         }
-        let pulls = compare::pulls(&frame, &truth)?;
+        // A frame without a bin to measure fails the comparison, as a mismatch does.
+        let pulls = match compare::pulls(&frame, &truth) {
+            Ok(pulls) => pulls,
+            Err(spex::Error::Config(why)) => return Ok(comparison_failed(&[why])),
+            Err(e) => return Err(e.into()),
+        };
         println!(
             "{} vs truth {}:\n{pulls}",
             args.frame.display(),
