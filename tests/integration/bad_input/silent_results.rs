@@ -151,3 +151,87 @@ fn nan_in_a_float_mask_masks_the_pixel() {
     let b = extract_ok(&c, &int, "b.fits", args!["--mask-bits", "767"]);
     same_frame(&a, &b, "MASK 4 as float");
 }
+
+#[test]
+fn chi2pix_of_a_huge_pixel_is_finite_and_flagged() {
+    // With no PSF error a pixel's chi2 is its squared residual times its ivar: 1e50 for a
+    // pixel of 1e25, beyond float32. Every 50th row of such pixels, across every trace, and
+    // of 1e19 (1e38, just inside float32).
+    let c = Case::new();
+    for (k, value) in [1e25f32, 1e19].into_iter().enumerate() {
+        let input = c.path(&format!("hot{k}.fits"));
+        write_image(
+            &input,
+            false,
+            |r, _| if r % 50 == 0 { value } else { 10.0 },
+            unit,
+        );
+        let frame = extract_ok(&c, &input, &format!("f{k}.fits"), args!["--psferr", "0"]);
+        let arrays = [&frame.flux, &frame.ivar, &frame.chi2pix];
+        for (name, a) in ["FLUX", "IVAR", "CHI2PIX"].iter().zip(arrays) {
+            assert!(
+                a.iter().all(|x| x.is_finite()),
+                "{value}: {name} not finite"
+            );
+        }
+        assert!(frame.resolution.iter().all(|x| x.is_finite()));
+        let bad = frame.chi2pix.iter().filter(|&&x| x > 1e30).count();
+        let max = frame.chi2pix.iter().fold(0f64, |a, &b| a.max(b));
+        assert!(
+            bad > 0,
+            "{value}: no bin sees the hot rows (max chi2pix {max})"
+        );
+        for (i, &x) in frame.chi2pix.indexed_iter() {
+            if x > 1e30 {
+                assert_ne!(frame.mask[i] & specmask::BAD2DFIT, 0, "bin {i:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_grid_of_one_bin_is_per_angstrom() {
+    // One bin (wmax = wmin, or a step larger than the range) against the same bin of a grid
+    // of two: the per-Angstrom conversion is what differed, by dw = 0.8 in flux and dw^2 in
+    // ivar; the neighbouring bin changes the solution by far less (its spectral overlap with
+    // the bin is deconvolved away).
+    let c = Case::new();
+    let input = c.copy(IMAGE, "in.fits");
+    let psf = c.copy(PSF, "psf.fits");
+    let on_grid = |name: &str, grid: &str| {
+        let out = c.path(name);
+        let o = spex(args![
+            "-i",
+            &input,
+            "-p",
+            &psf,
+            "-o",
+            &out,
+            "-w",
+            grid,
+            "-n",
+            "25",
+            "--threads",
+            "1"
+        ]);
+        expect(&o, 0, &[]);
+        Frame::read(&out).expect("read the frame")
+    };
+    let two = on_grid("two.fits", "6020,6020.8,0.8");
+    for (k, grid) in ["6020,6020,0.8", "6020,6020.3,0.8"].iter().enumerate() {
+        let one = on_grid(&format!("one{k}.fits"), grid);
+        assert_eq!(one.nwave(), 1);
+        for f in 0..one.nspec {
+            let flux = one.flux[[f, 0]] / two.flux[[f, 0]];
+            let ivar = one.ivar[[f, 0]] / two.ivar[[f, 0]];
+            assert!(
+                (flux - 1.0).abs() < 0.02,
+                "{grid} fiber {f}: flux ratio {flux}"
+            );
+            assert!(
+                (ivar - 1.0).abs() < 0.04,
+                "{grid} fiber {f}: ivar ratio {ivar}"
+            );
+        }
+    }
+}
