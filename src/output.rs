@@ -180,10 +180,21 @@ fn temporary_affixes(target: &Path) -> (String, String) {
     };
     let base: String = clean(base, &['-', '_']).chars().take(48).collect();
     let mut suffix = clean(suffix, &['-', '_', '.']);
-    if suffix.len() > 24 {
-        suffix = if suffix.ends_with(".gz") { ".gz" } else { "" }.into();
+    // The temporary of a name ending in `.gz` (any case, `.gz` alone included) must end so
+    // too: that is what makes its FITS file compressed.
+    let gzip = is_gzip_name(target);
+    if suffix.len() > 24 || (gzip && !is_gzip_name(Path::new(&suffix))) {
+        suffix = if gzip { ".gz" } else { "" }.into();
     }
     (format!(".{base}."), suffix)
+}
+
+/// Whether a file of this name is written gzip-compressed: its name ends in `.gz`, in any
+/// case (`out.FITS.GZ` as well as `out.fits.gz`).
+pub fn is_gzip_name(path: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let bytes = path.as_os_str().as_bytes();
+    bytes.len() >= 3 && bytes[bytes.len() - 3..].eq_ignore_ascii_case(b".gz")
 }
 
 /// A file being written: a temporary next to its target, removed unless committed.
@@ -444,6 +455,10 @@ mod tests {
         assert_eq!((p.as_str(), s.as_str()), (".out_1_.", ".fits"));
         let (p, s) = temporary_affixes(Path::new("noext"));
         assert_eq!((p.as_str(), s.as_str()), (".noext.", ""));
+        for name in ["out.FITS.GZ", ".gz", "a.Gz"] {
+            let (_, s) = temporary_affixes(Path::new(name));
+            assert!(is_gzip_name(Path::new(&s)), "{name}: {s}");
+        }
     }
 
     #[test]

@@ -237,7 +237,7 @@ impl Fits {
             })
         })?;
         let mut fits = Fits::new(ptr, path);
-        fits.gzip = path.to_string_lossy().ends_with(".gz");
+        fits.gzip = crate::output::is_gzip_name(path);
         Ok(fits)
     }
 
@@ -650,7 +650,7 @@ pub fn is_structural_card(card: &str) -> bool {
     let key = card.get(..8).unwrap_or(card).trim_end();
     const EXACT: &[&str] = &[
         "SIMPLE", "BITPIX", "NAXIS", "EXTEND", "XTENSION", "PCOUNT", "GCOUNT", "EXTNAME", "BSCALE",
-        "BZERO", "CHECKSUM", "DATASUM", "TFIELDS", "THEAP", "END", "",
+        "BZERO", "BLANK", "CHECKSUM", "DATASUM", "TFIELDS", "THEAP", "END", "",
     ];
     EXACT.contains(&key)
         || (key.starts_with("NAXIS") && key[5..].chars().all(|c| c.is_ascii_digit()))
