@@ -38,7 +38,7 @@ pub struct SimulateArgs {
     #[arg(long)]
     pub truth: PathBuf,
     /// Wavelength grid `wmin,wmax,dw` of the truth (align it with the extraction grid).
-    #[arg(short, long, value_parser = parse_wavelength, allow_hyphen_values = true)]
+    #[arg(short, long, value_parser = parse_simulated_grid, allow_hyphen_values = true)]
     pub wavelength: (f64, f64, f64),
     /// First fiber to simulate.
     #[arg(short, long, default_value_t = 0)]
@@ -49,14 +49,14 @@ pub struct SimulateArgs {
     /// Random seed: the same seed gives the same files.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Read noise in electrons.
-    #[arg(long, default_value_t = 3.0)]
+    /// Read noise in electrons (at most 10^6).
+    #[arg(long, default_value_t = 3.0, value_parser = parse_read_noise)]
     pub read_noise: f64,
     /// Write the noiseless image (IVAR unchanged).
     #[arg(long)]
     pub no_noise: bool,
-    /// Cosmic-ray tracks per million pixels of the simulated area (0: none).
-    #[arg(long, default_value_t = 50.0)]
+    /// Cosmic-ray tracks per million pixels of the simulated area (0: none; at most 10^5).
+    #[arg(long, default_value_t = 50.0, value_parser = parse_cosmic_density)]
     pub cosmic_density: f64,
     /// A bad CCD column (masked, with extra charge).
     #[arg(long)]
@@ -273,6 +273,45 @@ pub fn parse_wavelength(s: &str) -> std::result::Result<(f64, f64, f64), String>
         return Err(format!("wmax {} is below wmin {}", v[1], v[0]));
     }
     Ok((v[0], v[1], v[2]))
+}
+
+/// Parses `simulate`'s grid: [`parse_wavelength`], and at most as many bins as an extraction
+/// may have (each bin is a spectrum sample of every fiber: an unbounded grid would fill the
+/// memory before anything is written).
+pub fn parse_simulated_grid(s: &str) -> std::result::Result<(f64, f64, f64), String> {
+    let (wmin, wmax, dw) = parse_wavelength(s)?;
+    crate::plan::check_grid(wmin, wmax, dw).map_err(|e| match e {
+        crate::error::Error::Config(m) => m,
+        e => e.to_string(),
+    })?;
+    Ok((wmin, wmax, dw))
+}
+
+/// The largest read noise `simulate` takes, in electrons: beyond a CCD's full well by an
+/// order of magnitude, and far from float32's range, where the image would overflow.
+pub const MAX_READ_NOISE: f64 = 1e6;
+
+/// Parses `simulate --read-noise`: a number in `0..=MAX_READ_NOISE`.
+pub fn parse_read_noise(s: &str) -> std::result::Result<f64, String> {
+    let v = parse_limit(s)?;
+    if v > MAX_READ_NOISE {
+        return Err(format!(
+            "read noise must be at most {MAX_READ_NOISE:e} electrons, got {s}"
+        ));
+    }
+    Ok(v)
+}
+
+/// Parses `simulate --cosmic-density`: a number in `0..=MAX_COSMIC_DENSITY`.
+pub fn parse_cosmic_density(s: &str) -> std::result::Result<f64, String> {
+    use crate::simulate::MAX_COSMIC_DENSITY;
+    let v = parse_limit(s)?;
+    if v > MAX_COSMIC_DENSITY {
+        return Err(format!(
+            "cosmic-ray density must be at most {MAX_COSMIC_DENSITY:e} tracks per million pixels, got {s}"
+        ));
+    }
+    Ok(v)
 }
 
 /// Parses a count of groups or frames: a positive integer.
