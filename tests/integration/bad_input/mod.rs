@@ -367,3 +367,4 @@ mod data_loss;
 mod files;
 mod regressions;
 mod silent_results;
+mod streams;
