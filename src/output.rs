@@ -92,9 +92,13 @@ pub fn creating<T>(create: impl FnOnce() -> T) -> T {
 /// system's own text: the errors of `tempfile` append "at path" and the temporary's name,
 /// which the user never asked for.
 fn io_error(target: &Path, source: std::io::Error) -> Error {
-    let source = match source.raw_os_error() {
-        Some(code) => std::io::Error::from_raw_os_error(code),
-        None => source,
+    // tempfile's errors read "<the system's error> at path <temporary>" and keep no code
+    let text = source.to_string();
+    let source = match text.split_once(" at path ") {
+        Some((cause, _)) if source.raw_os_error().is_none() => {
+            std::io::Error::new(source.kind(), cause.to_string())
+        }
+        _ => source,
     };
     Error::Io {
         path: target.into(),
