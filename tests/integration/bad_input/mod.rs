@@ -365,6 +365,7 @@ fn bytes_of(dir: &Path) -> BTreeMap<String, Vec<u8>> {
 mod comparisons;
 mod data_loss;
 mod files;
+mod messages;
 mod regressions;
 mod silent_results;
 mod streams;
