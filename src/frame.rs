@@ -198,10 +198,13 @@ impl Frame {
         if count == 0 {
             return Ok(());
         }
+        // the first bin, in (fiber, bin) order, where any of the arrays is not finite
         let (fiber, bin) = arrays
             .iter()
-            .find_map(|v| v.indexed_iter().find(|(_, x)| !x.is_finite()))
-            .map_or((0, 0), |(first, _)| first);
+            .filter_map(|v| v.indexed_iter().find(|(_, x)| !x.is_finite()))
+            .map(|(first, _)| first)
+            .min()
+            .unwrap_or((0, 0));
         Err(Error::NonFiniteFrame {
             path: path.into(),
             count,
