@@ -73,6 +73,14 @@ impl Pointing {
     pub fn from_header(cards: &[String], path: &Path) -> Result<Pointing> {
         let ra = first_number(cards, &RA_KEYWORDS, path)?;
         let dec = first_number(cards, &DEC_KEYWORDS, path)?;
+        // astropy refuses a latitude outside -90..90 degrees; a correction computed from one
+        // would be silently wrong.
+        if !(-90.0..=90.0).contains(&dec) {
+            return Err(missing(
+                path,
+                &format!("declination {dec} is outside -90..90 degrees"),
+            ));
+        }
         let mjd = first_number(cards, &MJD_KEYWORDS, path)?;
         let exptime = match header_value(cards, "EXPTIME") {
             None => 0.0,

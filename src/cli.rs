@@ -38,7 +38,7 @@ pub struct SimulateArgs {
     #[arg(long)]
     pub truth: PathBuf,
     /// Wavelength grid `wmin,wmax,dw` of the truth (align it with the extraction grid).
-    #[arg(short, long, value_parser = parse_wavelength, allow_hyphen_values = true)]
+    #[arg(short, long, value_parser = parse_simulated_grid, allow_hyphen_values = true)]
     pub wavelength: (f64, f64, f64),
     /// First fiber to simulate.
     #[arg(short, long, default_value_t = 0)]
@@ -49,14 +49,14 @@ pub struct SimulateArgs {
     /// Random seed: the same seed gives the same files.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Read noise in electrons.
-    #[arg(long, default_value_t = 3.0)]
+    /// Read noise in electrons (at most 10^6).
+    #[arg(long, default_value_t = 3.0, value_parser = parse_read_noise)]
     pub read_noise: f64,
     /// Write the noiseless image (IVAR unchanged).
     #[arg(long)]
     pub no_noise: bool,
-    /// Cosmic-ray tracks per million pixels of the simulated area (0: none).
-    #[arg(long, default_value_t = 50.0)]
+    /// Cosmic-ray tracks per million pixels of the simulated area (0: none; at most 10^5).
+    #[arg(long, default_value_t = 50.0, value_parser = parse_cosmic_density)]
     pub cosmic_density: f64,
     /// A bad CCD column (masked, with extra charge).
     #[arg(long)]
@@ -243,19 +243,19 @@ pub struct CompareArgs {
     #[arg(long)]
     pub truth_fibermin: Option<usize>,
     /// Parity: minimum fraction of bins with |df|/sigma < 1e-4.
-    #[arg(long, default_value_t = 0.999)]
+    #[arg(long, default_value_t = 0.999, value_parser = parse_limit)]
     pub min_fraction: f64,
     /// Parity: largest |df|/sigma allowed.
-    #[arg(long, default_value_t = 1e-2)]
+    #[arg(long, default_value_t = 1e-2, value_parser = parse_limit)]
     pub max_dflux: f64,
     /// Parity: relative tolerance of ivar, resolution and chi2pix.
-    #[arg(long, default_value_t = 1e-4)]
+    #[arg(long, default_value_t = 1e-4, value_parser = parse_limit)]
     pub rel_tolerance: f64,
     /// Pulls: largest |mean| allowed.
-    #[arg(long, default_value_t = 0.01)]
+    #[arg(long, default_value_t = 0.01, value_parser = parse_limit)]
     pub max_mean: f64,
     /// Pulls: largest standard deviation allowed.
-    #[arg(long, default_value_t = 1.02)]
+    #[arg(long, default_value_t = 1.02, value_parser = parse_limit)]
     pub max_std: f64,
     /// Pulls: allowed range of the median |pull|, `lo,hi`.
     #[arg(long, default_value = "0.66,0.70", value_parser = parse_pair)]
@@ -288,6 +288,45 @@ pub fn parse_wavelength(s: &str) -> std::result::Result<(f64, f64, f64), String>
     Ok((v[0], v[1], v[2]))
 }
 
+/// Parses `simulate`'s grid: [`parse_wavelength`], and at most as many bins as an extraction
+/// may have (each bin is a spectrum sample of every fiber: an unbounded grid would fill the
+/// memory before anything is written).
+pub fn parse_simulated_grid(s: &str) -> std::result::Result<(f64, f64, f64), String> {
+    let (wmin, wmax, dw) = parse_wavelength(s)?;
+    crate::plan::check_grid(wmin, wmax, dw).map_err(|e| match e {
+        crate::error::Error::Config(m) => m,
+        e => e.to_string(),
+    })?;
+    Ok((wmin, wmax, dw))
+}
+
+/// The largest read noise `simulate` takes, in electrons: beyond a CCD's full well by an
+/// order of magnitude, and far from float32's range, where the image would overflow.
+pub const MAX_READ_NOISE: f64 = 1e6;
+
+/// Parses `simulate --read-noise`: a number in `0..=MAX_READ_NOISE`.
+pub fn parse_read_noise(s: &str) -> std::result::Result<f64, String> {
+    let v = parse_limit(s)?;
+    if v > MAX_READ_NOISE {
+        return Err(format!(
+            "read noise must be at most {MAX_READ_NOISE:e} electrons, got {s}"
+        ));
+    }
+    Ok(v)
+}
+
+/// Parses `simulate --cosmic-density`: a number in `0..=MAX_COSMIC_DENSITY`.
+pub fn parse_cosmic_density(s: &str) -> std::result::Result<f64, String> {
+    use crate::simulate::MAX_COSMIC_DENSITY;
+    let v = parse_limit(s)?;
+    if v > MAX_COSMIC_DENSITY {
+        return Err(format!(
+            "cosmic-ray density must be at most {MAX_COSMIC_DENSITY:e} tracks per million pixels, got {s}"
+        ));
+    }
+    Ok(v)
+}
+
 /// Parses a count of groups or frames: a positive integer.
 pub fn parse_count(s: &str) -> std::result::Result<usize, String> {
     match s.trim().parse::<usize>() {
@@ -296,19 +335,35 @@ pub fn parse_count(s: &str) -> std::result::Result<usize, String> {
     }
 }
 
-/// Parses `lo,hi`.
+/// Parses a comparison limit: a finite number, not negative. A NaN limit would make every
+/// comparison with it pass.
+pub fn parse_limit(s: &str) -> std::result::Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number"))?;
+    if !v.is_finite() || v < 0.0 {
+        return Err(format!("a limit must be finite and not negative, got {s}"));
+    }
+    Ok(v)
+}
+
+/// Parses `lo,hi`: finite numbers, `lo <= hi`.
 pub fn parse_pair(s: &str) -> std::result::Result<(f64, f64), String> {
     let (a, b) = s
         .split_once(',')
         .ok_or_else(|| format!("expected lo,hi, got {s:?}"))?;
     let a = a
         .trim()
-        .parse()
+        .parse::<f64>()
         .map_err(|_| format!("{a:?} is not a number"))?;
     let b = b
         .trim()
-        .parse()
+        .parse::<f64>()
         .map_err(|_| format!("{b:?} is not a number"))?;
+    if !(a.is_finite() && b.is_finite() && a <= b) {
+        return Err(format!("expected finite lo <= hi, got {s}"));
+    }
     Ok((a, b))
 }
 

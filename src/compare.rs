@@ -71,7 +71,37 @@ fn rel(a: f64, b: f64) -> f64 {
 /// Why two frames cannot be compared bin by bin (shape, resolution width or wavelength grid
 /// differ), `None` when they can. For a command line this is a failed comparison.
 pub fn parity_mismatch(a: &Frame, b: &Frame) -> Option<String> {
+    if let Some(why) =
+        non_finite(a, "the first frame").or_else(|| non_finite(b, "the second frame"))
+    {
+        return Some(why);
+    }
+    if a.specmin != b.specmin {
+        return Some(format!(
+            "frames hold different fibers: from {} vs from {}",
+            a.specmin, b.specmin
+        ));
+    }
     grid_mismatch(b, a.nspec, &a.wave, a.ndiag)
+}
+
+/// Why `frame` (named `which`) cannot be measured: the number of NaN or infinite values in
+/// its arrays, bins of ivar 0 included (a frame must hold none); `None` when it has none.
+fn non_finite(frame: &Frame, which: &str) -> Option<String> {
+    let count = |v: &mut dyn Iterator<Item = &f64>| v.filter(|x| !x.is_finite()).count();
+    let counts = [
+        ("WAVELENGTH", count(&mut frame.wave.iter())),
+        ("FLUX", count(&mut frame.flux.iter())),
+        ("IVAR", count(&mut frame.ivar.iter())),
+        ("RESOLUTION", count(&mut frame.resolution.iter())),
+        ("CHI2PIX", count(&mut frame.chi2pix.iter())),
+    ];
+    let bad: Vec<String> = counts
+        .iter()
+        .filter(|(_, n)| *n > 0)
+        .map(|(name, n)| format!("{n} in {name}"))
+        .collect();
+    (!bad.is_empty()).then(|| format!("{which} holds NaN or infinite values: {}", bad.join(", ")))
 }
 
 /// Why `frame` is not a frame of `nspec` fibers on the grid `wave` with `ndiag` resolution
@@ -277,6 +307,9 @@ impl Truth {
 /// Why the truth's grid cannot serve for `frame`'s pulls (it is too short, not increasing,
 /// or does not contain the frame's first wavelength on one of its bins), `None` when it can.
 pub fn truth_mismatch(frame: &Frame, truth: &Truth) -> Option<String> {
+    if let Some(why) = non_finite(frame, "the frame") {
+        return Some(why);
+    }
     let (Some(&w0), Some(&t0), Some(&t1)) =
         (frame.wave.first(), truth.wave.first(), truth.wave.get(1))
     else {

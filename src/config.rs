@@ -96,6 +96,14 @@ impl JobConfig {
         }
         // Outputs that would replace an input or one another are refused before any work.
         check_job_paths(&requests, args.test.as_deref()).map_err(ConfigError::Input)?;
+        if let Some(list) = &args.list {
+            // The list is an input too: an output line naming it would overwrite it.
+            let outputs: Vec<&std::path::Path> = requests
+                .iter()
+                .flat_map(|r| std::iter::once(r.output.as_path()).chain(r.model.as_deref()))
+                .collect();
+            crate::output::check_paths(&[list.as_path()], &outputs).map_err(ConfigError::Input)?;
+        }
         let mut config = JobConfig {
             frames: Vec::with_capacity(requests.len()),
             skipped: Vec::new(),

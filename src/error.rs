@@ -42,9 +42,9 @@ pub enum Error {
     #[error("internal error: {0}")]
     Internal(String),
 
-    /// A frame whose FLUX or IVAR would hold NaN or infinity: it is not written.
+    /// A frame whose FLUX, IVAR or RESOLUTION would hold NaN or infinity: it is not written.
     #[error(
-        "{path}: {count} non-finite FLUX/IVAR values, the first at fiber {fiber}, bin {bin}; the frame is not written"
+        "{path}: {count} non-finite FLUX/IVAR/RESOLUTION values, the first at fiber {fiber}, bin {bin}; the frame is not written"
     )]
     NonFiniteFrame {
         path: PathBuf,

@@ -123,14 +123,18 @@ impl Frame {
                 };
                 rows.fill(specmin + f, plan, &by_fiber[f], results);
             });
-        frame.convert_to_per_angstrom();
+        frame.convert_to_per_angstrom(plan.options.dw);
         frame.set_mask(Bad2dfit::default());
         Ok((frame, counts))
     }
 
-    /// flux /= dw, ivar *= dw^2 with dw the gradient of the output grid.
-    fn convert_to_per_angstrom(&mut self) {
-        let dw = Array1::from(gradient(&self.wave));
+    /// flux /= dw, ivar *= dw^2 with dw the gradient of the output grid, or the grid's `step`
+    /// for a grid of one bin (whose gradient is not defined: numpy's raises).
+    fn convert_to_per_angstrom(&mut self, step: f64) {
+        let dw = match self.nwave() {
+            1 => Array1::from(vec![step]),
+            _ => Array1::from(gradient(&self.wave)),
+        };
         // dw broadcasts along the wavelength axis, the last one.
         self.flux /= &dw;
         self.ivar *= &dw.mapv(|d| d * d);
@@ -138,27 +142,42 @@ impl Frame {
 
     /// Writes the frame atomically: a temporary file in the same directory, renamed into place
     /// only when complete. `meta` supplies the header and the FIBERMAP source. A frame with a
-    /// non-finite FLUX or IVAR value (after conversion to float32) is refused before anything
-    /// is written: downstream steps would silently propagate it.
+    /// non-finite FLUX, IVAR or RESOLUTION value (after conversion to float32) is refused
+    /// before anything is written: downstream steps would silently propagate it. CHI2PIX, a
+    /// goodness of fit, saturates at float32's largest value instead of overflowing to
+    /// infinity (a pixel of 1e25 with no PSF error gives 1e50); such a bin has BAD2DFIT.
     pub fn write(&self, path: &Path, meta: &FrameMeta) -> Result<()> {
         let flux = f32s(&self.flux);
         let ivar = f32s(&self.ivar);
-        self.check_finite(path, &flux, &ivar)?;
-        write_atomically(path, |tmp| self.write_to(tmp, meta, &flux, &ivar))
+        let resolution = f32s(&self.resolution);
+        let chi2pix = Zip::from(&self.chi2pix).par_map_collect(|&x| match x.is_nan() {
+            true => f32::NAN,
+            false => x.min(f32::MAX as f64) as f32,
+        });
+        self.check_finite(path, &[&flux, &ivar, &chi2pix])?;
+        self.check_finite_resolution(path, &resolution)?;
+        write_atomically(path, |tmp| {
+            self.write_to(tmp, meta, [&flux, &ivar, &chi2pix], &resolution)
+        })
     }
 
-    /// The error for the first non-finite FLUX or IVAR value, with their count.
-    fn check_finite(&self, path: &Path, flux: &Array2<f32>, ivar: &Array2<f32>) -> Result<()> {
-        let bad = |v: &Array2<f32>| v.iter().filter(|x| !x.is_finite()).count();
-        let count = bad(flux) + bad(ivar);
+    /// The error for the first non-finite value of `arrays` (`[fiber, bin]` each), with the
+    /// count of them all.
+    fn check_finite(&self, path: &Path, arrays: &[&Array2<f32>]) -> Result<()> {
+        let count: usize = arrays
+            .iter()
+            .map(|v| v.iter().filter(|x| !x.is_finite()).count())
+            .sum();
         if count == 0 {
             return Ok(());
         }
-        let ((fiber, bin), _) = flux
-            .indexed_iter()
-            .zip(ivar)
-            .find(|((_, f), v)| !f.is_finite() || !v.is_finite())
-            .map_or(((0, 0), &0.0), |(first, _)| first);
+        // the first bin, in (fiber, bin) order, where any of the arrays is not finite
+        let (fiber, bin) = arrays
+            .iter()
+            .filter_map(|v| v.indexed_iter().find(|(_, x)| !x.is_finite()))
+            .map(|(first, _)| first)
+            .min()
+            .unwrap_or((0, 0));
         Err(Error::NonFiniteFrame {
             path: path.into(),
             count,
@@ -167,12 +186,26 @@ impl Frame {
         })
     }
 
+    /// [`Frame::check_finite`] of the `[fiber, diagonal, bin]` RESOLUTION.
+    fn check_finite_resolution(&self, path: &Path, resolution: &Array3<f32>) -> Result<()> {
+        let count = resolution.iter().filter(|x| !x.is_finite()).count();
+        match resolution.indexed_iter().find(|(_, x)| !x.is_finite()) {
+            None => Ok(()),
+            Some(((fiber, _, bin), _)) => Err(Error::NonFiniteFrame {
+                path: path.into(),
+                count,
+                fiber: self.specmin + fiber,
+                bin,
+            }),
+        }
+    }
+
     fn write_to(
         &self,
         path: &Path,
         meta: &FrameMeta,
-        flux: &Array2<f32>,
-        ivar: &Array2<f32>,
+        [flux, ivar, chi2pix]: [&Array2<f32>; 3],
+        resolution: &Array3<f32>,
     ) -> Result<()> {
         let (ns, nw) = (self.nspec, self.nwave());
         let wave = meta.output_wave(self)?;
@@ -192,7 +225,7 @@ impl Frame {
         fits.write_array_with("IVAR", ivar.view(), bunit("Angstrom^2/electron^2"))?;
         fits.write_array("MASK", self.mask.view())?;
         fits.write_image_with("WAVELENGTH", &[nw], &wave, bunit("Angstrom"))?;
-        fits.write_array("RESOLUTION", f32s(&self.resolution).view())?;
+        fits.write_array("RESOLUTION", resolution.view())?;
         if let Some((src, _)) = &fibermap {
             let mut input = Fits::open(src)?;
             fits.copy_table(
@@ -201,7 +234,7 @@ impl Frame {
                 Some(self.specmin..self.specmin + ns),
             )?;
         }
-        fits.write_array("CHI2PIX", f32s(&self.chi2pix).view())?;
+        fits.write_array("CHI2PIX", chi2pix.view())?;
         for hdu in &meta.extra_hdus {
             hdu.write(&mut fits, self)?;
         }

@@ -67,6 +67,27 @@ fn join<T>(handle: std::thread::ScopedJoinHandle<'_, Result<T>>, path: &Path) ->
     })
 }
 
+/// Reads the MASK HDU as integers. A floating-point MASK (not what desispec writes, but a
+/// FITS file may hold one) is read as float64, which holds every 32-bit integer exactly, and
+/// its NaN or infinite pixels get every bit set: converted as cfitsio converts them, they
+/// would read as 0, unmasked.
+fn read_mask(
+    open: &(dyn Fn() -> Result<Fits> + Sync),
+    pieces: usize,
+) -> Result<(Vec<usize>, Vec<i32>)> {
+    let mut fits = open()?;
+    fits.move_to("MASK")?;
+    if !fits.image_is_float()? {
+        return Fits::read_image_parallel::<i32>(open, "MASK", pieces);
+    }
+    let (shape, values) = Fits::read_image_parallel::<f64>(open, "MASK", pieces)?;
+    let bits = values
+        .par_iter()
+        .map(|&m| if m.is_finite() { m as i64 as i32 } else { -1 })
+        .collect();
+    Ok((shape, bits))
+}
+
 /// Zeroes the inverse variance of the pixels the mask rules out, and both values of the
 /// pixels that are not finite or have a negative inverse variance; returns the numbers of
 /// each (17 million pixels per DESI frame: in parallel, by rows of 64 KiB).
@@ -149,7 +170,7 @@ impl Image {
         let (pix, ivar, mask) = std::thread::scope(|s| {
             let pix = s.spawn(move || Fits::read_image_parallel::<f32>(open, "IMAGE", pieces));
             let ivar = s.spawn(move || Fits::read_image_parallel::<f32>(open, "IVAR", pieces));
-            let mask = s.spawn(move || Fits::read_image_parallel::<i32>(open, "MASK", pieces));
+            let mask = s.spawn(move || read_mask(open, pieces));
             (join(pix, path), join(ivar, path), join(mask, path))
         });
         let (_, pix) = pix?;

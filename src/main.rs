@@ -79,10 +79,23 @@ fn report(outcome: anyhow::Result<ExitCode>) -> ExitCode {
     match outcome {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("spex: error: {e:#}");
+            print_line(&format!("spex: error: {}", error_chain(&e)));
             ExitCode::FAILURE
         }
     }
+}
+
+/// An error and its causes on one line, each cause once: the library's errors already say
+/// their cause ("out.fits: Not a directory"), which `{:#}` would repeat.
+fn error_chain(e: &anyhow::Error) -> String {
+    let mut text = e.to_string();
+    for cause in e.chain().skip(1) {
+        let cause = cause.to_string();
+        if !text.contains(&cause) {
+            text = format!("{text}: {cause}");
+        }
+    }
+    text
 }
 
 /// `spex extract`: one process, or one rank of an MPI job when a launcher started it.
@@ -221,11 +234,15 @@ impl<'a> Reference<'a> {
         }
         let limits = ParityLimits::default();
         let parity = compare::parity(frame, reference, limits.rel_tolerance)?;
-        println!(
+        let report = format!(
             "{} vs {}:\n{parity}",
             request.output.display(),
             self.path.display()
         );
+        print_stdout(&report).map_err(|source| spex::Error::Io {
+            path: "standard output".into(),
+            source,
+        })?;
         let failures = parity.failures(&limits);
         for f in &failures {
             print_line(&format!("spex: test failed: {f}"));
@@ -330,8 +347,13 @@ fn run_compare(args: &CompareArgs) -> anyhow::Result<ExitCode> {
         if let Some(why) = compare::truth_mismatch(&frame, &truth) {
             return Ok(comparison_failed(&[why]));
         }
-        let pulls = compare::pulls(&frame, &truth)?;
-        println!(
+        // A frame without a bin to measure fails the comparison, as a mismatch does.
+        let pulls = match compare::pulls(&frame, &truth) {
+            Ok(pulls) => pulls,
+            Err(spex::Error::Config(why)) => return Ok(comparison_failed(&[why])),
+            Err(e) => return Err(e.into()),
+        };
+        let report = format!(
             "{} vs truth {}:\n{pulls}",
             args.frame.display(),
             args.truth
@@ -339,6 +361,7 @@ fn run_compare(args: &CompareArgs) -> anyhow::Result<ExitCode> {
                 .map(|p| p.display().to_string())
                 .unwrap_or_default()
         );
+        print_stdout(&report).context("standard output")?;
         pulls.failures(&PullLimits {
             max_abs_mean: args.max_mean,
             max_std: args.max_std,
@@ -354,11 +377,12 @@ fn run_compare(args: &CompareArgs) -> anyhow::Result<ExitCode> {
             return Ok(comparison_failed(&[why]));
         }
         let parity = compare::parity(&frame, &other, args.rel_tolerance)?;
-        println!(
+        let report = format!(
             "{} vs {}:\n{parity}",
             args.frame.display(),
             other_path.display()
         );
+        print_stdout(&report).context("standard output")?;
         parity.failures(&ParityLimits {
             min_fraction_1e4: args.min_fraction,
             max_flux: args.max_dflux,
@@ -369,10 +393,22 @@ fn run_compare(args: &CompareArgs) -> anyhow::Result<ExitCode> {
     Ok(comparison_failed(&failures))
 }
 
+/// Prints a report on standard output, as a line. A reader that went away (`| head`, a
+/// closed pipe) ends the report quietly, as other command-line tools do; any other failure
+/// (a full disk) is an error.
+fn print_stdout(report: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match writeln!(out, "{report}").and_then(|()| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        other => other,
+    }
+}
+
 /// Prints each failure of a comparison; exit status 3 if there is one, else 0.
 fn comparison_failed(failures: &[String]) -> ExitCode {
     for f in failures {
-        eprintln!("spex: comparison failed: {f}");
+        print_line(&format!("spex: comparison failed: {f}"));
     }
     if failures.is_empty() {
         ExitCode::SUCCESS

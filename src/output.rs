@@ -9,8 +9,13 @@
 //!   cause ("No space left on device").
 //! - An existing target that is not a regular file (a directory, a device such as
 //!   /dev/null) is refused: renaming over it would replace it.
-//! - The temporaries alive in the process are registered; on SIGTERM or SIGINT a thread
-//!   removes them and the process exits with status 128 + the signal.
+//! - Files written together are committed together: every target is checked again just
+//!   before the first rename, and an existing target is kept (as a hidden hard link) until
+//!   every rename succeeded, so that a failed rename puts the old files back.
+//! - The temporaries alive in the process are registered; on SIGTERM, SIGINT, SIGHUP,
+//!   SIGQUIT or SIGUSR1 a thread removes them and the process exits with status 128 + the
+//!   signal. SIGXFSZ is ignored, so that a file-size limit fails the write with "File too
+//!   large" instead of killing the process and leaving its temporaries.
 //! - [`check_paths`] refuses, before any work, outputs that would replace an input or each
 //!   other (same canonical path, or the same file through another name or a hard link).
 
@@ -39,16 +44,29 @@ pub fn leave_signals_to_host() {
     HOST_HANDLES_SIGNALS.store(true, Ordering::Relaxed);
 }
 
-/// Starts, once per process, the thread that removes the live temporaries on SIGTERM or
-/// SIGINT and then exits with 128 + the signal's number.
+/// The signals whose default action would end the process while it writes: they end it
+/// too, but after its temporaries are removed.
+const ENDING_SIGNALS: [i32; 5] = [
+    signal_hook::consts::SIGTERM,
+    signal_hook::consts::SIGINT,
+    signal_hook::consts::SIGHUP,
+    signal_hook::consts::SIGQUIT,
+    signal_hook::consts::SIGUSR1,
+];
+
+/// Starts, once per process, the thread that removes the live temporaries on one of the
+/// [`ENDING_SIGNALS`] and then exits with 128 + the signal's number; and ignores SIGXFSZ,
+/// whose default action would kill the process at a file-size limit with its temporaries
+/// left behind (ignored, the write fails with EFBIG and the usual clean-up runs).
 fn clean_up_on_signals() {
     if HOST_HANDLES_SIGNALS.load(Ordering::Relaxed) {
         return;
     }
     static INSTALLED: Once = Once::new();
     INSTALLED.call_once(|| {
-        use signal_hook::consts::{SIGINT, SIGTERM};
-        let mut signals = match signal_hook::iterator::Signals::new([SIGTERM, SIGINT]) {
+        // SAFETY: sets the disposition of SIGXFSZ to "ignore", which installs no handler.
+        unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) };
+        let mut signals = match signal_hook::iterator::Signals::new(ENDING_SIGNALS) {
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!("cannot watch for SIGTERM and SIGINT ({e}): an interrupted run may leave temporary files");
@@ -64,7 +82,7 @@ fn clean_up_on_signals() {
                     for path in live.values() {
                         let _ = std::fs::remove_file(path);
                     }
-                    let name = if signal == SIGTERM { "SIGTERM" } else { "SIGINT" };
+                    let name = signal_name(signal);
                     eprintln!(
                         "spex: error: stopped by {name}: {} unfinished output file(s) removed",
                         live.len()
@@ -78,6 +96,17 @@ fn clean_up_on_signals() {
     });
 }
 
+/// The name of one of the [`ENDING_SIGNALS`], for the line that says what stopped the run.
+fn signal_name(signal: i32) -> &'static str {
+    match signal {
+        signal_hook::consts::SIGTERM => "SIGTERM",
+        signal_hook::consts::SIGINT => "SIGINT",
+        signal_hook::consts::SIGHUP => "SIGHUP",
+        signal_hook::consts::SIGQUIT => "SIGQUIT",
+        _ => "SIGUSR1",
+    }
+}
+
 /// Runs `create`, which makes a file anew at the path of a temporary (cfitsio creating a
 /// FITS file, a compressed file replacing the plain one), under the lock of the live
 /// temporaries. The signal cleanup holds that lock from the moment it removes them until the
@@ -87,13 +116,26 @@ pub fn creating<T>(create: impl FnOnce() -> T) -> T {
     create()
 }
 
-/// The error for `target` with an operating-system cause.
+/// The error for `target` with an operating-system cause. The cause is reduced to the
+/// system's own text: the errors of `tempfile` append "at path" and the temporary's name,
+/// which the user never asked for.
 fn io_error(target: &Path, source: std::io::Error) -> Error {
+    // tempfile's errors read "<the system's error> at path <temporary>" and keep no code
+    let text = source.to_string();
+    let source = match text.split_once(" at path ") {
+        Some((cause, _)) if source.raw_os_error().is_none() => {
+            std::io::Error::new(source.kind(), cause.to_string())
+        }
+        _ => source,
+    };
     Error::Io {
         path: target.into(),
         source,
     }
 }
+
+/// The longest file name Linux file systems take (NAME_MAX), in bytes.
+const NAME_MAX: usize = 255;
 
 /// The directory a target lives in (`.` for a bare file name).
 fn directory_of(target: &Path) -> &Path {
@@ -106,10 +148,20 @@ fn directory_of(target: &Path) -> &Path {
 /// Checks that `target` can be written by renaming a file onto it: its directory exists and
 /// it is absent or a regular file (a symbolic link is followed).
 pub fn check_target(target: &Path) -> Result<()> {
-    if target.file_name().is_none() {
+    use std::os::unix::ffi::OsStrExt;
+    // `Path` forgets a trailing slash (`model.fits/` has the file name `model.fits`), but a
+    // rename onto it fails: such a name is refused before any work.
+    let trailing_slash = target.as_os_str().as_bytes().ends_with(b"/");
+    let Some(name) = target.file_name().filter(|_| !trailing_slash) else {
         return Err(io_error(
             target,
             std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a file name"),
+        ));
+    };
+    if name.len() > NAME_MAX {
+        return Err(io_error(
+            target,
+            std::io::Error::from_raw_os_error(libc::ENAMETOOLONG),
         ));
     }
     let dir = directory_of(target);
@@ -160,10 +212,21 @@ fn temporary_affixes(target: &Path) -> (String, String) {
     };
     let base: String = clean(base, &['-', '_']).chars().take(48).collect();
     let mut suffix = clean(suffix, &['-', '_', '.']);
-    if suffix.len() > 24 {
-        suffix = if suffix.ends_with(".gz") { ".gz" } else { "" }.into();
+    // The temporary of a name ending in `.gz` (any case, `.gz` alone included) must end so
+    // too: that is what makes its FITS file compressed.
+    let gzip = is_gzip_name(target);
+    if suffix.len() > 24 || (gzip && !is_gzip_name(Path::new(&suffix))) {
+        suffix = if gzip { ".gz" } else { "" }.into();
     }
     (format!(".{base}."), suffix)
+}
+
+/// Whether a file of this name is written gzip-compressed: its name ends in `.gz`, in any
+/// case (`out.FITS.GZ` as well as `out.fits.gz`).
+pub fn is_gzip_name(path: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let bytes = path.as_os_str().as_bytes();
+    bytes.len() >= 3 && bytes[bytes.len() - 3..].eq_ignore_ascii_case(b".gz")
 }
 
 /// A file being written: a temporary next to its target, removed unless committed.
@@ -225,13 +288,29 @@ impl Staged {
                 path: rename(path),
                 source,
             },
+            Error::NonFiniteFrame {
+                path,
+                count,
+                fiber,
+                bin,
+            } => Error::NonFiniteFrame {
+                path: rename(path),
+                count,
+                fiber,
+                bin,
+            },
             other => other,
         }
     }
 
     /// Renames the complete file into place.
-    pub fn commit(mut self) -> Result<()> {
-        let mut live = live();
+    pub fn commit(self) -> Result<()> {
+        commit_all(vec![self])
+    }
+
+    /// Renames the temporary onto the target; the caller holds the lock of the live
+    /// temporaries.
+    fn persist(&mut self, live: &mut BTreeMap<u64, PathBuf>) -> Result<()> {
         let Some(temp) = self.temp.take() else {
             return Ok(());
         };
@@ -242,6 +321,66 @@ impl Staged {
             io_error(&self.target, e.error)
         })
     }
+}
+
+/// An existing target kept under a hidden name (a hard link: the target itself stays in
+/// place) while the files of a set are renamed, so that a failed rename can put it back.
+struct Backup {
+    target: PathBuf,
+    kept: Option<tempfile::TempPath>,
+}
+
+impl Backup {
+    /// Keeps `target` if it exists. A file system without hard links keeps nothing: the
+    /// checks before the first rename are then the only protection.
+    fn of(target: &Path) -> Backup {
+        let kept = target.is_file().then(|| {
+            let (prefix, _) = temporary_affixes(target);
+            tempfile::Builder::new()
+                .prefix(&prefix)
+                .suffix(".keep")
+                .rand_bytes(6)
+                .make_in(directory_of(target), |p| std::fs::hard_link(target, p))
+                .ok()
+                .map(tempfile::NamedTempFile::into_temp_path)
+        });
+        Backup {
+            target: target.into(),
+            kept: kept.flatten(),
+        }
+    }
+
+    /// Puts the old file back over a new one (or removes the new one if there was none).
+    fn restore(&mut self) {
+        match self.kept.take() {
+            Some(kept) => {
+                let _ = kept.persist(&self.target);
+            }
+            None => {
+                let _ = std::fs::remove_file(&self.target);
+            }
+        }
+    }
+}
+
+/// Renames every staged file into place, or none: each target is checked again (a directory
+/// may have appeared at its name since the run started), the existing ones are kept until
+/// every rename succeeded, and a failed rename restores those already made. Runs under the
+/// lock of the live temporaries, which a signal's clean-up takes too: a signal waits for the
+/// whole set to be committed or rolled back.
+fn commit_all(mut staged: Vec<Staged>) -> Result<()> {
+    let mut live = live();
+    for s in &staged {
+        check_target(&s.target)?;
+    }
+    let mut backups: Vec<Backup> = staged.iter().map(|s| Backup::of(&s.target)).collect();
+    for i in 0..staged.len() {
+        if let Err(e) = staged[i].persist(&mut live) {
+            backups[..i].iter_mut().for_each(Backup::restore);
+            return Err(e);
+        }
+    }
+    Ok(())
 }
 
 impl Drop for Staged {
@@ -261,8 +400,8 @@ pub fn write_atomically(target: &Path, write: impl FnOnce(&Path) -> Result<()>) 
 }
 
 /// Like [`write_atomically`] for files that belong together: `write` gets one temporary per
-/// target, and nothing is renamed into place unless every file was written. (If a rename
-/// fails after others succeeded, those are removed again, so that no half of a set is left.)
+/// target, and nothing is renamed into place unless every file was written. If a rename
+/// fails after others succeeded, the files they replaced are put back (see [`commit_all`]).
 pub fn write_together(targets: &[&Path], write: impl FnOnce(&[&Path]) -> Result<()>) -> Result<()> {
     check_paths(&[], targets)?;
     let staged: Vec<Staged> = targets
@@ -275,18 +414,7 @@ pub fn write_together(targets: &[&Path], write: impl FnOnce(&[&Path]) -> Result<
         let e = staged.iter().fold(e, |e, s| s.about_target(e));
         return Err(e);
     }
-    let mut committed: Vec<PathBuf> = Vec::new();
-    for s in staged {
-        let target = s.target().to_path_buf();
-        if let Err(e) = s.commit() {
-            for t in &committed {
-                let _ = std::fs::remove_file(t);
-            }
-            return Err(e);
-        }
-        committed.push(target);
-    }
-    Ok(())
+    commit_all(staged)
 }
 
 /// What identifies a file: its device and inode when it exists, else its canonical
@@ -359,6 +487,10 @@ mod tests {
         assert_eq!((p.as_str(), s.as_str()), (".out_1_.", ".fits"));
         let (p, s) = temporary_affixes(Path::new("noext"));
         assert_eq!((p.as_str(), s.as_str()), (".noext.", ""));
+        for name in ["out.FITS.GZ", ".gz", "a.Gz"] {
+            let (_, s) = temporary_affixes(Path::new(name));
+            assert!(is_gzip_name(Path::new(&s)), "{name}: {s}");
+        }
     }
 
     #[test]
@@ -399,6 +531,42 @@ mod tests {
         .unwrap();
         assert_eq!(names(dir.path()), vec!["a.fits", "b.fits"]);
         assert!(live().is_empty());
+    }
+
+    #[test]
+    fn a_set_whose_second_target_became_a_directory_keeps_the_old_first_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a.fits"), dir.path().join("b.fits"));
+        std::fs::write(&a, b"old").unwrap();
+        let failed = write_together(&[&a, &b], |t| {
+            std::fs::write(t[0], b"new a").unwrap();
+            std::fs::write(t[1], b"new b").unwrap();
+            std::fs::create_dir(&b).unwrap();
+            Ok(())
+        });
+        assert!(failed.unwrap_err().to_string().contains("b.fits"));
+        assert_eq!(std::fs::read(&a).unwrap(), b"old");
+        assert_eq!(names(dir.path()), vec!["a.fits", "b.fits"]);
+        assert!(live().is_empty());
+    }
+
+    #[test]
+    fn a_restored_backup_puts_the_old_file_back_and_none_removes_the_new_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let (old, new) = (dir.path().join("old.fits"), dir.path().join("new.fits"));
+        std::fs::write(&old, b"old").unwrap();
+        let (mut kept, mut nothing) = (Backup::of(&old), Backup::of(&new));
+        assert!(kept.kept.is_some() && nothing.kept.is_none());
+        std::fs::write(dir.path().join("x"), b"replacement").unwrap();
+        std::fs::rename(dir.path().join("x"), &old).unwrap();
+        std::fs::write(&new, b"new").unwrap();
+        kept.restore();
+        nothing.restore();
+        assert_eq!(std::fs::read(&old).unwrap(), b"old");
+        assert_eq!(names(dir.path()), vec!["old.fits"]);
+        // A backup that is not restored goes away, leaving the target.
+        drop(Backup::of(&old));
+        assert_eq!(names(dir.path()), vec!["old.fits"]);
     }
 
     #[test]

@@ -64,8 +64,9 @@ fn lookup(id: &Identity) -> Option<Arc<Vec<u8>>> {
 }
 
 /// The contents of the gzip-compressed file at `path`, inflated (or as inflated before, while
-/// they are held); `None` when the file is not gzip-compressed, or not as one member whose
-/// size its trailer gives (cfitsio then reads it the slow way, with the same result).
+/// they are held); `None` when the file is not gzip-compressed. Every member of the stream is
+/// read (`gzip -dc` concatenates them; cfitsio would stop after the first), and a damaged
+/// stream is an error naming the file.
 pub fn inflate_gzip(path: &Path) -> Result<Option<Arc<Vec<u8>>>> {
     let id = identity(path);
     if let Some(bytes) = id.as_ref().and_then(lookup) {
@@ -79,13 +80,21 @@ pub fn inflate_gzip(path: &Path) -> Result<Option<Arc<Vec<u8>>>> {
     Ok(inflated)
 }
 
-/// Whether the file at `path` starts as a gzip stream does.
+/// Whether `path` is a regular file that starts as a gzip stream does. Anything else (a FIFO
+/// above all, whose opening would wait for a writer) is left to the open's own checks.
 pub fn is_gzip(path: &Path) -> bool {
+    if !std::fs::metadata(path).is_ok_and(|m| m.is_file()) {
+        return false;
+    }
     let mut magic = [0u8; 2];
     std::fs::File::open(path)
         .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
-        .is_ok_and(|()| magic == [0x1f, 0x8b])
+        .is_ok_and(|()| magic == GZIP_MAGIC)
 }
+
+const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
+/// The smallest gzip member: a 10-byte header, an empty deflate block and an 8-byte trailer.
+const MIN_MEMBER: usize = 20;
 
 /// [`inflate_gzip`] without the registry.
 fn inflate_file(path: &Path) -> Result<Option<Vec<u8>>> {
@@ -93,23 +102,91 @@ fn inflate_file(path: &Path) -> Result<Option<Vec<u8>>> {
         path: path.into(),
         source,
     })?;
-    if !compressed.starts_with(&[0x1f, 0x8b]) || compressed.len() < 18 {
+    if !compressed.starts_with(&GZIP_MAGIC) {
         return Ok(None);
     }
+    let damaged = |why: &str| Error::Fits {
+        path: path.into(),
+        what: "cannot inflate".into(),
+        message: format!("damaged gzip stream ({why})"),
+    };
+    if compressed.len() < MIN_MEMBER {
+        return Err(damaged("truncated"));
+    }
+    inflate_members(&compressed, size_hint(&compressed))
+        .map(Some)
+        .map_err(damaged)
+}
+
+/// The size of the inflated file if it is one member: the last trailer's ISIZE (the size
+/// modulo 2^32), unless deflate's largest ratio (1032:1) says that it cannot be.
+fn size_hint(compressed: &[u8]) -> usize {
     let trailer = &compressed[compressed.len() - 4..];
     let size = u32::from_le_bytes([trailer[0], trailer[1], trailer[2], trailer[3]]) as usize;
-    // deflate compresses at most 1032:1; a trailer beyond that is not this file's size
     if size == 0 || size / 1032 > compressed.len() {
-        return Ok(None);
+        4 * compressed.len()
+    } else {
+        size
     }
-    let Some(mut bytes) = zeroed(size) else {
-        return Ok(None);
+}
+
+/// Inflates every gzip member of `compressed` one after the other into one buffer, first
+/// `hint` bytes long (exact for one member, so that the usual file is inflated in one call
+/// into memory allocated once) and doubled whenever a member needs more room.
+fn inflate_members(compressed: &[u8], hint: usize) -> std::result::Result<Vec<u8>, &'static str> {
+    use libdeflate_sys::{
+        libdeflate_alloc_decompressor, libdeflate_free_decompressor, libdeflate_gzip_decompress_ex,
+        libdeflate_result_LIBDEFLATE_INSUFFICIENT_SPACE as NO_ROOM,
+        libdeflate_result_LIBDEFLATE_SUCCESS as SUCCESS,
     };
-    let inflated = libdeflater::Decompressor::new().gzip_decompress(&compressed, &mut bytes);
-    Ok(match inflated {
-        Ok(n) if n == size => Some(bytes),
-        _ => None,
-    })
+    let mut out = zeroed(hint.max(1)).ok_or("cannot allocate its inflated size")?;
+    let (mut read, mut written) = (0usize, 0usize);
+    // SAFETY: allocates a decompressor (null on failure), freed below.
+    let decompressor = unsafe { libdeflate_alloc_decompressor() };
+    if decompressor.is_null() {
+        return Err("cannot allocate a decompressor");
+    }
+    let result = loop {
+        let rest = &compressed[read..];
+        // Padding after the last member (zeros, as some tape tools write) ends the stream.
+        if rest.iter().all(|&b| b == 0) {
+            break Ok(());
+        }
+        let (mut used, mut made) = (0usize, 0usize);
+        // SAFETY: the input and output pointers address `rest.len()` readable bytes and
+        // `out.len() - written` writable bytes; libdeflate writes only within them and stores
+        // the counts in the two out-parameters.
+        let status = unsafe {
+            libdeflate_gzip_decompress_ex(
+                decompressor,
+                rest.as_ptr().cast(),
+                rest.len(),
+                out[written..].as_mut_ptr().cast(),
+                out.len() - written,
+                &mut used,
+                &mut made,
+            )
+        };
+        match status {
+            SUCCESS => {
+                read += used;
+                written += made;
+            }
+            NO_ROOM => {
+                let grown = out.len().checked_mul(2).ok_or("too large")?;
+                if out.try_reserve_exact(grown - out.len()).is_err() {
+                    break Err("cannot allocate its inflated size");
+                }
+                out.resize(grown, 0);
+            }
+            _ => break Err("bad data"),
+        }
+    };
+    // SAFETY: allocated above and not used after this.
+    unsafe { libdeflate_free_decompressor(decompressor) };
+    result?;
+    out.truncate(written);
+    Ok(out)
 }
 
 /// `len` zero bytes, `None` if they cannot be allocated. Zeroed memory comes from the system

@@ -237,7 +237,7 @@ impl Fits {
             })
         })?;
         let mut fits = Fits::new(ptr, path);
-        fits.gzip = path.to_string_lossy().ends_with(".gz");
+        fits.gzip = crate::output::is_gzip_name(path);
         Ok(fits)
     }
 
@@ -285,7 +285,11 @@ impl Fits {
         }
     }
 
-    /// Moves to the HDU whose EXTNAME (or HDUNAME) is `name`.
+    /// Moves to the HDU whose EXTNAME is `name`, as astropy and desispec find HDUs. cfitsio's
+    /// own search also matches HDUNAME, so that an IMAGE HDU with `HDUNAME = 'IVAR'` would
+    /// be read as the IVAR: the HDU it finds is accepted only if its EXTNAME is `name`,
+    /// else every HDU is looked at in turn, and an HDU that cfitsio cannot read on the way
+    /// (a damaged compression header) is reported as such, not as a missing HDU.
     pub fn move_to(&mut self, name: &str) -> Result<()> {
         let mut cname = cstring(name).into_bytes_with_nul();
         // SAFETY: `cname` is NUL-terminated and outlives the call; cfitsio only reads it
@@ -293,15 +297,49 @@ impl Fits {
         let found = self.call_unless(ANY_STATUS, "cannot move", |ptr, status| unsafe {
             sys::ffmnhd(ptr, ANY_HDU, cname.as_mut_ptr() as *mut c_char, 0, status);
         })?;
-        if !found {
-            return Err(Error::Fits {
-                path: self.path.clone(),
-                what: format!("HDU {name}"),
-                message: "missing".into(),
-            });
+        if found && self.extname_is(name)? {
+            self.hdu = name.to_string();
+            return Ok(());
         }
-        self.hdu = name.to_string();
-        Ok(())
+        self.scan_for(name)
+    }
+
+    /// Whether the current HDU's EXTNAME is `name` (blanks and case ignored, as in FITS).
+    fn extname_is(&mut self, name: &str) -> Result<bool> {
+        Ok(self
+            .key_str("EXTNAME")?
+            .is_some_and(|e| e.trim().eq_ignore_ascii_case(name.trim())))
+    }
+
+    /// [`Fits::move_to`] by looking at every HDU's EXTNAME in turn.
+    fn scan_for(&mut self, name: &str) -> Result<()> {
+        let hdu_error = |path: &Path, message: String| Error::Fits {
+            path: path.into(),
+            what: format!("HDU {name}"),
+            message,
+        };
+        let mut count = 0;
+        // SAFETY: a valid handle and an out-parameter.
+        run(|status| unsafe {
+            sys::ffthdu(self.ptr, &mut count, status);
+        })
+        .map_err(|(s, c)| hdu_error(&self.path, failure_message(s, c)))?;
+        for number in 1..=count {
+            let mut hdutype = 0;
+            // SAFETY: a valid handle, an HDU number within the file, one out-parameter.
+            run(|status| unsafe {
+                sys::ffmahd(self.ptr, number, &mut hdutype, status);
+            })
+            .map_err(|(s, c)| {
+                let why = failure_message(s, c);
+                hdu_error(&self.path, format!("cannot read HDU {number}: {why}"))
+            })?;
+            if self.extname_is(name)? {
+                self.hdu = name.to_string();
+                return Ok(());
+            }
+        }
+        Err(hdu_error(&self.path, "missing".into()))
     }
 
     /// Whether the file has an HDU named `name` (the current HDU changes if it does).
@@ -612,7 +650,7 @@ pub fn is_structural_card(card: &str) -> bool {
     let key = card.get(..8).unwrap_or(card).trim_end();
     const EXACT: &[&str] = &[
         "SIMPLE", "BITPIX", "NAXIS", "EXTEND", "XTENSION", "PCOUNT", "GCOUNT", "EXTNAME", "BSCALE",
-        "BZERO", "CHECKSUM", "DATASUM", "TFIELDS", "THEAP", "END", "",
+        "BZERO", "BLANK", "CHECKSUM", "DATASUM", "TFIELDS", "THEAP", "END", "",
     ];
     EXACT.contains(&key)
         || (key.starts_with("NAXIS") && key[5..].chars().all(|c| c.is_ascii_digit()))

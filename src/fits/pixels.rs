@@ -35,6 +35,17 @@ impl Fits {
         Ok((shape, data))
     }
 
+    /// Whether the current image holds floating-point values (BITPIX, or ZBITPIX of a
+    /// tile-compressed image, negative).
+    pub fn image_is_float(&mut self) -> Result<bool> {
+        let mut bitpix = 0;
+        // SAFETY: a valid handle on an image HDU; one out-parameter.
+        self.call("cannot read the image type", |ptr, status| unsafe {
+            sys::ffgidt(ptr, &mut bitpix, status);
+        })?;
+        Ok(bitpix < 0)
+    }
+
     /// Whether cfitsio must look for undefined pixels in the current image: a tile-compressed
     /// image (whose undefined pixels read as 0 unless asked for) or one of integers (BLANK).
     /// A plain floating-point image needs no look: its undefined pixels are NaN and stay NaN

@@ -447,5 +447,10 @@ fn bytes_of(dir: &Path) -> BTreeMap<String, Vec<u8>> {
 }
 
 // After the harness: the cases use its `args!` macro.
+mod comparisons;
+mod data_loss;
 mod files;
+mod messages;
 mod regressions;
+mod silent_results;
+mod streams;
