@@ -107,6 +107,27 @@ impl PatchResult {
         }
     }
 
+    /// The result of a patch whose normal equations are all zero, given its core bins'
+    /// `pixmask_fraction`. Where every core bin's spot lies on masked pixels, the pixels exist
+    /// but none is usable: [`PatchResult::unconstrained`], as desispec writes them. Where a
+    /// spot reaches no pixel at all (a PSF of zero width), there is nothing to regularise:
+    /// ivar 0, which the frame flags ALLBADPIX with a warning.
+    pub fn without_usable_pixels(
+        patch: &Patch,
+        ndiag: usize,
+        regularize: f64,
+        pixmask_fraction: Vec<f64>,
+    ) -> Self {
+        let masked = pixmask_fraction.iter().all(|&f| f > 0.5);
+        let mut r = if masked {
+            PatchResult::unconstrained(patch, ndiag, regularize)
+        } else {
+            PatchResult::empty(patch, ndiag, PatchStatus::Masked)
+        };
+        r.pixmask_fraction = pixmask_fraction;
+        r
+    }
+
     /// What gpu_specter's regularised solve leaves for a patch that no usable pixel
     /// constrains (every `fluxweight` 0, so `minweight` is 0 and no bin counts as poorly
     /// constrained): `icov = d I` with `d = regularize^2 + 1e-15`, `xflux = 0`, each fiber's

@@ -370,8 +370,9 @@ fn solve_one(
         (solution, _) => solution,
     };
     let Some(solution) = solution else {
-        let mut masked = PatchResult::unconstrained(patch, ndiag, options.regularize);
-        masked.pixmask_fraction = result.pixmask_fraction;
+        let fraction = result.pixmask_fraction;
+        let mut masked =
+            PatchResult::without_usable_pixels(patch, ndiag, options.regularize, fraction);
         (masked.rejected, masked.nrejected) = (result.rejected, result.nrejected);
         masked.nresolves = result.nresolves;
         return masked;

@@ -71,9 +71,7 @@ fn patch_result(
         r.pixmask_fraction[c * nk..(c + 1) * nk].copy_from_slice(&back.mask[o..o + nk]);
     }
     if masked {
-        let mut masked = PatchResult::unconstrained(patch, sh.ndiag, regularize);
-        masked.pixmask_fraction = r.pixmask_fraction;
-        return masked;
+        return PatchResult::without_usable_pixels(patch, sh.ndiag, regularize, r.pixmask_fraction);
     }
     for c in 0..ncore {
         let o = (li * ncore + c) * nws;
@@ -109,7 +107,7 @@ fn patch_result(
 
 /// The results of a wave's patches (`patches`, with their tables `live` and model box offsets
 /// `boxoff`) that the device solved, by position in the frame; a patch without any usable
-/// pixel gets [`PatchResult::unconstrained`] with the solve's `regularize`.
+/// pixel gets [`PatchResult::without_usable_pixels`] with the solve's `regularize`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn unpack(
     sh: &Shape,
