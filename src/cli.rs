@@ -23,6 +23,9 @@ pub enum Command {
     Simulate(SimulateArgs),
     /// Compare two frames (parity) or a frame with the simulation truth (pulls).
     Compare(CompareArgs),
+    /// Draw a quick-look PNG of a frame: flux, ivar, mask and chi2pix, the pulls against a
+    /// truth, the residual image of a CCD region.
+    Qa(QaArgs),
 }
 
 /// Options of `spex simulate`.
@@ -393,6 +396,31 @@ pub fn with_default_subcommand(mut args: Vec<std::ffi::OsString>) -> Vec<std::ff
     args
 }
 
+/// Options of `spex qa`.
+#[derive(Debug, Args, Clone)]
+pub struct QaArgs {
+    /// Frame to draw.
+    pub frame: PathBuf,
+    /// Output picture (PNG).
+    #[arg(short, long)]
+    pub output: PathBuf,
+    /// Simulation truth (WAVELENGTH, FLUX in photons per bin): adds the pull histogram.
+    #[arg(long)]
+    pub truth: Option<PathBuf>,
+    /// Fiber of the truth's first row (default: its FIBERMIN keyword, else 0).
+    #[arg(long)]
+    pub truth_fibermin: Option<usize>,
+    /// Model image of the extraction (`spex extract -m`): with --image, adds the residual.
+    #[arg(long, requires = "image")]
+    pub model: Option<PathBuf>,
+    /// Preproc image that was extracted: with --model, adds the residual.
+    #[arg(long, requires = "model")]
+    pub image: Option<PathBuf>,
+    /// MASK bits of the image that give a pixel no weight in the residual, as in extract.
+    #[arg(long, default_value = "767", value_parser = parse_mask_bits)]
+    pub mask_bits: MaskRule,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -501,5 +529,19 @@ mod tests {
         assert!(parse(&["spex", "compare", "a.fits"]).is_err());
         assert!(parse(&["spex", "compare", "a.fits", "b.fits"]).is_ok());
         assert!(parse(&["spex", "compare", "a.fits", "--truth", "t.fits"]).is_ok());
+    }
+
+    #[test]
+    fn qa_needs_an_output_and_the_model_with_the_image() {
+        assert!(parse(&["spex", "qa", "f.fits"]).is_err());
+        assert!(parse(&["spex", "qa", "f.fits", "-o", "qa.png"]).is_ok());
+        assert!(parse(&["spex", "qa", "f.fits", "-o", "q.png", "--model", "m.fits"]).is_err());
+        assert!(parse(&["spex", "qa", "f.fits", "-o", "q.png", "--image", "i.fits"]).is_err());
+        let both = [
+            "--model", "m.fits", "--image", "i.fits", "--truth", "t.fits",
+        ];
+        let mut args = vec!["spex", "qa", "f.fits", "-o", "q.png"];
+        args.extend(both);
+        assert!(parse(&args).is_ok());
     }
 }

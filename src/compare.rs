@@ -360,12 +360,18 @@ impl Default for PullLimits {
     }
 }
 
+/// Pull statistics of a frame against the truth (see [`pull_values`]).
+pub fn pulls(frame: &Frame, truth: &Truth) -> Result<Pulls> {
+    Ok(Pulls::from_values(&pull_values(frame, truth)?))
+}
+
 /// `pull = (flux dw - R t) sqrt(ivar) / dw` over the frame's bins with ivar > 0, where `R t`
 /// is the truth convolved with the frame's resolution diagonals:
 /// `(R t)[i] = sum_k Rdiags[k][j] t[j]`, `j = i + ndiag - k`. Near the ends of the grid the
 /// truth beyond the frame still leaks in; its column of R is taken as the nearest column of
-/// the frame (the convention of the reference figures).
-pub fn pulls(frame: &Frame, truth: &Truth) -> Result<Pulls> {
+/// the frame (the convention of the reference figures). Fiber by fiber, bin by bin; an error
+/// when no bin overlaps the truth.
+pub fn pull_values(frame: &Frame, truth: &Truth) -> Result<Vec<f64>> {
     let nw = frame.nwave();
     if let Some(why) = truth_mismatch(frame, truth) {
         return Err(Error::config(why));
@@ -410,21 +416,26 @@ pub fn pulls(frame: &Frame, truth: &Truth) -> Result<Pulls> {
     if values.is_empty() {
         return Err(Error::config("no bin of the frame overlaps the truth"));
     }
-    let n = values.len() as f64;
-    let mean = values.iter().sum::<f64>() / n;
-    let std = (values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n).sqrt();
-    let abs: Vec<f64> = values.iter().map(|v| v.abs()).collect();
-    Ok(Pulls {
-        nbins: values.len(),
-        mean,
-        std,
-        median_abs: median(abs.clone()),
-        over5: abs.iter().filter(|&&v| v > 5.0).count(),
-        max_abs: abs.iter().cloned().fold(0.0, f64::max),
-    })
+    Ok(values)
 }
 
 impl Pulls {
+    /// The statistics of a non-empty set of pulls.
+    pub fn from_values(values: &[f64]) -> Pulls {
+        let n = values.len() as f64;
+        let mean = values.iter().sum::<f64>() / n;
+        let std = (values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n).sqrt();
+        let abs: Vec<f64> = values.iter().map(|v| v.abs()).collect();
+        Pulls {
+            nbins: values.len(),
+            mean,
+            std,
+            median_abs: median(abs.clone()),
+            over5: abs.iter().filter(|&&v| v > 5.0).count(),
+            max_abs: abs.iter().cloned().fold(0.0, f64::max),
+        }
+    }
+
     /// The limits this violates, as readable lines (empty when it passes).
     pub fn failures(&self, limits: &PullLimits) -> Vec<String> {
         let mut out = Vec::new();

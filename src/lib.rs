@@ -22,6 +22,7 @@ pub mod parallel;
 pub mod pipeline;
 pub mod plan;
 pub mod psf;
+pub mod qa;
 pub mod scores;
 pub mod simulate;
 

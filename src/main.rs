@@ -10,7 +10,9 @@ use std::sync::OnceLock;
 use anyhow::Context;
 use clap::Parser;
 use spex::backend::Progress;
-use spex::cli::{with_default_subcommand, Cli, Command, CompareArgs, ExtractArgs, SimulateArgs};
+use spex::cli::{
+    with_default_subcommand, Cli, Command, CompareArgs, ExtractArgs, QaArgs, SimulateArgs,
+};
 use spex::compare::{self, ParityLimits, PullLimits, Truth};
 use spex::config::{BackendChoice, JobConfig};
 use spex::frame::Frame;
@@ -19,6 +21,7 @@ use spex::parallel::{
 };
 use spex::pipeline::ExtractRequest;
 use spex::psf::GaussHermitePsf;
+use spex::qa::{QuickLook, Residual};
 use spex::simulate;
 use tracing_subscriber::fmt::format::{self, FormatEvent, FormatFields};
 use tracing_subscriber::fmt::FmtContext;
@@ -70,6 +73,10 @@ fn main() -> ExitCode {
         Command::Compare(args) => {
             init_logging("info", None, true);
             report(run_compare(&args))
+        }
+        Command::Qa(args) => {
+            init_logging("info", None, true);
+            report(run_qa(&args))
         }
     }
 }
@@ -403,6 +410,52 @@ fn print_stdout(report: &str) -> std::io::Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
         other => other,
     }
+}
+
+/// `spex qa`: draws the quick-look picture and prints what its panels measure.
+fn run_qa(args: &QaArgs) -> anyhow::Result<ExitCode> {
+    let inputs: Vec<&Path> = [Some(&args.frame), args.truth.as_ref(), args.model.as_ref()]
+        .into_iter()
+        .chain([args.image.as_ref()])
+        .flatten()
+        .map(|p| p.as_path())
+        .collect();
+    spex::output::check_paths(&inputs, &[&args.output])?;
+    let frame = Frame::read(&args.frame)?;
+    let name = args.frame.file_name().unwrap_or_default().to_string_lossy();
+    let mut picture = QuickLook::new(name, frame);
+    if let Some(path) = &args.truth {
+        let truth = Truth::read(path, args.truth_fibermin)?;
+        picture = picture
+            .with_truth(&truth)
+            .with_context(|| format!("{}: pulls against the truth", path.display()))?;
+    }
+    if let (Some(model), Some(image)) = (&args.model, &args.image) {
+        let image = spex::image::Image::read(image, args.mask_bits)?;
+        let model = spex::qa::read_model(model)?;
+        picture.residual = Some(Residual::new(&image, &model)?);
+    }
+    picture.write(&args.output)?;
+    if let Some(pulls) = picture.pull_stats() {
+        print_stdout(&format!("{} vs truth:\n{pulls}", args.frame.display()))
+            .context("standard output")?;
+    }
+    if let Some(r) = &picture.residual {
+        let (rms, n) = r.rms();
+        if n == 0 {
+            tracing::warn!(
+                "no pixel of the residual's region has ivar > 0 in {}: is it the image that was extracted?",
+                args.image.as_deref().unwrap_or(Path::new("")).display()
+            );
+        }
+        print_stdout(&format!(
+            "residual (image - model) sqrt(ivar), CCD rows {:?}, columns {:?}: rms {rms:.4} over {n} pixels",
+            r.rows, r.cols
+        ))
+        .context("standard output")?;
+    }
+    tracing::info!("wrote {}", args.output.display());
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Prints each failure of a comparison; exit status 3 if there is one, else 0.

@@ -9,6 +9,7 @@
 //! - `extract`: physics and numerics of the CPU extraction against the reference cases;
 //! - `mpi`: multi-rank runs under a real `mpiexec`;
 //! - `desispec`: desispec itself (a pinned venv, `scripts/desispec-env`) reads spex's files;
+//! - `qa`: the quick-look picture (`spex qa`) read back;
 //! - `science`: capabilities beyond gpu_specter's (any fiber range, outlier rejection);
 //! - `gpu`: the CUDA backend against the CPU (ignored without a GPU; `scripts/gpu-check`);
 //! - `options`: the extraction options end to end, input protection, `--skip-existing` and
@@ -31,4 +32,5 @@ mod gpu;
 mod mpi;
 mod options;
 mod promises;
+mod qa;
 mod science;
