@@ -21,6 +21,7 @@ fn full_frame() -> Frame {
     let smooth = |f: usize, w: usize| 100.0 + (f as f64 * 0.37 + w as f64 * 0.011).sin();
     Frame {
         specmin: 0,
+        specmin_recorded: true,
         nspec,
         wave,
         ndiag,

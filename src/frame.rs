@@ -27,6 +27,9 @@ pub use mask::{specmask, Bad2dfit, BAD2DFIT_CHI2PIX};
 #[derive(Clone, Debug, PartialEq)]
 pub struct Frame {
     pub specmin: usize,
+    /// Whether `specmin` is known: false for a file that records neither SPECMIN nor
+    /// FIBERMIN (gpu_specter's frames), whose `specmin` then reads as 0.
+    pub specmin_recorded: bool,
     pub nspec: usize,
     pub wave: Vec<f64>,
     /// Resolution diagonals on each side.
@@ -96,6 +99,7 @@ impl Frame {
         let nd = 2 * ndiag + 1;
         let mut frame = Frame {
             specmin,
+            specmin_recorded: true,
             nspec,
             wave: plan.wave.clone(),
             ndiag,
@@ -247,7 +251,11 @@ impl Frame {
     pub fn read(path: &Path) -> Result<Frame> {
         let mut fits = Fits::open(path)?;
         fits.move_to("FLUX")?;
-        let specmin = fits.key_i64("SPECMIN")?.unwrap_or(0).max(0) as usize;
+        let recorded = match fits.key_i64("SPECMIN")? {
+            Some(v) => Some(v),
+            None => fits.key_i64("FIBERMIN")?,
+        };
+        let specmin = recorded.unwrap_or(0).max(0) as usize;
         let (shape, flux) = fits.read_image::<f64>()?;
         if shape.len() != 2 {
             return Err(fits.error("FLUX", format!("shape {shape:?} is not [nspec, nwave]")));
@@ -287,6 +295,7 @@ impl Frame {
         };
         Ok(Frame {
             specmin,
+            specmin_recorded: recorded.is_some(),
             nspec,
             ndiag: rs[1] / 2,
             wave,

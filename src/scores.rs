@@ -203,6 +203,7 @@ mod tests {
         let (nspec, nwave) = (flux.len() / wave.len(), wave.len());
         Frame {
             specmin: 0,
+            specmin_recorded: true,
             nspec,
             wave,
             ndiag: 0,

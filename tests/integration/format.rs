@@ -198,6 +198,7 @@ fn small_frame(specmin: usize, wave: Vec<f64>) -> Frame {
     });
     Frame {
         specmin,
+        specmin_recorded: true,
         nspec,
         wave,
         ndiag,

@@ -224,12 +224,16 @@ impl CudaBackend {
         self.max_wave = patches;
     }
 
-    /// Most patches per wave: at most [`MAX_WAVE`] (or the number set), and the per-patch buffers of a wave must
-    /// fit in three quarters of the budget (the rest for the spots of a wave) once the frame's
-    /// `frame_bytes` (image, results) are held.
+    /// Most patches per wave: at most [`MAX_WAVE`] (or the number set), and a wave's buffers
+    /// must fit in the budget once the frame's `frame_bytes` (image, results) are held. A
+    /// wave's spots are those of the bundles it touches: a share of a bundle's spots per
+    /// patch, and two bundles more for the bundles a wave starts and ends within.
     fn wave_size(&self, sh: &Shape, frame_bytes: usize) -> usize {
-        let per = sh.bytes_per_patch(solve::route(self.tuning.solve, sh)) + MODEL_BOX_BYTES;
-        let fit = (self.budget * 3 / 4).saturating_sub(frame_bytes) / per;
+        let spots = sh.bundle_spot_bytes();
+        let per = sh.bytes_per_patch(solve::route(self.tuning.solve, sh))
+            + MODEL_BOX_BYTES
+            + spots.div_ceil(sh.patches_per_bundle());
+        let fit = self.budget.saturating_sub(frame_bytes + 2 * spots) / per;
         match self.max_wave {
             Some(max) => max.min(fit).max(1),
             None => fit.clamp(1, MAX_WAVE),
@@ -485,13 +489,22 @@ impl CudaBackend {
             } else {
                 0
             };
-        let size = self.wave_size(&sh, image_bytes + patches.len() * out_bytes);
+        // trace positions (two f64) and spot corners (two i32) of every spot of the bundles
+        let nbundles = bundles_per_wave(&ordered, ordered.len());
+        let tables = 24 * nbundles * sh.bundlesize * sh.nfull;
+        let size = self.wave_size(&sh, image_bytes + tables + patches.len() * out_bytes);
         let buffers = self
             .uploads
             .take()
             .unwrap_or_else(|| tables::Uploads::new(&self.dev.ctx));
         let mut host = tables::FrameHost::new(&input, &ordered, &sh, buffers, size);
         self.reserve_waves(&sh, host.largest_wave());
+        // The spots of the most bundles a wave can touch, allocated once: a buffer that grew
+        // from wave to wave would hold its outgrown sizes until the frame's end.
+        let spots = bundles_per_wave(&ordered, host.largest_wave()) * sh.bundle_spot_bytes() / 8;
+        if self.workspace.spots.ensure(&self.dev, spots)? {
+            self.workspace.last_spots = None;
+        }
         // by position in the frame's order
         let mut results: Vec<Option<PatchResult>> = vec![None; patches.len()];
         let solved = self.solve_frame(
@@ -588,6 +601,21 @@ impl CudaBackend {
 
 /// The positions of `patches` in the frame's order: the patches of a bundle together, so that
 /// a wave evaluates the spots of few bundles.
+/// The most bundles that `largest` consecutive patches of `ordered` (the frame's order, by
+/// bundle) touch: a bound on the bundles of any wave.
+fn bundles_per_wave(ordered: &[&Patch], largest: usize) -> usize {
+    let mut rank = Vec::with_capacity(ordered.len());
+    for (i, p) in ordered.iter().enumerate() {
+        let new = i == 0 || p.bundle_start != ordered[i - 1].bundle_start;
+        rank.push(rank.last().map_or(0, |&r: &usize| r + usize::from(new)));
+    }
+    let span = largest.clamp(1, ordered.len().max(1));
+    rank.windows(span)
+        .map(|w| w[w.len() - 1] - w[0] + 1)
+        .max()
+        .unwrap_or(1)
+}
+
 fn frame_order(patches: &[Patch]) -> Vec<usize> {
     let mut order: BTreeMap<(usize, usize), usize> = BTreeMap::new();
     for (i, p) in patches.iter().enumerate() {

@@ -72,6 +72,18 @@ impl Shape {
     /// holds the covariance blocks; L22^-1 on the dense route, the complements, the end
     /// fibers' factors and the sweeps' vectors on the Schur route; the parked polar factors,
     /// vectors, pixmask and chi2pix), without the model boxes.
+    /// Device bytes of one bundle's spots: each of its fibers on the padded grid.
+    pub(crate) fn bundle_spot_bytes(&self) -> usize {
+        8 * self.bundlesize * self.nfull * self.ny * self.nx
+    }
+
+    /// Patches that share one bundle's spots: its sub-bundles times the patches along the
+    /// grid (at least 1).
+    pub(crate) fn patches_per_bundle(&self) -> usize {
+        let along = self.nfull.saturating_sub(2 * self.wavepad) / self.nws.max(1);
+        (self.bundlesize / self.ncore.max(1)).max(1) * along.max(1)
+    }
+
     pub(crate) fn bytes_per_patch(&self, solve: Solve) -> usize {
         let (m, mc, nt) = (self.m(), self.mc(), self.nt);
         let route = match solve {
