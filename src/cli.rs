@@ -198,8 +198,8 @@ pub struct ExtractArgs {
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = parse_count)]
     pub frames_in_flight: usize,
     /// Reader threads, and as many writer threads, per device of a rank that forms a frame
-    /// group alone under --async-io (default: 3 per GPU, whose frames are solved faster than
-    /// one thread reads or writes them; 1 on the CPU).
+    /// group alone under --async-io (default: half the rank's cores, at least 3 per GPU, whose
+    /// frames are solved faster than one thread reads or writes them; 1 on the CPU).
     #[arg(long, value_name = "N", value_parser = parse_count)]
     pub io_threads: Option<usize>,
     /// Skip frames whose output already exists.
