@@ -46,7 +46,7 @@ def test_job_line_writes_the_programs_frame(inputs, workdir, camera, kind):
 
 
 def test_options_raise_value_error_with_the_programs_message(inputs, workdir):
-    line = job_line(inputs, "r0", "flat", workdir / "never.fits").replace("-n 25", "-n 30")
+    line = job_line(inputs, "r0", "flat", workdir / "never.fits").replace("-n 25", "-n 0")
     program = run_program(line.split()[1:], check=False)
     assert program.returncode == 2
     with pytest.raises(ValueError) as caught:
