@@ -2,22 +2,10 @@
 //! output file layout, and one clear error (and no output file) for each kind of bad input.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
-use crate::common::data;
+use crate::common::{data, path_str as s, run_spex as spex};
 use spex::fits::Fits;
-
-fn spex(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_spex"))
-        .args(args)
-        .env_remove("SPEX_LOG")
-        .output()
-        .expect("spex runs")
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
 
 fn bundle0_args<'a>(input: &'a str, psf: &'a str, output: &'a str) -> Vec<&'a str> {
     vec![

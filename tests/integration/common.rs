@@ -60,3 +60,47 @@ pub fn add_spots(
         }
     }
 }
+
+/// Runs the built `spex` with `args` (no `SPEX_LOG` from the caller's environment).
+pub fn run_spex(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_spex"))
+        .args(args)
+        .env_remove("SPEX_LOG")
+        .output()
+        .expect("spex runs")
+}
+
+/// A test path as the `&str` an argument list takes.
+pub fn path_str(p: &std::path::Path) -> &str {
+    p.to_str().expect("test paths are UTF-8")
+}
+
+/// `spex` on bundle 0 of reference case 0 (`input`, `psf`) at 6000-6200 A on two threads,
+/// with `extra` options.
+pub fn extract_bundle0(
+    input: &std::path::Path,
+    psf: &std::path::Path,
+    out: &std::path::Path,
+    extra: &[&str],
+) -> std::process::Output {
+    let mut args = vec![
+        "-i",
+        path_str(input),
+        "-p",
+        path_str(psf),
+        "-o",
+        path_str(out),
+    ];
+    args.extend([
+        "-w",
+        "6000,6200,0.8",
+        "-s",
+        "0",
+        "-n",
+        "25",
+        "--threads",
+        "2",
+    ]);
+    args.extend(extra);
+    run_spex(&args)
+}

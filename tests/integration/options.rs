@@ -8,36 +8,16 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::common::data;
+use crate::common::{data, extract_bundle0, path_str as s};
 use crate::promises::changed_image;
 use spex::frame::Frame;
 
 const PSF: &str = "psf-r0-00067784.fits";
 const IMAGE: &str = "preproc-bundle0.fits";
 
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
-
-/// `spex` on bundle 0 at 6000-6200 A (one thread) with `extra` options.
+/// `spex` on bundle 0 at 6000-6200 A (two threads) with `extra` options.
 fn extract(input: &Path, psf: &Path, out: &Path, extra: &[&str]) -> Output {
-    let mut args = vec!["-i", s(input), "-p", s(psf), "-o", s(out)];
-    args.extend([
-        "-w",
-        "6000,6200,0.8",
-        "-s",
-        "0",
-        "-n",
-        "25",
-        "--threads",
-        "2",
-    ]);
-    args.extend(extra);
-    Command::new(env!("CARGO_BIN_EXE_spex"))
-        .args(&args)
-        .env_remove("SPEX_LOG")
-        .output()
-        .expect("spex runs")
+    extract_bundle0(input, psf, out, extra)
 }
 
 fn frame_with(dir: &Path, name: &str, input: &Path, extra: &[&str]) -> Frame {

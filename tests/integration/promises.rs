@@ -5,28 +5,19 @@
 //! SOMEBADPIX and BAD2DFIT, and the pulls that `scripts/demo` promises.
 
 use std::path::Path;
-use std::process::Command;
 
-use crate::common::data;
+use crate::common::{self, data, path_str as s, run_spex};
 use spex::compare::Truth;
 use spex::fits::Fits;
 use spex::frame::Frame;
 
 fn spex(args: &[&str]) {
-    let o = Command::new(env!("CARGO_BIN_EXE_spex"))
-        .args(args)
-        .env_remove("SPEX_LOG")
-        .output()
-        .expect("spex runs");
+    let o = run_spex(args);
     assert!(
         o.status.success(),
         "spex {args:?}:\n{}",
         String::from_utf8_lossy(&o.stderr)
     );
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
 }
 
 /// Pulls of `frame` against `truth`: (flux dw - R t) sqrt(ivar) / dw for every bin whose row
@@ -172,23 +163,7 @@ fn barycentric_correction_extracts_on_the_divided_grid() {
 /// Runs `spex` on bundle 0 of reference case 0 (`input` and `psf`), 6000-6200 A, with
 /// `extra` options, and returns its exit status and stderr.
 fn extract_bundle0(input: &Path, psf: &Path, out: &Path, extra: &[&str]) -> (Option<i32>, String) {
-    let mut args = vec!["-i", s(input), "-p", s(psf), "-o", s(out)];
-    args.extend([
-        "-w",
-        "6000,6200,0.8",
-        "-s",
-        "0",
-        "-n",
-        "25",
-        "--threads",
-        "2",
-    ]);
-    args.extend(extra);
-    let o = Command::new(env!("CARGO_BIN_EXE_spex"))
-        .args(&args)
-        .env_remove("SPEX_LOG")
-        .output()
-        .expect("spex runs");
+    let o = common::extract_bundle0(input, psf, out, extra);
     (
         o.status.code(),
         String::from_utf8_lossy(&o.stderr).into_owned(),

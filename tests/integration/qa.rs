@@ -3,25 +3,13 @@
 
 use std::collections::HashSet;
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
-use crate::common::data;
+use crate::common::{data, path_str as s, run_spex as spex};
 use spex::compare::Truth;
 use spex::frame::{specmask, Frame};
 use spex::image::{Image, MaskRule};
 use spex::qa::{self, Panel, PanelKind, QuickLook, Residual};
-
-fn spex(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_spex"))
-        .args(args)
-        .env_remove("SPEX_LOG")
-        .output()
-        .expect("spex runs")
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
 
 /// Width, height and RGB pixels of a PNG.
 fn read_png(path: &Path) -> (u32, u32, Vec<u8>) {
