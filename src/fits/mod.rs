@@ -12,7 +12,8 @@
 //! Submodules: `pixels` (image reads, by row ranges in parallel), `memory` (gzip files
 //! inflated once and shared), `checksum` (CHECKSUM/DATASUM), `gzip` (compression of written
 //! files), `desi` (what desispec's files carry besides arrays), `table` (binary tables),
-//! `keywords` (header keywords and cards).
+//! `keywords` (header keywords and cards), `compressed` (tile-compression keywords checked
+//! before cfitsio trusts them).
 
 use std::ffi::{c_char, c_int, c_long, c_void, CString};
 use std::path::{Path, PathBuf};
@@ -23,6 +24,7 @@ use ndarray::{ArrayView, Dimension};
 use crate::error::{Error, Result};
 
 mod checksum;
+mod compressed;
 mod desi;
 mod gzip;
 mod keywords;
@@ -197,9 +199,11 @@ impl Fits {
         }
         if is_gzip(path) {
             if let Some(bytes) = inflate_gzip(path)? {
+                compressed::check_bytes(path, &bytes)?;
                 return Fits::open_memory(path, bytes);
             }
         }
+        compressed::check_file(path)?;
         let name = cstring(&path.to_string_lossy());
         let mut ptr = std::ptr::null_mut();
         // SAFETY: `name` is NUL-terminated and outlives the call; cfitsio stores a handle in

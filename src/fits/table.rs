@@ -9,6 +9,9 @@ use super::{buffer_to_string, cstring, Element, Fits, ANY_STATUS};
 use crate::error::Result;
 
 const BINARY_TBL: c_int = 2;
+/// cfitsio's type codes of numeric columns: TBYTE, TSBYTE, TSHORT, TINT32BIT, TFLOAT,
+/// TLONGLONG, TDOUBLE and their unsigned and `int` variants.
+const NUMERIC: &[c_int] = &[11, 12, 20, 21, 30, 31, 40, 41, 42, 80, 81, 82];
 
 impl Fits {
     /// Number of rows of the current table HDU.
@@ -21,7 +24,9 @@ impl Fits {
         Ok(nrows.max(0) as usize)
     }
 
-    fn column_number(&mut self, name: &str) -> Result<(c_int, usize, usize)> {
+    /// The number of column `name`, its cfitsio type code (negative for variable-length
+    /// arrays), its repeat and its width.
+    fn column_number(&mut self, name: &str) -> Result<(c_int, c_int, usize, usize)> {
         let mut cname = cstring(name).into_bytes_with_nul();
         let mut colnum = 0;
         // SAFETY: `cname` is NUL-terminated and only read (case-insensitive match).
@@ -46,13 +51,36 @@ impl Fits {
         self.call(&format!("column {name}"), |ptr, status| unsafe {
             sys::ffgtcl(ptr, colnum, &mut typecode, &mut repeat, &mut width, status);
         })?;
-        Ok((colnum, repeat.max(0) as usize, width.max(0) as usize))
+        Ok((
+            colnum,
+            typecode,
+            repeat.max(0) as usize,
+            width.max(0) as usize,
+        ))
+    }
+
+    /// Refuses a column whose values are not numbers (strings, logicals, bits, complex,
+    /// variable-length arrays): cfitsio would read a string's characters as so many values
+    /// and fail past the end of the table.
+    fn require_numeric(&mut self, name: &str, colnum: c_int, typecode: c_int) -> Result<()> {
+        if NUMERIC.contains(&typecode) {
+            return Ok(());
+        }
+        let tform = self.key_str(&format!("TFORM{colnum}"))?.unwrap_or_default();
+        Err(self.error(
+            &format!("column {name}"),
+            format!(
+                "TFORM{colnum} = '{}' is not a column of numbers",
+                tform.trim()
+            ),
+        ))
     }
 
     /// Reads a numeric (possibly vector) column: all rows, `repeat` values per row.
     pub fn column<T: Element>(&mut self, name: &str) -> Result<(usize, Vec<T>)> {
         let what = format!("cannot read column {name}");
-        let (colnum, repeat, _) = self.column_number(name)?;
+        let (colnum, typecode, repeat, _) = self.column_number(name)?;
+        self.require_numeric(name, colnum, typecode)?;
         let nrows = self.nrows()?;
         let n = nrows
             .checked_mul(repeat)
@@ -84,7 +112,7 @@ impl Fits {
     /// Reads a string column, trailing blanks removed.
     pub fn column_str(&mut self, name: &str) -> Result<Vec<String>> {
         let what = format!("cannot read column {name}");
-        let (colnum, repeat, _) = self.column_number(name)?;
+        let (colnum, _, repeat, _) = self.column_number(name)?;
         let nrows = self.nrows()?;
         let mut storage = vec![vec![0 as c_char; repeat + 1]; nrows];
         let mut pointers: Vec<*mut c_char> = storage.iter_mut().map(|s| s.as_mut_ptr()).collect();
@@ -191,7 +219,7 @@ impl Fits {
     /// Writes `data` into the numeric column `name` of the current table, from the first row
     /// on (`repeat` values per row for vector columns).
     pub fn write_column<T: Element>(&mut self, name: &str, data: &[T]) -> Result<()> {
-        let (colnum, _, _) = self.column_number(name)?;
+        let (colnum, _, _, _) = self.column_number(name)?;
         if data.is_empty() {
             return Ok(());
         }
@@ -217,7 +245,7 @@ impl Fits {
     /// Writes one string per row into the character column `name` of the current table
     /// (cfitsio pads or truncates to the column width).
     pub fn write_column_str(&mut self, name: &str, data: &[&str]) -> Result<()> {
-        let (colnum, _, _) = self.column_number(name)?;
+        let (colnum, _, _, _) = self.column_number(name)?;
         let strings: Vec<CString> = data.iter().map(|s| cstring(s)).collect();
         let mut pointers: Vec<*mut c_char> =
             strings.iter().map(|s| s.as_ptr() as *mut c_char).collect();

@@ -446,8 +446,27 @@ fn bytes_of(dir: &Path) -> BTreeMap<String, Vec<u8>> {
     files_of(dir)
 }
 
+/// `bytes` as one gzip member (the system's `gzip`).
+fn gzip_member(bytes: &[u8]) -> Vec<u8> {
+    use std::io::Write;
+    let mut child = Command::new("gzip")
+        .arg("-c")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("run gzip");
+    let mut stdin = child.stdin.take().expect("stdin");
+    let input = bytes.to_vec();
+    let writer = std::thread::spawn(move || stdin.write_all(&input));
+    let out = child.wait_with_output().expect("gzip output");
+    writer.join().expect("writer").expect("write to gzip");
+    assert!(out.status.success());
+    out.stdout
+}
+
 // After the harness: the cases use its `args!` macro.
 mod comparisons;
+mod compressed;
 mod data_loss;
 mod files;
 mod messages;

@@ -28,24 +28,6 @@ fn has_hdu(path: &Path, name: &str) -> bool {
         .unwrap_or(false)
 }
 
-/// `bytes` as one gzip member (the system's `gzip`).
-fn gzip_member(bytes: &[u8]) -> Vec<u8> {
-    use std::io::Write;
-    let mut child = Command::new("gzip")
-        .arg("-c")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("run gzip");
-    let mut stdin = child.stdin.take().expect("stdin");
-    let input = bytes.to_vec();
-    let writer = std::thread::spawn(move || stdin.write_all(&input));
-    let out = child.wait_with_output().expect("gzip output");
-    writer.join().expect("writer").expect("write to gzip");
-    assert!(out.status.success());
-    out.stdout
-}
-
 #[test]
 fn multi_member_gzip_input_reads_every_member() {
     let mut c = Case::new();
