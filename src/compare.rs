@@ -9,7 +9,7 @@ use ndarray::Array2;
 
 use crate::error::{Error, Result};
 use crate::fits::Fits;
-use crate::frame::{gradient, median, Frame};
+use crate::frame::{bin_widths, median, Frame};
 
 /// Thresholds of `|f_a - f_b| / sqrt(var_a + var_b)` whose fractions are reported.
 pub const PARITY_LEVELS: [f64; 6] = [1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0];
@@ -380,7 +380,8 @@ pub fn pull_values(frame: &Frame, truth: &Truth) -> Result<Vec<f64>> {
     let dwt = truth.wave[1] - truth.wave[0];
     let offset = ((frame.wave[0] - truth.wave[0]) / dwt).round() as i64;
     let offset = offset as usize;
-    let dw = gradient(&frame.wave);
+    // The truth's bins are the frame's: their step is the width of a one-bin frame's bin.
+    let dw = bin_widths(&frame.wave, dwt);
     let (nd, ndiag) = (frame.resolution.dim().1, frame.ndiag as i64);
     let mut values = Vec::new();
     for f in 0..frame.nspec {

@@ -530,6 +530,16 @@ pub fn gradient(x: &[f64]) -> Vec<f64> {
         .collect()
 }
 
+/// The width of each bin of a grid in Angstrom: numpy's `gradient`, or `step` for a grid of
+/// one bin, whose gradient is not defined (numpy's raises) and whose width is the step it
+/// was built with.
+pub fn bin_widths(wave: &[f64], step: f64) -> Vec<f64> {
+    match wave.len() {
+        1 => vec![step],
+        _ => gradient(wave),
+    }
+}
+
 /// Median (mean of the two middle values for an even count); 0 for no values. Selection
 /// instead of a full sort: the mask needs one median per fiber and per wavelength bin.
 pub fn median(mut v: Vec<f64>) -> f64 {

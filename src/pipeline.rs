@@ -239,7 +239,9 @@ impl ExtractRequest {
             grid: Some(self.requested_grid(&inputs.psf)),
             heliocor: self.barycentric_correction.then_some(inputs.heliocor),
             extra_hdus: if self.scores {
-                vec![Arc::new(ScoresHdu) as Arc<dyn ExtraHdu>]
+                vec![Arc::new(ScoresHdu {
+                    step: self.requested_grid(&inputs.psf).2,
+                }) as Arc<dyn ExtraHdu>]
             } else {
                 Vec::new()
             },

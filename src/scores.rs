@@ -22,7 +22,7 @@ use ndarray::{ArrayView1, Zip};
 
 use crate::error::{Error, Result};
 use crate::fits::Fits;
-use crate::frame::{gradient, ExtraHdu, Frame};
+use crate::frame::{bin_widths, ExtraHdu, Frame};
 
 /// A DESI spectrograph arm, as far as the scores are concerned.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -91,14 +91,16 @@ pub struct Scores {
 }
 
 /// The scores desi_extract_spectra appends to its frames: suffix RAW, the band detected from
-/// the wavelengths, the flux taken as counts per bin (see the module documentation).
-pub fn raw_scores(frame: &Frame) -> Result<Scores> {
-    frame_scores(frame, Band::detect(&frame.wave), "RAW")
+/// the wavelengths, the flux taken as counts per bin (see the module documentation). `step`
+/// is the grid's step, the width of the bin of a one-bin frame.
+pub fn raw_scores(frame: &Frame, step: f64) -> Result<Scores> {
+    frame_scores(frame, Band::detect(&frame.wave), "RAW", step)
 }
 
 /// desispec's `compute_frame_scores(frame, band, suffix, flux_per_angstrom=False)`. Fails
-/// when no wavelength of the frame lies in the band's top-hat range, as desispec does.
-pub fn frame_scores(frame: &Frame, band: Band, suffix: &str) -> Result<Scores> {
+/// when no wavelength of the frame lies in the band's top-hat range, as desispec does. A
+/// frame of one bin, where desispec's `numpy.gradient` raises, has bins `step` wide.
+pub fn frame_scores(frame: &Frame, band: Band, suffix: &str, step: f64) -> Result<Scores> {
     let (lo, hi) = band.tophat();
     let inside: Vec<usize> = (0..frame.nwave())
         .filter(|&j| frame.wave[j] >= lo && frame.wave[j] < hi)
@@ -109,7 +111,7 @@ pub fn frame_scores(frame: &Frame, band: Band, suffix: &str) -> Result<Scores> {
             band.letter()
         )));
     }
-    let dw = gradient(&frame.wave);
+    let dw = bin_widths(&frame.wave, step);
     let range = format!("in wave. range {lo},{hi}A");
     let name = |kind: &str, quantity: &str| format!("{kind}_{suffix}_{quantity}_{}", band.letter());
     type PerFiber<'a> = &'a dyn Fn(ArrayView1<f64>, ArrayView1<f64>) -> f64;
@@ -163,11 +165,14 @@ fn median_of(values: Vec<f64>) -> f64 {
 /// The SCORES HDU as an extra HDU of a written frame: computed from the frame in memory
 /// (in f64, before the cast to f32 of its arrays), as desispec computes it before writing.
 #[derive(Debug)]
-pub struct ScoresHdu;
+pub struct ScoresHdu {
+    /// The step of the frame's grid (WAVESTEP).
+    pub step: f64,
+}
 
 impl ExtraHdu for ScoresHdu {
     fn write(&self, fits: &mut Fits, frame: &Frame) -> Result<()> {
-        append_scores_hdu(fits, &raw_scores(frame)?)
+        append_scores_hdu(fits, &raw_scores(frame, self.step)?)
     }
 }
 
@@ -233,7 +238,7 @@ mod tests {
         let wave = vec![5798.0, 5800.0, 5802.0, 5804.0, 7600.0];
         let flux = vec![100.0, 1.0, 2.0, 4.0, 100.0];
         let ivar = vec![1.0, 4.0, -1.0, 1.0, 1.0];
-        let s = raw_scores(&frame(wave, flux, ivar)).unwrap();
+        let s = raw_scores(&frame(wave, flux, ivar), 2.0).unwrap();
         let names: Vec<&str> = s.columns.iter().map(|c| c.name.as_str()).collect();
         assert_eq!(
             names,
@@ -251,11 +256,33 @@ mod tests {
     }
 
     #[test]
+    fn a_one_bin_frame_has_bins_of_the_grid_step() {
+        // numpy's gradient of one bin is not defined: the bin is the step wide, as the
+        // bins of the same grid extended by one more are.
+        let one = frame(vec![6000.0], vec![8.0], vec![4.0]);
+        let two = frame(vec![6000.0, 6000.8], vec![8.0, 8.0], vec![4.0, 4.0]);
+        let (a, b) = (
+            raw_scores(&one, 0.8).unwrap(),
+            raw_scores(&two, 0.8).unwrap(),
+        );
+        assert_eq!(a.columns[0].values, vec![8.0]);
+        // the two-bin grid's step is 6000.8 - 6000, exact to the rounding of 6000.8
+        let tolerance = f64::EPSILON * 6000.8 / 0.8;
+        for (x, y) in a.columns[1..].iter().zip(&b.columns[1..]) {
+            let (x, y) = (x.values[0], y.values[0]);
+            assert!(
+                x.is_finite() && (x - y).abs() <= tolerance * y.abs(),
+                "{x} {y}"
+            );
+        }
+    }
+
+    #[test]
     fn a_frame_outside_the_band_is_an_error_and_nan_propagates() {
         let f = frame(vec![4000.0, 4001.0], vec![1.0, 2.0], vec![1.0, 1.0]);
-        assert!(frame_scores(&f, Band::Z, "RAW").is_err());
+        assert!(frame_scores(&f, Band::Z, "RAW", 1.0).is_err());
         let f = frame(vec![4000.0, 4001.0], vec![f64::NAN, 2.0], vec![1.0, 1.0]);
-        let s = raw_scores(&f).unwrap();
+        let s = raw_scores(&f, 1.0).unwrap();
         assert!(s.columns.iter().all(|c| c.values[0].is_nan()));
     }
 
@@ -268,7 +295,7 @@ mod tests {
             vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
             vec![1.0; 6],
         );
-        let s = raw_scores(&f).unwrap();
+        let s = raw_scores(&f, 1.0).unwrap();
         let mut fits = Fits::create(&path).unwrap();
         fits.write_image("FLUX", &[2, 3], &[0f32; 6]).unwrap();
         append_scores_hdu(&mut fits, &s).unwrap();
