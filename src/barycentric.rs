@@ -137,7 +137,10 @@ pub fn multiplicative_factor(ra_deg: f64, dec_deg: f64, mjd_utc: f64) -> Result<
 fn compute(ra_deg: f64, dec_deg: f64, mjd_utc: f64) -> std::result::Result<f64, String> {
     let t = Times::from_utc_mjd(mjd_utc)?;
     let (earth_helio, earth_bary) = eph::epv00(t.tdb.0, t.tdb.1).ok_or_else(|| {
-        format!("MJD {mjd_utc} is outside 1900-2100, the range of the Earth ephemeris")
+        format!(
+            "MJD {} is outside 1900-2100, the range of the Earth ephemeris",
+            crate::error::number(mjd_utc)
+        )
     })?;
     let (site_pos, site_vel) = site_gcrs(&t);
     let beta: [f64; 3] = std::array::from_fn(|i| (earth_bary[1][i] * AU / DAY + site_vel[i]) / C);
@@ -159,7 +162,12 @@ impl Times {
     /// UTC -> TAI -> TT (leap seconds from ERFA's table), TT -> TDB with the geocentric
     /// `dtdb`, as astropy's `Time` does for a time without location.
     fn from_utc_mjd(mjd: f64) -> std::result::Result<Times, String> {
-        let bad = |status: i32| format!("MJD {mjd}: not a valid UTC date (ERFA status {status})");
+        let bad = |status: i32| {
+            format!(
+                "MJD {}: not a valid UTC date (ERFA status {status})",
+                crate::error::number(mjd)
+            )
+        };
         let utc = (MJD0, mjd);
         let tai = ts::utctai(utc.0, utc.1).map_err(bad)?;
         let tt = ts::taitt(tai.0, tai.1).map_err(bad)?;

@@ -74,3 +74,13 @@ impl Error {
         Error::Config(message.into())
     }
 }
+
+/// A float for a message: its shortest exact digits, in exponent form outside 1e-4..1e16,
+/// where the plain form runs to hundreds of digits (a step of 1e-300, an MJD of 1e300).
+pub fn number(x: f64) -> String {
+    if x == 0.0 || !x.is_finite() || (1e-4..1e16).contains(&x.abs()) {
+        format!("{x}")
+    } else {
+        format!("{x:e}")
+    }
+}

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::backend::{Backend, FrameInput, Progress};
 use crate::barycentric;
-use crate::error::{Error, Result};
+use crate::error::{number, Error, Result};
 use crate::extract::{PatchResult, SolveOptions};
 use crate::fits::Fits;
 use crate::frame::{self, ExtraHdu, Frame, FrameMeta, PatchCounts};
@@ -170,12 +170,13 @@ impl ExtractRequest {
 
     fn plan_with(&self, psf: &GaussHermitePsf, heliocor: f64) -> Result<Plan> {
         self.validate_options()?;
-        let (wmin, wmax, dw) = self.requested_grid(psf);
-        let (wmin, wmax, dw) = (wmin / heliocor, wmax / heliocor, dw / heliocor);
+        let (wmin, wmax, dw) = divided_grid(self.requested_grid(psf), heliocor);
         let (dlo, dhi) = psf.wave_domain();
         if wmin < dlo - WAVE_TOLERANCE || wmax > dhi + WAVE_TOLERANCE {
             return Err(Error::config(format!(
-                "wavelength range {wmin}..{wmax} is outside the PSF's domain {dlo}..{dhi} ({})",
+                "wavelength range {}..{} is outside the PSF's domain {dlo}..{dhi} ({})",
+                number(wmin),
+                number(wmax),
                 psf.path.display()
             )));
         }
@@ -247,6 +248,20 @@ impl ExtractRequest {
             },
         }
     }
+}
+
+/// The extraction grid of the requested grid `wmin, wmax, dw` under a barycentric factor:
+/// the requested grid divided by it, with as many bins, as desi_extract_spectra divides its
+/// `arange`. Dividing `wmax` as well would gain or lose the last bin where `wmax + dw/2`
+/// falls on a bin (`6000,6039.6,0.8`), and the frame could not carry the requested grid:
+/// the divided grid ends on its last bin instead, half a bin from either count.
+fn divided_grid((wmin, wmax, dw): (f64, f64, f64), heliocor: f64) -> (f64, f64, f64) {
+    let nwave = ((wmax + 0.5 * dw - wmin) / dw).ceil();
+    if heliocor == 1.0 || !(1.0..=crate::plan::MAX_OUTPUT_BINS as f64).contains(&nwave) {
+        return (wmin / heliocor, wmax / heliocor, dw / heliocor);
+    }
+    let last = wmin + (nwave - 1.0) * dw;
+    (wmin / heliocor, last / heliocor, dw / heliocor)
 }
 
 /// Refuses a job whose outputs would replace one of its inputs (image, PSF, the `--test`

@@ -4,7 +4,7 @@
 
 use std::ops::Range;
 
-use crate::error::{Error, Result};
+use crate::error::{number, Error, Result};
 
 /// User-level choices that shape the plan (gpu_specter / desispec option names).
 #[derive(Clone, Debug, PartialEq)]
@@ -122,18 +122,21 @@ impl PatchLayout {
 pub fn check_grid(wmin: f64, wmax: f64, dw: f64) -> Result<()> {
     if !dw.is_finite() || !(dw > 0.0) {
         return Err(Error::config(format!(
-            "wavelength step dw = {dw} must be finite and positive"
+            "wavelength step dw = {} must be finite and positive",
+            number(dw)
         )));
     }
+    let (lo, hi) = (number(wmin), number(wmax));
     if !wmin.is_finite() || !wmax.is_finite() || !(wmax >= wmin) {
         return Err(Error::config(format!(
-            "wavelength range {wmin}..{wmax} is empty or not finite"
+            "wavelength range {lo}..{hi} is empty or not finite"
         )));
     }
     let nbins = (wmax - wmin) / dw + 1.5;
     if !(nbins <= MAX_OUTPUT_BINS as f64) {
         return Err(Error::config(format!(
-            "{wmin}..{wmax} in steps of {dw} is more than {MAX_OUTPUT_BINS} wavelength bins"
+            "{lo}..{hi} in steps of {} is more than {MAX_OUTPUT_BINS} wavelength bins",
+            number(dw)
         )));
     }
     Ok(())

@@ -473,3 +473,4 @@ mod messages;
 mod regressions;
 mod silent_results;
 mod streams;
+mod grids;
