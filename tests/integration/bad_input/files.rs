@@ -251,66 +251,43 @@ fn nan_in_frame_under_compare_fails_the_comparison_without_panic() {
 // Absurd option values, unwritable places, --list and simulate edge cases.
 // ---------------------------------------------------------------------------------------
 
-/// An option value that can be judged without reading anything: usage error, status 2.
-pub(super) fn absurd_option(extra: &[&str], needles: &[&str]) {
+/// Options that can be judged without reading anything: `-i`, `-p`, `-o` of a case and
+/// `args`, a usage error (status 2) holding `needles`, and nothing written.
+pub(super) fn refused_options(args: Vec<OsString>, needles: &[&str]) {
     let mut c = Case::new();
     let (input, psf) = (c.copy(IMAGE, "in.fits"), c.copy(PSF, "psf.fits"));
     c.seal();
-    let extra: Vec<OsString> = extra.iter().map(OsString::from).collect();
-    let o = extract(&input, &psf, &c.path("f.fits"), extra);
+    let mut a = args!["-i", &input, "-p", &psf, "-o", c.path("f.fits")];
+    a.extend(args);
+    let o = spex(a);
     expect(&o, 2, needles);
     c.unchanged_except(&[]);
 }
 
-#[test]
-fn negative_regularize_is_refused() {
-    absurd_option(&["--regularize=-1"], &["regularize"]);
+/// [`refused_options`] of the suite's options and `extra`.
+pub(super) fn absurd_option(extra: &[&str], needles: &[&str]) {
+    let mut a = options();
+    a.extend(extra.iter().map(OsString::from));
+    refused_options(a, needles);
 }
 
 #[test]
-fn nan_regularize_is_refused() {
-    absurd_option(&["--regularize", "nan"], &["regularize"]);
-}
-
-#[test]
-fn infinite_psferr_is_refused() {
-    absurd_option(&["--psferr", "inf"], &["psferr"]);
-}
-
-#[test]
-fn huge_wavepad_frac_is_refused() {
-    absurd_option(&["--wavepad-frac", "1e300"], &["wavepad"]);
-}
-
-#[test]
-fn pixpad_frac_above_one_is_refused() {
-    absurd_option(&["--pixpad-frac", "2"], &["pixpad-frac"]);
-}
-
-#[test]
-fn nsubbundles_not_dividing_the_bundle_is_refused() {
-    absurd_option(&["--nsubbundles", "7"], &["nsubbundles (7)"]);
+fn absurd_option_values_are_refused() {
+    for (extra, needles) in [
+        (&["--regularize=-1"][..], &["regularize"][..]),
+        (&["--regularize", "nan"], &["regularize"]),
+        (&["--psferr", "inf"], &["psferr"]),
+        (&["--wavepad-frac", "1e300"], &["wavepad"]),
+        (&["--pixpad-frac", "2"], &["pixpad-frac"]),
+        (&["--nsubbundles", "7"], &["nsubbundles (7)"]),
+    ] {
+        absurd_option(extra, needles);
+    }
 }
 
 #[test]
 fn wavelength_grid_of_too_many_bins_is_refused() {
-    let mut c = Case::new();
-    let (input, psf) = (c.copy(IMAGE, "in.fits"), c.copy(PSF, "psf.fits"));
-    c.seal();
-    let o = spex(args![
-        "-i",
-        &input,
-        "-p",
-        &psf,
-        "-o",
-        c.path("f.fits"),
-        "-w",
-        "1,1e300,0.8",
-        "-n",
-        "25"
-    ]);
-    expect(&o, 2, &["wavelength bins"]);
-    c.unchanged_except(&[]);
+    refused_options(args!["-w", "1,1e300,0.8", "-n", "25"], &["wavelength bins"]);
 }
 
 #[test]
@@ -365,26 +342,25 @@ fn list_with_one_missing_input_writes_the_other_frames() {
     c.unchanged_except(&["a.fits"]);
 }
 
-#[test]
-fn list_line_of_two_words_is_refused() {
+/// A `--list` file holding `text` fails with status 1 naming it and `needle`.
+fn refused_list(text: &str, needle: &str) {
     let mut c = Case::new();
     let list = c.path("frames.txt");
-    std::fs::write(&list, "a.fits psf.fits\n").unwrap();
+    std::fs::write(&list, text).unwrap();
     c.seal();
     let o = spex(args!["--list", &list]);
-    expect(&o, 1, &["frames.txt", "line 1"]);
+    expect(&o, 1, &["frames.txt", needle]);
     c.unchanged_except(&[]);
 }
 
 #[test]
+fn list_line_of_two_words_is_refused() {
+    refused_list("a.fits psf.fits\n", "line 1");
+}
+
+#[test]
 fn empty_list_is_refused() {
-    let mut c = Case::new();
-    let list = c.path("frames.txt");
-    std::fs::write(&list, "# nothing\n\n").unwrap();
-    c.seal();
-    let o = spex(args!["--list", &list]);
-    expect(&o, 1, &["frames.txt", "no frame"]);
-    c.unchanged_except(&[]);
+    refused_list("# nothing\n\n", "no frame");
 }
 
 #[test]

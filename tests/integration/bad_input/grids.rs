@@ -2,20 +2,10 @@
 //! bin boundary, grids of one bin (SCORES and pulls per Angstrom of the step), and absurd
 //! floats in messages.
 
+use super::files::refused_options;
 use super::*;
 use spex::compare::{pull_values, Truth};
 use spex::plan::output_grid;
-
-/// The preproc of the suite with a pointing and a date, for `--barycentric-correction`.
-fn pointed_preproc(c: &Case, mjd: f64) -> PathBuf {
-    let input = c.copy(IMAGE, "in.fits");
-    let mut f = fitsio::FitsFile::edit(&input).unwrap();
-    let h = f.hdu("IMAGE").unwrap();
-    for (key, value) in [("TARGTRA", 150.0f64), ("TARGTDEC", 20.0), ("MJD-OBS", mjd)] {
-        h.write_key(&mut f, key, value).unwrap();
-    }
-    input
-}
 
 /// Extracts `input` on `grid` with `extra` options into `name`: the frame.
 fn extract_on(c: &Case, input: &Path, grid: &str, name: &str, extra: &[&str]) -> Frame {
@@ -38,7 +28,7 @@ fn heliocor(path: &Path) -> f64 {
 #[test]
 fn barycentric_correction_keeps_the_requested_number_of_bins() {
     let c = Case::new();
-    let input = pointed_preproc(&c, 59197.3);
+    let input = pointed_preproc(&c, 20.0, 59197.3, &["IMAGE"]);
     let bary = ["--barycentric-correction"];
     extract_on(&c, &input, "6000,6040,0.8", "probe.fits", &bary);
     let h = heliocor(&c.path("probe.fits"));
@@ -106,44 +96,16 @@ fn one_bin_scores_and_pulls_are_per_angstrom() {
 /// Floats in messages are printed short: exponent form beyond 1e16 and below 1e-4.
 #[test]
 fn absurd_floats_are_printed_short_in_messages() {
-    let mut c = Case::new();
-    let psf = c.copy(PSF, "psf.fits");
-    c.seal();
-    let out = c.path("f.fits");
-    let step = spex(args![
-        "-i",
-        data(IMAGE),
-        "-p",
-        &psf,
-        "-o",
-        &out,
-        "-w",
-        "6000,6040,1e-300"
-    ]);
-    expect(&step, 2, &["in steps of 1e-300 is more than"]);
-    let range = spex(args![
-        "-i",
-        data(IMAGE),
-        "-p",
-        &psf,
-        "-o",
-        &out,
-        "-w",
-        "1e300,2e300,1"
-    ]);
-    expect(&range, 2, &["1e300..2e300"]);
-    c.unchanged_except(&[]);
-    let input = pointed_preproc(&c, 1e300);
-    c.seal();
-    let mjd = extract(&input, &psf, &out, args!["--barycentric-correction"]);
-    expect(&mjd, 1, &["in.fits", "MJD 1e300"]);
-    c.unchanged_except(&[]);
-    for o in [step, range, mjd] {
-        let longest = o.stderr.lines().map(str::len).max().unwrap_or(0);
-        assert!(
-            longest < 300,
-            "a line of {longest} characters:\n{}",
-            o.stderr
-        );
-    }
+    refused_options(
+        args!["-w", "6000,6040,1e-300"],
+        &["in steps of 1e-300 is more than"],
+    );
+    refused_options(args!["-w", "1e300,2e300,1"], &["1e300..2e300"]);
+    let o = refused_pointing(20.0, 1e300, &["IMAGE"], &["in.fits", "MJD 1e300"]);
+    let longest = o.stderr.lines().map(str::len).max().unwrap_or(0);
+    assert!(
+        longest < 300,
+        "a line of {longest} characters:\n{}",
+        o.stderr
+    );
 }

@@ -407,6 +407,34 @@ fn psf_row(path: &Path, param: &str) -> i64 {
     names.iter().position(|n| n.trim() == param).unwrap() as i64 + 1
 }
 
+/// The preproc of the suite with a pointing (TARGTRA 150, TARGTDEC `dec`) and a date
+/// (MJD-OBS `mjd`) in the headers of `hdus`, for `--barycentric-correction`.
+fn pointed_preproc(c: &Case, dec: f64, mjd: f64, hdus: &[&str]) -> PathBuf {
+    let input = c.copy(IMAGE, "in.fits");
+    let mut f = fitsio::FitsFile::edit(&input).expect("open the copy");
+    for hdu in hdus {
+        let h = f.hdu(*hdu).expect("HDU");
+        for (key, value) in [("TARGTRA", 150.0f64), ("TARGTDEC", dec), ("MJD-OBS", mjd)] {
+            h.write_key(&mut f, key, value).expect("write the pointing");
+        }
+    }
+    input
+}
+
+/// `--barycentric-correction` of a preproc pointed as [`pointed_preproc`] says: fails with
+/// status 1 and `needles`, writing nothing.
+fn refused_pointing(dec: f64, mjd: f64, hdus: &[&str], needles: &[&str]) -> Outcome {
+    let mut c = Case::new();
+    let psf = c.copy(PSF, "psf.fits");
+    let input = pointed_preproc(&c, dec, mjd, hdus);
+    c.seal();
+    let bary = args!["--barycentric-correction"];
+    let o = extract(&input, &psf, &c.path("f.fits"), bary);
+    expect(&o, 1, needles);
+    c.unchanged_except(&[]);
+    o
+}
+
 /// A small tmpfs of `kib` KiB mounted on a new directory, unmounted on drop.
 struct Tmpfs {
     dir: tempfile::TempDir,
@@ -469,8 +497,8 @@ mod comparisons;
 mod compressed;
 mod data_loss;
 mod files;
+mod grids;
 mod messages;
 mod regressions;
 mod silent_results;
 mod streams;
-mod grids;

@@ -1,7 +1,7 @@
 //! Regression tests of the defects found by the first adversarial review, each named after
 //! the defect it pins.
 
-use super::files::absurd_option;
+use super::files::{absurd_option, refused_options};
 use super::*;
 
 /// A 2000 x 200 block of NaN in a tile-compressed IMAGE fills whole tiles, which cfitsio read
@@ -276,23 +276,11 @@ fn nwavestep_2000_is_refused() {
 
 #[test]
 fn threads_100000_is_refused() {
-    let mut c = Case::new();
-    let (input, psf) = (c.copy(IMAGE, "in.fits"), c.copy(PSF, "psf.fits"));
-    c.seal();
-    let mut a = args!["-i", &input, "-p", &psf, "-o", c.path("f.fits")];
-    a.extend(args![
-        "-w",
-        "6000,6040,0.8",
-        "-s",
-        "0",
-        "-n",
-        "25",
-        "--threads",
-        "100000"
-    ]);
-    let o = spex(a);
-    expect(&o, 2, &["threads (100000)"]);
-    c.unchanged_except(&[]);
+    let grid = args!["-w", "6000,6040,0.8", "-s", "0", "-n", "25"];
+    refused_options(
+        [grid, args!["--threads", "100000"]].concat(),
+        &["threads (100000)"],
+    );
 }
 
 #[test]
