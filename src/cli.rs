@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::error::number;
 use crate::image::MaskRule;
 
 /// spex: spectro-perfectionism extraction of DESI frames on CPUs and GPUs.
@@ -280,13 +281,14 @@ pub fn parse_wavelength(s: &str) -> std::result::Result<(f64, f64, f64), String>
         .collect::<std::result::Result<_, _>>()?;
     if let Some(p) = v.iter().position(|x| !x.is_finite()) {
         let name = ["wmin", "wmax", "dw"][p];
-        return Err(format!("{name} must be finite, got {}", v[p]));
+        return Err(format!("{name} must be finite, got {}", number(v[p])));
     }
     if !(v[2] > 0.0) {
-        return Err(format!("dw must be positive, got {}", v[2]));
+        return Err(format!("dw must be positive, got {}", number(v[2])));
     }
     if !(v[1] >= v[0]) {
-        return Err(format!("wmax {} is below wmin {}", v[1], v[0]));
+        let (wmax, wmin) = (number(v[1]), number(v[0]));
+        return Err(format!("wmax {wmax} is below wmin {wmin}"));
     }
     Ok((v[0], v[1], v[2]))
 }

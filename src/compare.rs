@@ -7,7 +7,7 @@ use std::path::Path;
 
 use ndarray::Array2;
 
-use crate::error::{Error, Result};
+use crate::error::{number, Error, Result};
 use crate::fits::Fits;
 use crate::frame::{bin_widths, median, Frame};
 
@@ -324,8 +324,10 @@ pub fn truth_mismatch(frame: &Frame, truth: &Truth) -> Option<String> {
     let inside = offset >= 0.0 && offset < truth.wave.len() as f64;
     if !inside || !((truth.wave[offset as usize] - w0).abs() <= 1e-3 * dwt) {
         return Some(format!(
-            "the truth grid {t0}..{} does not contain the frame's grid from {w0} on one of its bins",
-            truth.wave[truth.wave.len() - 1]
+            "the truth grid {}..{} does not contain the frame's grid from {} on one of its bins",
+            number(t0),
+            number(truth.wave[truth.wave.len() - 1]),
+            number(w0)
         ));
     }
     None
@@ -443,19 +445,20 @@ impl Pulls {
         let mut out = Vec::new();
         if self.mean.abs() > limits.max_abs_mean {
             out.push(format!(
-                "|mean pull| {:.4} > {}",
-                self.mean.abs(),
-                limits.max_abs_mean
+                "|mean pull| {} > {}",
+                statistic(self.mean.abs()),
+                number(limits.max_abs_mean)
             ));
         }
         if self.std > limits.max_std {
-            out.push(format!("std of pull {:.4} > {}", self.std, limits.max_std));
+            let (std, max) = (statistic(self.std), number(limits.max_std));
+            out.push(format!("std of pull {std} > {max}"));
         }
-        let (lo, hi) = limits.median_abs;
-        if !(lo..=hi).contains(&self.median_abs) {
+        let (lo, hi) = (number(limits.median_abs.0), number(limits.median_abs.1));
+        if !(limits.median_abs.0..=limits.median_abs.1).contains(&self.median_abs) {
             out.push(format!(
-                "median |pull| {:.4} outside {lo}..{hi}",
-                self.median_abs
+                "median |pull| {} outside {lo}..{hi}",
+                statistic(self.median_abs)
             ));
         }
         out
@@ -569,5 +572,14 @@ impl fmt::Display for Agreement {
             self.max_pixmask_abs,
             self.status_mismatches
         )
+    }
+}
+
+/// A statistic for a message: four decimals, or [`number`]'s short form when those would run
+/// to hundreds of digits.
+fn statistic(x: f64) -> String {
+    match x.abs() < 1e16 {
+        true => format!("{x:.4}"),
+        false => number(x),
     }
 }

@@ -101,6 +101,11 @@ fn absurd_floats_are_printed_short_in_messages() {
         &["in steps of 1e-300 is more than"],
     );
     refused_options(args!["-w", "1e300,2e300,1"], &["1e300..2e300"]);
+    refused_options(
+        args!["-w", "6000,6040,-1e-300"],
+        &["dw must be positive, got -1e-300"],
+    );
+    refused_options(args!["-w", "1e300,1,1"], &["wmax 1 is below wmin 1e300"]);
     let o = refused_pointing(20.0, 1e300, &["IMAGE"], &["in.fits", "MJD 1e300"]);
     let longest = o.stderr.lines().map(str::len).max().unwrap_or(0);
     assert!(
