@@ -342,9 +342,9 @@ impl Header {
             .get("ZVAL1")
             .ok_or("ZVAL1 (HCOMPRESS's scale) is missing")?;
         match scale.float() {
-            Some(s) if s.is_finite() && s >= 0.0 => Ok(()),
+            Some(s) if s.is_finite() => Ok(()),
             _ => Err(format!(
-                "HCOMPRESS's scale ZVAL1 = {} is not a number of 0 or more",
+                "HCOMPRESS's scale ZVAL1 = {} is not a finite number",
                 shown(scale)
             )),
         }
@@ -434,6 +434,18 @@ mod tests {
         let mut cards = rice_rows();
         cards.retain(|(k, _)| !k.starts_with("ZTILE") && !k.starts_with("ZDITHER"));
         cards.retain(|(k, _)| *k != "ZQUANTIZ");
+        assert_eq!(header(&cards).check_compression(), Ok(()));
+    }
+
+    #[test]
+    fn hcompress_needs_a_finite_scale() {
+        let mut cards = rice_rows();
+        cards.retain(|(k, _)| !k.starts_with("ZVAL") && *k != "ZCMPTYPE");
+        cards.push(("ZCMPTYPE", "'HCOMPRESS_1'"));
+        cards.push(("ZVAL1", "'x'"));
+        let message = header(&cards).check_compression().unwrap_err();
+        assert!(message.contains("scale ZVAL1 = 'x'"), "{message}");
+        *cards.last_mut().unwrap() = ("ZVAL1", "2.5");
         assert_eq!(header(&cards).check_compression(), Ok(()));
     }
 
