@@ -2,10 +2,12 @@
 //!
 //! A simulation draws a spectrum (photons per bin of the output grid) for each fiber of a
 //! range, projects every bin through the PSF onto the CCD, and adds Poisson photon noise,
-//! Gaussian read noise, cosmic-ray tracks and optionally a bad column. The result is written as
-//! a preproc file (`IMAGE`, `IVAR`, `MASK`, `READNOISE`, `FIBERMAP`, with the keywords
-//! desispec reads) that the extraction and `desispec.io.read_image` read like a real one,
-//! plus a truth file (`WAVELENGTH`, `FLUX`) to measure the extraction against.
+//! Gaussian read noise, cosmic-ray tracks and optionally a bad column or masked amplifiers; a
+//! flat exposure gives every fiber the same lamp spectrum instead of sky and objects. The
+//! result is written as a preproc file (`IMAGE`, `IVAR`, `MASK`, `READNOISE`, `FIBERMAP`,
+//! with the keywords desispec reads) that the extraction and `desispec.io.read_image` read
+//! like a real one, plus a truth file (`WAVELENGTH`, `FLUX`) to measure the extraction
+//! against.
 //!
 //! Everything is a pure function of the PSF, the options and the seed: each random stream
 //! (one per fiber for the spectra, one per CCD row for the noise, one for the cosmics) has its
@@ -37,8 +39,8 @@ pub use exposure::FIBERMAP_COLUMNS;
 pub use options::SimulateOptions;
 use spectra::{fiber_spectrum, SkyLines};
 
-/// MASK value of unusable pixels: outside the simulated region and on the bad column
-/// (desispec's BAD bit).
+/// MASK value of unusable pixels: outside the simulated region, on the bad column and on
+/// masked amplifiers (desispec's BAD bit).
 pub const MASK_BAD: i32 = 1;
 
 /// Most cosmic-ray tracks per million pixels (one per ten pixels): more would only cover the
@@ -150,6 +152,13 @@ pub fn simulate(psf: &GaussHermitePsf, opts: &SimulateOptions) -> Result<Simulat
         }
         mask.column_mut(column).mapv_inplace(|m| m | MASK_BAD);
         ivar.column_mut(column).fill(0.0);
+    }
+    for (amp, [r0, r1, c0, c1]) in exposure::amplifiers(nrows, ncols) {
+        if opts.masked_amps.contains(&amp) {
+            let quadrant = s![r0..r1, c0..c1];
+            mask.slice_mut(quadrant).mapv_inplace(|m| m | MASK_BAD);
+            ivar.slice_mut(quadrant).fill(0.0);
+        }
     }
 
     let camera = match &opts.camera {

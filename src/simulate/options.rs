@@ -6,6 +6,7 @@ use std::ops::Range;
 use crate::error::{Error, Result};
 use crate::psf::GaussHermitePsf;
 
+use super::exposure::AMPLIFIERS;
 use super::MAX_COSMIC_DENSITY;
 
 /// What to simulate.
@@ -47,6 +48,14 @@ pub struct SimulateOptions {
     /// Fraction of the cosmic-ray tracks left out of the MASK, with the IVAR of the light
     /// beneath them (0: every track masked).
     pub unmasked_cosmics: f64,
+    /// A flat-lamp exposure instead of a science one: every fiber gets the same smooth lamp
+    /// continuum times its throughput, without sky, objects or sky fibers (FLAVOR 'flat').
+    pub flat: bool,
+    /// Fibers (PSF indices) that receive no light: their truth is zero.
+    pub dead_fibers: Vec<usize>,
+    /// Amplifiers ('A' to 'D') whose pixels are all masked (BAD, IVAR 0), as in the preproc
+    /// of an exposure with a failed amplifier.
+    pub masked_amps: Vec<char>,
 }
 
 impl SimulateOptions {
@@ -70,6 +79,9 @@ impl SimulateOptions {
             camera: None,
             expid: 1,
             unmasked_cosmics: 0.0,
+            flat: false,
+            dead_fibers: Vec::new(),
+            masked_amps: Vec::new(),
         }
     }
 
@@ -132,7 +144,18 @@ impl SimulateOptions {
                 self.sky_fraction
             )));
         }
-        if !self.sky && !self.objects {
+        if let Some(fiber) = self.dead_fibers.iter().find(|&&f| f >= psf.nfiber) {
+            return Err(Error::config(format!(
+                "dead fiber {fiber} is outside the PSF's fibers 0..{}",
+                psf.nfiber
+            )));
+        }
+        if let Some(amp) = self.masked_amps.iter().find(|a| !AMPLIFIERS.contains(a)) {
+            return Err(Error::config(format!(
+                "masked amplifier {amp:?} is not one of {AMPLIFIERS:?}"
+            )));
+        }
+        if !self.sky && !self.objects && !self.flat {
             return Err(Error::config(
                 "neither sky nor objects: nothing to simulate",
             ));

@@ -230,6 +230,65 @@ fn cosmics_and_bad_column_are_masked_where_they_are() {
 }
 
 #[test]
+fn a_flat_lights_every_fiber_with_the_lamp_times_the_science_throughput() {
+    let psf = psf_a();
+    let mut science = small(4);
+    science.objects = false;
+    science.sky_fraction = 0.0;
+    science.cosmic_density = 0.0;
+    let mut flat = science.clone();
+    flat.flat = true;
+    flat.dead_fibers = vec![12];
+    let (s, f) = (
+        simulate(&psf, &science).unwrap(),
+        simulate(&psf, &flat).unwrap(),
+    );
+    let lamp = |fiber: usize, w: usize| f.truth(fiber).unwrap()[w];
+    // every lit fiber is the same lamp up to its throughput
+    for fiber in [10, 11, 13] {
+        let ratio = lamp(fiber, 0) / lamp(10, 0);
+        for w in 0..f.wave.len() {
+            assert!((lamp(fiber, w) / lamp(10, w) - ratio).abs() < 1e-12 * ratio);
+        }
+        // ... which the science exposure of the same seed shares: its fibers carry the
+        // same sky times their throughput
+        let sky = |fiber: usize| s.truth(fiber).unwrap()[0];
+        assert!((sky(fiber) / sky(10) - ratio).abs() < 1e-12 * ratio);
+    }
+    assert!(f.truth(12).unwrap().iter().all(|&t| t == 0.0));
+    assert!(f.objtype.iter().all(|&t| t == ObjType::Target));
+    let dir = tempfile::tempdir().unwrap();
+    let (image, truth) = (dir.path().join("flat.fits"), dir.path().join("t.fits"));
+    f.write(&image, &truth).unwrap();
+    let mut fits = Fits::open(&image).unwrap();
+    fits.move_to("IMAGE").unwrap();
+    assert_eq!(fits.key_str("FLAVOR").unwrap().as_deref(), Some("flat"));
+    assert_eq!(fits.key_str("OBSTYPE").unwrap().as_deref(), Some("FLAT"));
+    assert_eq!(fits.key_str("SIMDEAD").unwrap().as_deref(), Some("12"));
+}
+
+#[test]
+fn masked_amplifiers_are_masked_and_the_others_untouched() {
+    let psf = psf_a();
+    let clean = small(6);
+    let mut masked = clean.clone();
+    masked.masked_amps = vec!['B', 'C'];
+    let (a, b) = (
+        simulate(&psf, &clean).unwrap(),
+        simulate(&psf, &masked).unwrap(),
+    );
+    let (hy, hx) = (psf.npix_y / 2, psf.npix_x / 2);
+    for ((row, col), &m) in b.mask.indexed_iter() {
+        let i = [row, col];
+        if (row < hy) != (col < hx) {
+            assert_eq!((m & MASK_BAD, b.ivar[i]), (MASK_BAD, 0.0), "{i:?}");
+        } else {
+            assert_eq!((m, b.ivar[i]), (a.mask[i], a.ivar[i]), "{i:?}");
+        }
+    }
+}
+
+#[test]
 fn written_files_read_back() {
     let psf = psf_a();
     let mut o = small(11);
@@ -266,8 +325,24 @@ fn written_files_read_back() {
     }
     for amp in ["A", "B", "C", "D"] {
         assert_eq!(f.key_f64(&format!("OBSRDN{amp}")).unwrap(), Some(3.0));
-        assert!(f.key_str(&format!("CCDSEC{amp}")).unwrap().is_some());
+        let ccdsec = f.key_str(&format!("CCDSEC{amp}")).unwrap();
+        assert!(ccdsec.is_some());
+        assert_eq!(f.key_str(&format!("DATASEC{amp}")).unwrap(), ccdsec);
+        // desispec finds the amplifiers by their BIASSEC keywords
+        assert!(f.key_str(&format!("BIASSEC{amp}")).unwrap().is_some());
     }
+    assert_eq!(
+        f.key_str("BIASSECB").unwrap().as_deref(),
+        Some(
+            format!(
+                "[{}:{},1:{}]",
+                psf.npix_x + 101,
+                psf.npix_x + 200,
+                psf.npix_y / 2
+            )
+            .as_str()
+        )
+    );
     assert_eq!(
         f.key_str("CCDSECD").unwrap().as_deref(),
         Some(
