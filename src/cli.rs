@@ -73,7 +73,7 @@ pub struct SimulateArgs {
     pub unmasked_cosmics: f64,
     /// Fraction of the fibers that are sky fibers (OBJTYPE 'SKY', sky light only), each fiber
     /// drawn from its own random stream.
-    #[arg(long, value_name = "FRACTION", default_value_t = 0.1)]
+    #[arg(long, value_name = "FRACTION", default_value_t = 0.1, value_parser = parse_fraction)]
     pub sky_fraction: f64,
     /// A flat-lamp exposure (FLAVOR 'flat'): every fiber the same smooth continuum times its
     /// throughput, which a science exposure of the same seed shares.
@@ -83,7 +83,7 @@ pub struct SimulateArgs {
     #[arg(long, value_name = "FIBERS", value_delimiter = ',')]
     pub dead_fibers: Vec<usize>,
     /// Amplifiers whose pixels are all masked (BAD, IVAR 0), comma-separated from A, B, C, D.
-    #[arg(long, value_name = "AMPS", value_delimiter = ',')]
+    #[arg(long, value_name = "AMPS", value_delimiter = ',', value_parser = parse_amplifier)]
     pub masked_amps: Vec<char>,
     /// EXPID keyword of the preproc.
     #[arg(long, default_value_t = 1)]
@@ -373,6 +373,26 @@ pub fn parse_limit(s: &str) -> std::result::Result<f64, String> {
     Ok(v)
 }
 
+/// Parses `simulate --sky-fraction`: a number in `0..=1`.
+pub fn parse_fraction(s: &str) -> std::result::Result<f64, String> {
+    let v = parse_limit(s)?;
+    if v > 1.0 {
+        return Err(format!("a fraction must be in 0..1, got {s}"));
+    }
+    Ok(v)
+}
+
+/// Parses one amplifier of `simulate --masked-amps`: A, B, C or D.
+pub fn parse_amplifier(s: &str) -> std::result::Result<char, String> {
+    match s.trim() {
+        "A" => Ok('A'),
+        "B" => Ok('B'),
+        "C" => Ok('C'),
+        "D" => Ok('D'),
+        _ => Err(format!("an amplifier is A, B, C or D, got {s:?}")),
+    }
+}
+
 /// Parses `lo,hi`: finite numbers, `lo <= hi`.
 pub fn parse_pair(s: &str) -> std::result::Result<(f64, f64), String> {
     let (a, b) = s
@@ -583,6 +603,10 @@ mod tests {
         ]);
         assert_eq!((o.flat, o.sky_fraction, o.expid), (true, 0.3, 2));
         assert_eq!((o.dead_fibers, o.masked_amps), (vec![3, 7], vec!['B', 'D']));
+        for bad in [["--sky-fraction", "1.5"], ["--masked-amps", "B,E"]] {
+            let args: Vec<&str> = base.iter().chain(&bad).copied().collect();
+            assert!(parse(&args).is_err(), "{bad:?}");
+        }
     }
 
     #[test]
