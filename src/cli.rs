@@ -72,6 +72,23 @@ pub struct SimulateArgs {
     /// preprocessing missed.
     #[arg(long, value_name = "FRACTION", default_value_t = 0.0)]
     pub unmasked_cosmics: f64,
+    /// Fraction of the fibers that are sky fibers (OBJTYPE 'SKY', sky light only), each fiber
+    /// drawn from its own random stream.
+    #[arg(long, value_name = "FRACTION", default_value_t = 0.1, value_parser = parse_fraction)]
+    pub sky_fraction: f64,
+    /// A flat-lamp exposure (FLAVOR 'flat'): every fiber the same smooth continuum times its
+    /// throughput, which a science exposure of the same seed shares.
+    #[arg(long)]
+    pub flat: bool,
+    /// Fibers that receive no light (zero truth), comma-separated PSF indices.
+    #[arg(long, value_name = "FIBERS", value_delimiter = ',')]
+    pub dead_fibers: Vec<usize>,
+    /// Amplifiers whose pixels are all masked (BAD, IVAR 0), comma-separated from A, B, C, D.
+    #[arg(long, value_name = "AMPS", value_delimiter = ',', value_parser = parse_amplifier)]
+    pub masked_amps: Vec<char>,
+    /// EXPID keyword of the preproc.
+    #[arg(long, default_value_t = 1)]
+    pub expid: i64,
 }
 
 impl SimulateArgs {
@@ -87,6 +104,11 @@ impl SimulateArgs {
         o.cosmic_density = self.cosmic_density;
         o.bad_column = self.bad_column;
         o.unmasked_cosmics = self.unmasked_cosmics;
+        o.sky_fraction = self.sky_fraction;
+        o.flat = self.flat;
+        o.dead_fibers = self.dead_fibers.clone();
+        o.masked_amps = self.masked_amps.clone();
+        o.expid = self.expid;
         o
     }
 }
@@ -353,6 +375,26 @@ pub fn parse_limit(s: &str) -> std::result::Result<f64, String> {
     Ok(v)
 }
 
+/// Parses `simulate --sky-fraction`: a number in `0..=1`.
+pub fn parse_fraction(s: &str) -> std::result::Result<f64, String> {
+    let v = parse_limit(s)?;
+    if v > 1.0 {
+        return Err(format!("a fraction must be in 0..1, got {s}"));
+    }
+    Ok(v)
+}
+
+/// Parses one amplifier of `simulate --masked-amps`: A, B, C or D.
+pub fn parse_amplifier(s: &str) -> std::result::Result<char, String> {
+    match s.trim() {
+        "A" => Ok('A'),
+        "B" => Ok('B'),
+        "C" => Ok('C'),
+        "D" => Ok('D'),
+        _ => Err(format!("an amplifier is A, B, C or D, got {s:?}")),
+    }
+}
+
 /// Parses `lo,hi`: finite numbers, `lo <= hi`.
 pub fn parse_pair(s: &str) -> std::result::Result<(f64, f64), String> {
     let (a, b) = s
@@ -524,6 +566,49 @@ mod tests {
         assert_eq!(o.fibers, 25..75);
         assert_eq!((o.seed, o.bad_column, o.noise), (7, Some(2000), true));
         assert!(parse(&["spex", "simulate", "-p", "psf.fits", "-o", "img.fits"]).is_err());
+    }
+
+    #[test]
+    fn simulate_exposure_kinds_follow_the_flags() {
+        let base = [
+            "spex",
+            "simulate",
+            "-p",
+            "p.fits",
+            "-o",
+            "i.fits",
+            "--truth",
+            "t.fits",
+            "-w",
+            "6000,6100,0.8",
+        ];
+        let options = |extra: &[&str]| {
+            let args: Vec<&str> = base.iter().chain(extra).copied().collect();
+            let Command::Simulate(a) = parse(&args).unwrap().command else {
+                panic!("not simulate")
+            };
+            a.options(500)
+        };
+        let o = options(&[]);
+        assert_eq!((o.flat, o.sky_fraction, o.expid), (false, 0.1, 1));
+        assert!(o.dead_fibers.is_empty() && o.masked_amps.is_empty());
+        let o = options(&[
+            "--flat",
+            "--sky-fraction",
+            "0.3",
+            "--dead-fibers",
+            "3,7",
+            "--masked-amps",
+            "B,D",
+            "--expid",
+            "2",
+        ]);
+        assert_eq!((o.flat, o.sky_fraction, o.expid), (true, 0.3, 2));
+        assert_eq!((o.dead_fibers, o.masked_amps), (vec![3, 7], vec!['B', 'D']));
+        for bad in [["--sky-fraction", "1.5"], ["--masked-amps", "B,E"]] {
+            let args: Vec<&str> = base.iter().chain(&bad).copied().collect();
+            assert!(parse(&args).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

@@ -34,9 +34,12 @@ pub fn spectrograph(camera: &str) -> i64 {
     camera.get(1..).and_then(|s| s.parse().ok()).unwrap_or(0)
 }
 
+/// The names of a DESI CCD's amplifiers.
+pub const AMPLIFIERS: [char; 4] = ['A', 'B', 'C', 'D'];
+
 /// The amplifiers of a DESI CCD: name and (rows, columns) quadrant, A and B on the lower
 /// half, C and D on the upper half, as in desispec's CCDSEC keywords.
-fn amplifiers(nrows: usize, ncols: usize) -> [(char, [usize; 4]); 4] {
+pub(super) fn amplifiers(nrows: usize, ncols: usize) -> [(char, [usize; 4]); 4] {
     let (hy, hx) = (nrows / 2, ncols / 2);
     [
         ('A', [0, hy, 0, hx]),
@@ -46,11 +49,33 @@ fn amplifiers(nrows: usize, ncols: usize) -> [(char, [usize; 4]); 4] {
     ]
 }
 
+/// Columns of the overscan (bias) section of the amplifier whose data start at column `c0`:
+/// the simulation has no raw layout, so each half of the CCD gets a 100-column overscan past
+/// the image's last column, in the coordinates desispec's BIASSEC keywords use. desispec reads
+/// the BIASSEC keywords of a preproc header to know which amplifiers it has
+/// (`desispec.preproc.get_amp_ids`, used by the sky fit's offsets, CTE correction and tsnr).
+fn ncols_overscan(ncols: usize, c0: usize) -> std::ops::Range<usize> {
+    let start = if c0 == 0 {
+        ncols
+    } else {
+        ncols + OVERSCAN_COLUMNS
+    };
+    start..start + OVERSCAN_COLUMNS
+}
+
+/// Width of an amplifier's overscan, as on DESI's CCDs.
+const OVERSCAN_COLUMNS: usize = 100;
+
 impl Simulation {
     /// The exposure and amplifier keywords of the IMAGE HDU.
     pub(super) fn write_exposure_keys(&self, fits: &mut Fits) -> Result<()> {
-        fits.write_key_str("FLAVOR", "science", "observation type")?;
-        fits.write_key_str("OBSTYPE", "SCIENCE", "observation type")?;
+        let (flavor, obstype) = if self.options.flat {
+            ("flat", "FLAT")
+        } else {
+            ("science", "SCIENCE")
+        };
+        fits.write_key_str("FLAVOR", flavor, "observation type")?;
+        fits.write_key_str("OBSTYPE", obstype, "observation type")?;
         fits.write_key_i64("NIGHT", NIGHT, "night of the observation (YYYYMMDD)")?;
         fits.write_key_i64("TILEID", TILEID, "tile")?;
         fits.write_key_i64("SPECGRPH", spectrograph(&self.camera), "spectrograph")?;
@@ -72,6 +97,16 @@ impl Simulation {
         for (amp, [r0, r1, c0, c1]) in amplifiers(self.nrows, self.ncols) {
             let sec = format!("[{}:{},{}:{}]", c0 + 1, c1, r0 + 1, r1);
             fits.write_key_str(&format!("CCDSEC{amp}"), &sec, "amplifier section")?;
+            fits.write_key_str(&format!("DATASEC{amp}"), &sec, "data section (no prescan)")?;
+            let overscan = ncols_overscan(self.ncols, c0);
+            let bias = format!(
+                "[{}:{},{}:{}]",
+                overscan.start + 1,
+                overscan.end,
+                r0 + 1,
+                r1
+            );
+            fits.write_key_str(&format!("BIASSEC{amp}"), &bias, "overscan section")?;
             fits.write_key_f64(&format!("GAIN{amp}"), 1.0, "e/ADU (gain applied to image)")?;
             fits.write_key_f64(
                 &format!("OBSRDN{amp}"),

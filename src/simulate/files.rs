@@ -122,6 +122,7 @@ impl Simulation {
             o.bad_column.map_or(-1, |c| c as i64),
             "bad column (-1: none)",
         )?;
+        self.write_defect_keys(fits)?;
         fits.write_key_i64("SIMROW0", self.rows.start as i64, "first row with signal")?;
         fits.write_key_i64(
             "SIMROW1",
@@ -138,6 +139,27 @@ impl Simulation {
             self.cols.end as i64,
             "end of the columns with signal",
         )
+    }
+
+    /// The keywords of the options that change what kind of exposure this is, written only
+    /// when used (so a default simulation's header is that of earlier versions).
+    fn write_defect_keys(&self, fits: &mut Fits) -> Result<()> {
+        let o = &self.options;
+        if o.flat {
+            fits.write_card(&format!(
+                "{:<8}= {:>20} / {}",
+                "SIMFLAT", "T", "flat lamp instead of sky and objects"
+            ))?;
+        }
+        if !o.dead_fibers.is_empty() {
+            let list: Vec<String> = o.dead_fibers.iter().map(|f| f.to_string()).collect();
+            fits.write_key_str("SIMDEAD", &list.join(","), "fibers without light")?;
+        }
+        if !o.masked_amps.is_empty() {
+            let list: Vec<String> = o.masked_amps.iter().map(|a| a.to_string()).collect();
+            fits.write_key_str("SIMMAMP", &list.join(","), "masked amplifiers")?;
+        }
+        Ok(())
     }
 
     fn write_truth(&self, path: &Path) -> Result<()> {

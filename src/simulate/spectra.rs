@@ -1,6 +1,9 @@
 //! The spectra of a simulation: a night-sky continuum with its brightest emission lines, and
 //! on object fibers a smooth continuum with redshifted emission lines, drawn from each fiber's
-//! own random stream.
+//! own random stream; or, for a flat exposure, the lamp's continuum. Every fiber has a
+//! throughput drawn from its stream (3% rms) whatever the exposure, so a flat and a science
+//! exposure of the same seed share their fibers' throughputs, as a real flat and science
+//! exposure share their fibers.
 
 use rand::RngExt;
 use rand_distr::StandardNormal;
@@ -124,6 +127,13 @@ fn sky_continuum(w: f64) -> f64 {
         * (1.0 + 0.15 * (2.0 * std::f64::consts::PI * (w - 4000.0) / 3100.0).cos())
 }
 
+/// The flat lamp's continuum in photons per A: smooth, the same for every fiber, and bright
+/// enough (a few thousand photons per A) that a fiberflat made from it is far less noisy
+/// than the sky spectra it corrects.
+fn flat_lamp(w: f64) -> f64 {
+    5000.0 * (w / 6500.0).powf(1.5)
+}
+
 /// Adds a Gaussian line of total `flux` photons centred at `center` with width `sigma` (A) to
 /// the bins of `wave` (each bin `dw` wide, centred on its wavelength), integrating the
 /// Gaussian over each bin; only bins within 8 sigma are touched.
@@ -180,6 +190,15 @@ pub(super) fn fiber_spectrum(
     let dispersion = rng.random_range(40.0..200.0); // km/s
 
     let mut spectrum = vec![0.0; wave.len()];
+    if opts.dead_fibers.contains(&fiber) {
+        return (ObjType::Target, spectrum);
+    }
+    if opts.flat {
+        for (s, &w) in spectrum.iter_mut().zip(wave) {
+            *s = flat_lamp(w) * dw * throughput;
+        }
+        return (ObjType::Target, spectrum);
+    }
     if opts.sky {
         for (s, &w) in spectrum.iter_mut().zip(wave) {
             *s = sky_continuum(w) * dw;

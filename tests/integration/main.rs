@@ -23,6 +23,7 @@ mod common;
 mod conditioning;
 mod dead_bins;
 mod desispec;
+mod downstream;
 mod extract;
 mod format;
 #[cfg(feature = "cuda")]
