@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 from conftest import assert_same_frame, job_line, mpiexec_command, run_program
 
 RANKS = 4
