@@ -20,20 +20,26 @@ use spex::{output, pipeline};
 
 use crate::errors::Failure;
 use crate::logging;
+use crate::timing::{phase_ends, Phases};
 
 /// How often the calling thread checks for signals while a job without a communicator runs.
 const SIGNAL_POLL: Duration = Duration::from_millis(50);
 
+/// The frames this process wrote in a call: each one's output path and the start and end of
+/// each of its phases on the wall clock (see [`phase_ends`]).
+type WrittenPhases = Vec<(String, Phases)>;
+
 /// Runs the frames of `argvs` (each the arguments of one `spex extract` job line, without the
 /// program's name) over the communicator whose Fortran handle is `comm` (`None`: this process
-/// alone). Returns (frames, written, failed) when every frame was written.
+/// alone). Returns (frames, written, failed, the frames this rank wrote with their phases)
+/// when every frame was written.
 #[pyfunction]
 #[pyo3(signature = (argvs, comm=None))]
 pub fn run_job(
     py: Python<'_>,
     argvs: Vec<Vec<String>>,
     comm: Option<i32>,
-) -> PyResult<(usize, usize, usize)> {
+) -> PyResult<(usize, usize, usize, WrittenPhases)> {
     let config = configure(&argvs)?;
     let verbose = argvs
         .iter()
@@ -41,6 +47,7 @@ pub fn run_job(
     logging::install(py, verbose)?;
     output::leave_signals_to_host();
     pipeline::set_interrupted(false);
+    pipeline::record_written_frames(true);
     let outcome = match comm {
         Some(handle) => py.detach(|| {
             // SAFETY: the handle comes from mpi4py's `py2f()` of a live communicator, and the
@@ -49,8 +56,18 @@ pub fn run_job(
             execute(&world, true, &config)
         }),
         None => run_interruptible(py, &config)?,
-    }?;
-    Ok((outcome.frames, outcome.written, outcome.failed))
+    };
+    let written = pipeline::take_written_frames();
+    pipeline::record_written_frames(false);
+    let outcome = outcome?;
+    let phases = written
+        .iter()
+        .map(|w| {
+            let output = w.output.display().to_string();
+            (output, phase_ends(&w.timings, w.written_at))
+        })
+        .collect();
+    Ok((outcome.frames, outcome.written, outcome.failed, phases))
 }
 
 /// Parses each job line as the program does and joins their frames into one configuration,
