@@ -10,7 +10,7 @@ What desi_proc runs here: the preproc is found done (the simulated one), the tra
 turned off (--no-traceshift: desi_compute_trace_shifts needs specter), the bad-column mask has
 no bad-column file to apply, the fiberflat comes from the stub calibration, and the
 standard-star fit and flux calibration are turned off (--nostdstarfit --nofluxcalib: they
-need desimodel's data and stellar models, not on PyPI). Extraction, fiberflat, sky (with
+need DESI's stellar templates and desimodel's data, not on PyPI). Extraction, fiberflat, sky (with
 desi_proc's wavelength and LSF adjustments and offsets) and sframe run as in production.
 """
 
