@@ -31,6 +31,13 @@ CAMERAS = {
 #: do not.
 KINDS = {"science": ["--barycentric-correction"], "flat": [], "arc": []}
 
+#: desispec's main_gpu_specter timing keys, gpu_specter's between frame-setup and
+#: frame-extract, in the order of the steps they end.
+DESISPEC_TIMING = ["frame-start", "frame-setup", "init-mpi-comm", "init-mpi-bcast",
+                   "host-to-device", "extracted-bundles", "staged-bundles", "merged-bundles",
+                   "assembled-frame", "frame-extract", "frame-write"]
+
+
 #: Keywords that differ between two writes of the same frame.
 VOLATILE = (b"CHECKSUM=", b"DATASUM =", b"DATE    =")
 

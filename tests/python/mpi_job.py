@@ -3,6 +3,7 @@ the extraction over a communicator. Rank 0 prints one line per rank, `rank R: ok
 `rank R: ExceptionType: message`; the test reads them.
 
     mpi_job.py world LINE                  every rank of COMM_WORLD, one job line
+    mpi_job.py timing LINE                 the same with a timing dict: `ok KEY KEY ...`
     mpi_job.py split LINE LINE             comm.Split into groups of 2, camera i to group i
     mpi_job.py coordinator LINE            comm.Create_group of every rank, with a coordinator
     mpi_job.py exposure LINE LINE ...      main_exposure over COMM_WORLD, 2 frame groups
@@ -39,8 +40,11 @@ def main():
     comm = MPI.COMM_WORLD
     rank = comm.rank
     try:
+        timing = {}
         if mode == "world":
             spex.desispec.main(parse(lines[0]), comm=comm)
+        elif mode == "timing":
+            spex.desispec.main(parse(lines[0]), comm=comm, timing=timing)
         elif mode == "split":
             group = rank // 2
             comm_extract = comm.Split(color=group)
@@ -62,7 +66,7 @@ def main():
             spex.desispec.main_exposure([parse(l) for l in lines], comm=comm, frame_groups=2)
         else:
             raise SystemExit(f"unknown mode {mode}")
-        outcome = "ok"
+        outcome = " ".join(["ok", *timing])
     except (Exception, KeyboardInterrupt) as e:  # desi_proc catches per rank, then meets
         outcome = f"{type(e).__name__}: {e}".replace("\n", " | ")
     outcomes = comm.gather(outcome, root=0)

@@ -13,7 +13,7 @@ import pytest
 
 import spex
 import spex.desispec
-from conftest import CAMERAS, KINDS, assert_same_frame, job_line, run_program
+from conftest import CAMERAS, DESISPEC_TIMING, KINDS, assert_same_frame, job_line, run_program
 
 import desispec.io
 import desispec.scripts.extract as desispec_extract
@@ -99,13 +99,6 @@ def test_log_records_reach_the_spex_logger(inputs, workdir):
     patches = [r for r in records if r.getMessage().startswith("patches:")]
     assert patches and all(r.levelno == logging.INFO for r in patches)
     assert any(r.levelno == logging.INFO and "logged.fits" in r.getMessage() for r in records)
-
-
-#: desispec's main_gpu_specter timing keys, gpu_specter's between frame-setup and
-#: frame-extract, in the order of the steps they end.
-DESISPEC_TIMING = ["frame-start", "frame-setup", "init-mpi-comm", "init-mpi-bcast",
-                   "host-to-device", "extracted-bundles", "staged-bundles", "merged-bundles",
-                   "assembled-frame", "frame-extract", "frame-write"]
 
 
 def test_timing_receives_desispecs_keys_at_the_logged_phases(inputs, workdir):

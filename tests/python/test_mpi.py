@@ -10,7 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import assert_same_frame, job_line, mpiexec_command, run_program
+from conftest import (DESISPEC_TIMING, assert_same_frame, job_line, mpiexec_command,
+                      run_program)
 
 RANKS = 4
 #: A hung job fails the test instead of the suite.
@@ -49,6 +50,15 @@ def assert_mode_writes_the_programs_frames(inputs, workdir, mode: str, kind: str
 
 def test_comm_world(inputs, workdir):
     assert_mode_writes_the_programs_frames(inputs, workdir, "world", "science", ["r0"])
+
+
+def test_timing_over_a_communicator_on_the_writer_and_the_others(inputs, workdir):
+    out = workdir / "mpi-timing-r0.fits"
+    outcomes = mpiexec("timing", [job_line(inputs, "r0", "science", out)])
+    # Rank 0 writes the frame (no dedicated writer without --async-io).
+    assert outcomes[0] == " ".join(["ok", *DESISPEC_TIMING]), outcomes
+    assert outcomes[1:] == ["ok frame-start frame-write"] * (RANKS - 1), outcomes
+    assert_same_frame(out, reference(inputs, workdir, "r0", "science"))
 
 
 def test_split_sub_communicators_take_cameras_round_robin(inputs, workdir):
