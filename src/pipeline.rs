@@ -721,3 +721,37 @@ pub fn extract_frame(
         timings,
     })
 }
+
+#[cfg(test)]
+mod written_frames_tests {
+    use super::*;
+
+    fn written(path: &Path) -> Vec<WrittenFrame> {
+        take_written_frames()
+            .into_iter()
+            .filter(|w| w.output == path)
+            .collect()
+    }
+
+    #[test]
+    fn frames_are_recorded_only_while_asked() {
+        let path = Path::new("written-frames-test.fits");
+        let timings = Timings {
+            phases: vec![("write", Duration::from_millis(3))],
+        };
+        record_written_frames(true);
+        note_written(path, &timings);
+        let got = written(path);
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].timings.get("write"), Duration::from_millis(3));
+        assert!(written(path).is_empty(), "taken frames are forgotten");
+        record_written_frames(false);
+        note_written(path, &timings);
+        record_written_frames(true);
+        assert!(
+            written(path).is_empty(),
+            "a frame written while off is not recorded"
+        );
+        record_written_frames(false);
+    }
+}
