@@ -515,7 +515,55 @@ pub fn write(
             }
             Ok(())
         })
-    })
+    })?;
+    note_written(&request.output, timings);
+    Ok(())
+}
+
+/// A frame this process wrote, as [`take_written_frames`] returns it.
+#[derive(Clone, Debug)]
+pub struct WrittenFrame {
+    pub output: PathBuf,
+    /// Its phases, in order, on the rank that wrote it.
+    pub timings: Timings,
+    /// When its write ended.
+    pub written_at: std::time::SystemTime,
+}
+
+/// The frames written since [`record_written_frames`] turned recording on: a host process
+/// (the Python package's `timing` argument) reads the phases of the frames of its call here,
+/// since they are measured on whichever rank writes a frame.
+static WRITTEN: std::sync::Mutex<Option<Vec<WrittenFrame>>> = std::sync::Mutex::new(None);
+
+/// Starts recording the frames this process writes (forgetting those recorded before), or
+/// stops (`false`).
+pub fn record_written_frames(on: bool) {
+    *WRITTEN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = on.then(Vec::new);
+}
+
+/// The frames recorded since recording started, which goes on with an empty record.
+pub fn take_written_frames() -> Vec<WrittenFrame> {
+    WRITTEN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .as_mut()
+        .map(std::mem::take)
+        .unwrap_or_default()
+}
+
+fn note_written(output: &Path, timings: &Timings) {
+    let mut written = WRITTEN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(frames) = written.as_mut() {
+        frames.push(WrittenFrame {
+            output: output.to_path_buf(),
+            timings: timings.clone(),
+            written_at: std::time::SystemTime::now(),
+        });
+    }
 }
 
 /// Bins that no usable pixel constrains (ivar 0 while their spot was not counted as masked:
@@ -638,13 +686,28 @@ pub fn extract_in_memory(
     inputs: &Inputs,
     backend: &mut dyn Backend,
 ) -> Result<(Frame, PatchCounts)> {
+    extract_in_memory_timed(request, inputs, backend, &mut Timings::default())
+}
+
+/// [`extract_in_memory`], with the time of its phases (plan and solve as "solve", then
+/// "assemble") added to `timings`.
+pub fn extract_in_memory_timed(
+    request: &ExtractRequest,
+    inputs: &Inputs,
+    backend: &mut dyn Backend,
+    timings: &mut Timings,
+) -> Result<(Frame, PatchCounts)> {
     if interrupted() {
         return Err(Error::Interrupted);
     }
-    let plan = request.plan_for(inputs)?;
-    let all = 0..plan.patches.len();
-    let results = solve(request, inputs, &plan, all, backend, &Progress::silent())?;
-    assemble(request, &plan, inputs, &results, &mut Timings::default())
+    let results = timings.time("solve", || {
+        let plan = request.plan_for(inputs)?;
+        let all = 0..plan.patches.len();
+        let results = solve(request, inputs, &plan, all, backend, &Progress::silent())?;
+        Ok::<_, Error>((plan, results))
+    });
+    let (plan, results) = results?;
+    assemble(request, &plan, inputs, &results, timings)
 }
 
 /// Extracts one frame in this process: read, plan, solve every patch on `backend`, write.
@@ -674,4 +737,38 @@ pub fn extract_frame(
         counts,
         timings,
     })
+}
+
+#[cfg(test)]
+mod written_frames_tests {
+    use super::*;
+
+    fn written(path: &Path) -> Vec<WrittenFrame> {
+        take_written_frames()
+            .into_iter()
+            .filter(|w| w.output == path)
+            .collect()
+    }
+
+    #[test]
+    fn frames_are_recorded_only_while_asked() {
+        let path = Path::new("written-frames-test.fits");
+        let timings = Timings {
+            phases: vec![("write", Duration::from_millis(3))],
+        };
+        record_written_frames(true);
+        note_written(path, &timings);
+        let got = written(path);
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].timings.get("write"), Duration::from_millis(3));
+        assert!(written(path).is_empty(), "taken frames are forgotten");
+        record_written_frames(false);
+        note_written(path, &timings);
+        record_written_frames(true);
+        assert!(
+            written(path).is_empty(),
+            "a frame written while off is not recorded"
+        );
+        record_written_frames(false);
+    }
 }

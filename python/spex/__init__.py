@@ -68,7 +68,12 @@ def extract_frame(
         regularize, psferr: as ``desi_extract_spectra``'s options.
         gpu: True needs a GPU, False never uses one, None uses one when usable.
         loglevel: sets the ``spex`` logger's level when given.
-        model, comm, timing, batch_subbundle, ranks_per_bundle: accepted for gpu_specter's
+        timing: a dict that receives gpu_specter's keys, each the ``time.time()`` at which
+            that step ended: ``init-mpi-comm``, ``init-mpi-bcast`` and ``host-to-device``
+            (the start of spex's solve, which holds those steps), ``extracted-bundles`` (its
+            end), ``staged-bundles``, ``merged-bundles`` and ``assembled-frame`` (the end of
+            the assembly).
+        model, comm, batch_subbundle, ranks_per_bundle: accepted for gpu_specter's
             signature; ``model`` and ``comm`` must be None (spex.desispec.main writes model
             images and runs over MPI).
 
@@ -98,7 +103,33 @@ def extract_frame(
         wavepad=int(wavepad), wavepad_frac=float(wavepad_frac), pixpad_frac=float(pixpad_frac),
         gpu=gpu,
     )
-    return extract_arrays(image, ivar, mask, psf, options)
+    frame, phases = extract_arrays(image, ivar, mask, psf, options)
+    if isinstance(timing, dict):
+        timing.update(_core_timing({name: (start, end) for name, start, end in phases}))
+    return frame
+
+
+def _core_timing(phases: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """gpu_specter's ``timing`` keys (``time.time()`` as each of its steps ends) from the
+    start and end of spex's phases.
+
+    gpu_specter's steps before its bundles (communicator, broadcast of the image, copy to the
+    GPU) are part of spex's solve, and its staging and merging of the bundles part of spex's
+    gather and assembly: those keys get the start or end of the spex phase that holds them,
+    so that the keys keep gpu_specter's order and their differences are spex's phases.
+    """
+    began, solved = phases["solve"]
+    staged = phases.get("gather", phases["solve"])[1]
+    assembled = phases["assemble"][1]
+    return {
+        "init-mpi-comm": began,
+        "init-mpi-bcast": began,
+        "host-to-device": began,
+        "extracted-bundles": solved,
+        "staged-bundles": staged,
+        "merged-bundles": assembled,
+        "assembled-frame": assembled,
+    }
 
 
 def _grid(wavelength) -> tuple[float, float, float] | None:

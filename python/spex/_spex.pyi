@@ -2,10 +2,15 @@
 
 __version__: str
 
-def run_job(argvs: list[list[str]], comm: int | None = None) -> tuple[int, int, int]:
+Phases = list[tuple[str, float, float]]
+
+def run_job(
+    argvs: list[list[str]], comm: int | None = None
+) -> tuple[int, int, int, list[tuple[str, Phases]]]:
     """Runs the frames of `argvs` (each one job line's `spex extract` arguments) over the
     communicator with Fortran handle `comm` (every rank calls in), or in this process alone.
-    Returns (frames, written, failed); raises when a frame failed."""
+    Returns (frames, written, failed, [(output, [(phase, start, end)]) of each frame this
+    rank wrote]); raises when a frame failed."""
 
 import os
 from typing import Any
@@ -27,5 +32,6 @@ def extract_arrays(
     mask: np.ndarray | None,
     psf: Psf,
     options: dict[str, Any],
-) -> dict[str, Any]:
-    """spex.extract_frame's work on C-contiguous float32 image and ivar (int32 mask)."""
+) -> tuple[dict[str, Any], Phases]:
+    """spex.extract_frame's work on C-contiguous float32 image and ivar (int32 mask): the
+    frame dictionary and [(phase, start, end)] of the solve and the assembly."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 from typing import Any, Iterable, Sequence
 
 from . import _spex
@@ -94,7 +95,11 @@ def main(
         arguments as a list of strings.
     comm : an mpi4py communicator whose ranks all take part (every rank calls in), or None:
         this process alone (unless ``args.mpi``: then ``MPI.COMM_WORLD``, as desispec does).
-    timing : accepted for desispec's signature; spex logs its phases' times instead.
+    timing : a dict that receives desispec's keys, each the ``time.time()`` at which that
+        step ended: ``frame-start`` (the call), ``frame-setup`` (the inputs read),
+        gpu_specter's keys of :func:`spex.extract_frame`, ``frame-extract`` (the frame
+        assembled) and ``frame-write`` (written), on the rank that wrote the frame;
+        ``frame-start`` and ``frame-write`` (the call's end) on the others.
     coordinator : a gpu_specter I/O coordinator; its communicator is used, and a
         ``ParallelIOCoordinator`` gives the job dedicated reader and writer ranks
         (``--async-io``), as in desi_proc's GPU layout.
@@ -102,11 +107,31 @@ def main(
     Raises ValueError on options, OSError / FileNotFoundError on files, RuntimeError when
     the frame failed (the message is the program's), KeyboardInterrupt on Ctrl-C.
     """
+    start = time.time()
     argv = job_argv(args)
     comm, async_io = _communicator(args, comm, coordinator)
     if async_io:
         argv.append("--async-io")
-    _run([argv], comm)
+    _, _, _, written = _run([argv], comm)
+    if isinstance(timing, dict):
+        timing.update(frame_timing(written, start, time.time()))
+
+
+def frame_timing(written: list, start: float, end: float) -> dict[str, float]:
+    """desispec's ``timing`` keys of ``main_gpu_specter`` (``time.time()`` as each step
+    ends) from the phases of the frame this rank wrote, with gpu_specter's keys between
+    ``frame-setup`` and ``frame-extract`` (see :func:`spex._core_timing`). A rank that wrote
+    no frame (another rank of the communicator did) has the call's start and end alone."""
+    if not written:
+        return {"frame-start": start, "frame-write": end}
+    from . import _core_timing
+
+    phases = {name: (begin, finish) for name, begin, finish in written[0][1]}
+    timing = {"frame-start": start, "frame-setup": phases["read"][1]}
+    timing.update(_core_timing(phases))
+    timing["frame-extract"] = phases["assemble"][1]
+    timing["frame-write"] = phases["write"][1]
+    return timing
 
 
 def main_exposure(
@@ -130,7 +155,7 @@ def main_exposure(
     if async_io:
         argvs[0].append("--async-io")
     comm = _mpi_world(comm) if _asks_mpi(list_of_args) else comm
-    frames, written, failed = _run(argvs, comm)
+    frames, written, failed, _ = _run(argvs, comm)
     return written
 
 
@@ -157,7 +182,7 @@ def _communicator(args: Any, comm: Any, coordinator: Any) -> tuple[Any, bool]:
     return comm, False
 
 
-def _run(argvs: list[list[str]], comm: Any) -> tuple[int, int, int]:
+def _run(argvs: list[list[str]], comm: Any) -> tuple[int, int, int, list]:
     _adopt_desiutil_logging()
     handle = None if comm is None else comm.py2f()
     return _spex.run_job(argvs, handle)

@@ -4,17 +4,19 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::SystemTime;
 
 use numpy::{IntoPyArray, PyReadonlyArray2};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use spex::backend::{self, Backend, BackendKind};
 use spex::image::{Image, MaskRule};
-use spex::pipeline::{self, ExtractRequest, Inputs};
+use spex::pipeline::{self, ExtractRequest, Inputs, Timings};
 use spex::plan::PatchLayout;
 use spex::psf::GaussHermitePsf;
 
 use crate::errors::spex_error;
+use crate::timing::{phase_ends, Phases};
 
 /// desispec's `extractmaskval`: the MASK bits that reject a pixel.
 const EXTRACT_MASK_BITS: u32 = 767;
@@ -71,7 +73,8 @@ pub struct Options {
 }
 
 /// Extracts `image` (with `ivar`, and `mask` whose bits of desispec's `extractmaskval`
-/// reject a pixel) with `psf`; returns gpu_specter's frame dictionary.
+/// reject a pixel) with `psf`; returns gpu_specter's frame dictionary and the start and end of
+/// each phase ("solve", "assemble") on the wall clock.
 #[pyfunction]
 #[pyo3(signature = (image, ivar, mask, psf, options))]
 pub fn extract_arrays<'py>(
@@ -81,7 +84,7 @@ pub fn extract_arrays<'py>(
     mask: Option<PyReadonlyArray2<'py, i32>>,
     psf: &Bound<'py, Psf>,
     options: Options,
-) -> PyResult<Bound<'py, PyDict>> {
+) -> PyResult<(Bound<'py, PyDict>, Phases)> {
     let request = request(&psf.get().inner.path, &options);
     request.validate_options().map_err(spex_error)?;
     let mask_view = mask.as_ref().map(|m| m.as_slice()).transpose()?;
@@ -94,6 +97,7 @@ pub fn extract_arrays<'py>(
     )
     .map_err(spex_error)?;
     let psf = Arc::clone(&psf.get().inner);
+    let mut timings = Timings::default();
     let (frame, _) = py
         .detach(|| {
             let inputs = Inputs {
@@ -102,9 +106,10 @@ pub fn extract_arrays<'py>(
                 heliocor: 1.0,
             };
             let mut backend = open_backend(options.gpu)?;
-            pipeline::extract_in_memory(&request, &inputs, backend.as_mut())
+            pipeline::extract_in_memory_timed(&request, &inputs, backend.as_mut(), &mut timings)
         })
         .map_err(spex_error)?;
+    let ends = phase_ends(&timings, SystemTime::now());
     let out = PyDict::new(py);
     out.set_item("wave", frame.wave.into_pyarray(py))?;
     out.set_item("specflux", frame.flux.into_pyarray(py))?;
@@ -114,7 +119,7 @@ pub fn extract_arrays<'py>(
     out.set_item("pixmask_fraction", frame.pixmask_fraction.into_pyarray(py))?;
     out.set_item("chi2pix", frame.chi2pix.into_pyarray(py))?;
     out.set_item("modelimage", py.None())?;
-    Ok(out)
+    Ok((out, ends))
 }
 
 /// The request the program would build for these options (nothing is read or written).

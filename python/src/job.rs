@@ -4,9 +4,10 @@
 //!
 //! Every rank of the communicator calls in with the same arguments, builds the same
 //! configuration, and takes the job's one outcome home: a failure on any rank raises on every
-//! rank. Without a communicator the job runs on a thread of its own while the calling thread
-//! waits outside the GIL and checks for signals, so that Ctrl-C stops the job between frames
-//! and raises KeyboardInterrupt.
+//! rank. The job runs on a thread of its own while the calling thread waits outside the GIL
+//! and checks for signals, so that Ctrl-C stops the job between frames and raises
+//! KeyboardInterrupt, over a communicator on the interrupted rank (the host's MPI must allow
+//! MPI calls from another thread: mpi4py's default, MPI_THREAD_MULTIPLE, does).
 
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -20,20 +21,26 @@ use spex::{output, pipeline};
 
 use crate::errors::Failure;
 use crate::logging;
+use crate::timing::{phase_ends, Phases};
 
 /// How often the calling thread checks for signals while a job without a communicator runs.
 const SIGNAL_POLL: Duration = Duration::from_millis(50);
 
+/// The frames this process wrote in a call: each one's output path and the start and end of
+/// each of its phases on the wall clock (see [`phase_ends`]).
+type WrittenPhases = Vec<(String, Phases)>;
+
 /// Runs the frames of `argvs` (each the arguments of one `spex extract` job line, without the
 /// program's name) over the communicator whose Fortran handle is `comm` (`None`: this process
-/// alone). Returns (frames, written, failed) when every frame was written.
+/// alone). Returns (frames, written, failed, the frames this rank wrote with their phases)
+/// when every frame was written.
 #[pyfunction]
 #[pyo3(signature = (argvs, comm=None))]
 pub fn run_job(
     py: Python<'_>,
     argvs: Vec<Vec<String>>,
     comm: Option<i32>,
-) -> PyResult<(usize, usize, usize)> {
+) -> PyResult<(usize, usize, usize, WrittenPhases)> {
     let config = configure(&argvs)?;
     let verbose = argvs
         .iter()
@@ -41,16 +48,34 @@ pub fn run_job(
     logging::install(py, verbose)?;
     output::leave_signals_to_host();
     pipeline::set_interrupted(false);
-    let outcome = match comm {
-        Some(handle) => py.detach(|| {
+    pipeline::record_written_frames(true);
+    let outcome = run_interruptible(py, || match comm {
+        Some(handle) => {
             // SAFETY: the handle comes from mpi4py's `py2f()` of a live communicator, and the
             // host keeps MPI initialised until it exits.
             let world = unsafe { Comm::from_fortran_handle(handle) }.map_err(Failure::Spex)?;
             execute(&world, true, &config)
-        }),
-        None => run_interruptible(py, &config)?,
-    }?;
-    Ok((outcome.frames, outcome.written, outcome.failed))
+        }
+        None => execute(&Comm::alone(), false, &config),
+    });
+    let outcome = match outcome {
+        Ok(outcome) => outcome,
+        Err(interrupt) => {
+            pipeline::record_written_frames(false);
+            return Err(interrupt);
+        }
+    };
+    let written = pipeline::take_written_frames();
+    pipeline::record_written_frames(false);
+    let outcome = outcome?;
+    let phases = written
+        .iter()
+        .map(|w| {
+            let output = w.output.display().to_string();
+            (output, phase_ends(&w.timings, w.written_at))
+        })
+        .collect();
+    Ok((outcome.frames, outcome.written, outcome.failed, phases))
 }
 
 /// Parses each job line as the program does and joins their frames into one configuration,
@@ -90,14 +115,21 @@ fn parse(argv: &[String]) -> Result<ExtractArgs, Failure> {
     }
 }
 
-/// Runs a job without a communicator on a thread of its own; the calling thread waits outside
-/// the GIL and checks for signals between waits. An interruption lets the frame in progress
-/// finish, fails those not started, and raises KeyboardInterrupt.
-fn run_interruptible(py: Python<'_>, config: &JobConfig) -> PyResult<Result<JobOutcome, Failure>> {
+/// Runs `job` on a thread of its own while the calling thread waits outside the GIL and
+/// checks for signals between waits. An interruption lets the frame in progress finish,
+/// fails those not started on this rank, and raises KeyboardInterrupt here once the job has
+/// returned. Over a communicator the job runs its MPI calls on that thread (mpi4py
+/// initialises MPI for threads), and the other ranks go on as when this rank's frames fail:
+/// where this rank reads the frames, the rest of the job fails on every rank; elsewhere the
+/// job ends as it would have, and only this rank raises.
+fn run_interruptible<F>(py: Python<'_>, job: F) -> PyResult<Result<JobOutcome, Failure>>
+where
+    F: FnOnce() -> Result<JobOutcome, Failure> + Send,
+{
     let done = (Mutex::new(false), Condvar::new());
     std::thread::scope(|scope| {
         let worker = scope.spawn(|| {
-            let outcome = execute(&Comm::alone(), false, config);
+            let outcome = job();
             *lock(&done.0) = true;
             done.1.notify_all();
             outcome

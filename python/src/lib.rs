@@ -8,6 +8,7 @@ mod arrays;
 mod errors;
 mod job;
 mod logging;
+mod timing;
 
 use pyo3::prelude::*;
 

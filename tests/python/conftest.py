@@ -31,14 +31,22 @@ CAMERAS = {
 #: do not.
 KINDS = {"science": ["--barycentric-correction"], "flat": [], "arc": []}
 
+#: desispec's main_gpu_specter timing keys, gpu_specter's between frame-setup and
+#: frame-extract, in the order of the steps they end.
+DESISPEC_TIMING = ["frame-start", "frame-setup", "init-mpi-comm", "init-mpi-bcast",
+                   "host-to-device", "extracted-bundles", "staged-bundles", "merged-bundles",
+                   "assembled-frame", "frame-extract", "frame-write"]
+
+
 #: Keywords that differ between two writes of the same frame.
 VOLATILE = (b"CHECKSUM=", b"DATASUM =", b"DATE    =")
 
 
 def _stand_in_for_specter() -> None:
-    """desispec.scripts.extract imports specter (not on PyPI) for its specter path, which
-    these tests never take: where specter is missing, empty modules stand in for the names
-    it imports, so that its parser and entry points load."""
+    """desispec imports specter (not on PyPI) for its specter path and its quick-look
+    extraction, which these tests never take: where specter is missing, empty modules stand in
+    for the modules desispec imports, each name in them a function that refuses to run, so
+    that desispec's extraction and desi_proc load."""
     try:
         import specter  # noqa: F401
         return
@@ -48,13 +56,26 @@ def _stand_in_for_specter() -> None:
     def refuse(*args, **kwargs):
         raise RuntimeError("specter is not installed")
 
-    specter = types.ModuleType("specter")
-    psf = types.ModuleType("specter.psf")
-    extract = types.ModuleType("specter.extract")
-    psf.load_psf = refuse
-    extract.ex2d = refuse
-    specter.psf, specter.extract = psf, extract
-    sys.modules.update({"specter": specter, "specter.psf": psf, "specter.extract": extract})
+    def module(name: str) -> types.ModuleType:
+        stand_in = types.ModuleType(name)
+        stand_in.__path__ = []
+        stand_in.__version__ = "not installed"
+
+        def attribute(attr: str):
+            if attr.startswith("_"):
+                raise AttributeError(attr)
+            return refuse
+
+        stand_in.__getattr__ = attribute
+        return stand_in
+
+    names = ["specter", "specter.psf", "specter.extract", "specter.util", "specter.util.traceset"]
+    modules = {name: module(name) for name in names}
+    for name, stand_in in modules.items():
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(modules[parent], child, stand_in)
+    sys.modules.update(modules)
 
 
 _stand_in_for_specter()
@@ -70,15 +91,33 @@ def spex_program() -> Path:
     return path
 
 
-def run_program(args: list[str], check: bool = True) -> subprocess.CompletedProcess:
-    """Runs `spex` with `args` in a process of its own (never under this test's MPI)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+def run_program(args: list[str], check: bool = True,
+                environ: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Runs `spex` with `args` in a process of its own (never under this test's MPI), with
+    `environ` added to the environment."""
     done = subprocess.run(
-        [str(spex_program()), *args], capture_output=True, text=True, env=env, timeout=600
+        [str(spex_program()), *args], capture_output=True, text=True,
+        env=dict(program_environ(), **(environ or {})), timeout=600,
     )
     if check and done.returncode != 0:
         pytest.fail(f"spex {' '.join(args)} exited {done.returncode}:\n{done.stderr}")
     return done
+
+
+def program_environ() -> dict[str, str]:
+    """This process's environment without the variables of an MPI launcher, for processes
+    that must not join this test's MPI job."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+
+
+def mpiexec_command(ranks: int) -> list[str]:
+    """Open MPI's launcher of `ranks` processes, on however many cores there are."""
+    launcher = shutil.which("mpiexec")
+    assert launcher, "mpiexec is missing: install openmpi-bin (scripts/setup does)"
+    command = [launcher, "-n", str(ranks), "--oversubscribe"]
+    if os.geteuid() == 0:
+        command.append("--allow-run-as-root")
+    return command
 
 
 def camera_psf(camera: str, workdir: Path) -> Path:

@@ -5,13 +5,15 @@ date keywords, and desispec must read them."""
 from __future__ import annotations
 
 import logging
+import re
+import time
 
 import numpy as np
 import pytest
 
 import spex
 import spex.desispec
-from conftest import CAMERAS, KINDS, assert_same_frame, job_line, run_program
+from conftest import CAMERAS, DESISPEC_TIMING, KINDS, assert_same_frame, job_line, run_program
 
 import desispec.io
 import desispec.scripts.extract as desispec_extract
@@ -75,7 +77,8 @@ def test_failed_frame_raises_runtime_error_with_the_programs_message(inputs, wor
     assert error_line in str(caught.value)
 
 
-def test_log_records_reach_the_spex_logger(inputs, workdir):
+def logged_main(args, timing: dict | None = None) -> list[logging.LogRecord]:
+    """spex.desispec.main's log records at INFO."""
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -84,13 +87,41 @@ def test_log_records_reach_the_spex_logger(inputs, workdir):
     old = logger.level
     logger.setLevel(logging.INFO)
     try:
-        spex.desispec.main(parse(job_line(inputs, "r0", "flat", workdir / "logged.fits")))
+        spex.desispec.main(args, timing=timing)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old)
+    return records
+
+
+def test_log_records_reach_the_spex_logger(inputs, workdir):
+    records = logged_main(parse(job_line(inputs, "r0", "flat", workdir / "logged.fits")))
     patches = [r for r in records if r.getMessage().startswith("patches:")]
     assert patches and all(r.levelno == logging.INFO for r in patches)
     assert any(r.levelno == logging.INFO and "logged.fits" in r.getMessage() for r in records)
+
+
+def test_timing_receives_desispecs_keys_at_the_logged_phases(inputs, workdir):
+    timing: dict = {}
+    before = time.time()
+    records = logged_main(parse(job_line(inputs, "r0", "flat", workdir / "timed.fits")), timing)
+    after = time.time()
+    assert list(timing) == DESISPEC_TIMING
+    values = [timing[k] for k in DESISPEC_TIMING]
+    assert values == sorted(values)
+    # The phases are placed on the wall clock from durations measured on the monotonic
+    # clock: the two may drift apart by NTP's largest slew (500 ppm) over the call.
+    slack = 500e-6 * (after - before)
+    assert before - slack <= values[0] and values[-1] <= after + slack
+    # Each phase's span is the duration the program logs for it, which the log rounds to ms.
+    summary = next(r.getMessage() for r in records
+                   if "timed.fits" in r.getMessage() and "write " in r.getMessage())
+    logged = {name: float(s) for name, s in re.findall(r"(\w+) ([0-9.]+) s", summary)}
+    spans = {"solve": timing["extracted-bundles"] - timing["init-mpi-comm"],
+             "assemble": timing["frame-extract"] - timing["staged-bundles"],
+             "write": timing["frame-write"] - timing["frame-extract"]}
+    for name, span in spans.items():
+        assert abs(span - logged[name]) <= 0.0005 + 1e-6, (name, span, summary)
 
 
 def test_exposure_in_one_call_writes_every_cameras_frame(inputs, workdir):

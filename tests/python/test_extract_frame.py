@@ -3,6 +3,8 @@ flux, ivar and resolution bit for bit (as the frame stores them, float32), the g
 
 from __future__ import annotations
 
+import time
+
 import fitsio
 import numpy as np
 import pytest
@@ -57,6 +59,28 @@ def test_desispecs_masked_ivar_and_a_psf_object_give_the_same(inputs, program_fr
     out = spex.extract_frame(img, spex.read_psf(psf), 25, 0, 25, wavelength=wave,
                              nsubbundles=5, psferr=0.01, gpu=False)
     assert_matches(out, program_frame)
+
+
+#: gpu_specter's extract_frame timing keys, in the order of the steps they end.
+GPU_SPECTER_TIMING = ["init-mpi-comm", "init-mpi-bcast", "host-to-device", "extracted-bundles",
+                      "staged-bundles", "merged-bundles", "assembled-frame"]
+
+
+def test_timing_receives_gpu_specters_keys_in_order(inputs):
+    preproc, psf = inputs["r0"]
+    timing: dict = {}
+    before = time.time()
+    spex.extract_frame(preproc_arrays(preproc), str(psf), 25, 0, 25, wavelength=GRID,
+                       nsubbundles=5, psferr=0.01, gpu=False, timing=timing)
+    after = time.time()
+    assert list(timing) == GPU_SPECTER_TIMING
+    values = [timing[k] for k in GPU_SPECTER_TIMING]
+    assert values == sorted(values)
+    # Placed on the wall clock from monotonic durations: NTP may slew them apart by 500 ppm.
+    slack = 500e-6 * (after - before)
+    assert before - slack <= values[0] and values[-1] <= after + slack
+    # The solve of 25 fibers takes time; the reading of the arrays precedes it.
+    assert timing["extracted-bundles"] > timing["host-to-device"] > before
 
 
 def test_options_and_files_raise_value_and_os_errors(inputs, workdir):

@@ -1,5 +1,6 @@
 """The GIL is released while spex works, and Ctrl-C (SIGINT) stops a job between frames and
-raises KeyboardInterrupt in the caller instead of ending the process."""
+raises KeyboardInterrupt in the caller instead of ending the process; over a communicator,
+on the interrupted rank, while the other ranks return."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 from pathlib import Path
 
 import spex.desispec
-from conftest import job_line
+from conftest import job_line, mpiexec_command
 
 #: Frames of the interrupted job: more than can be done between its first write and the
 #: signal's arrival a few milliseconds later.
@@ -67,3 +68,53 @@ def test_ctrl_c_raises_keyboard_interrupt_between_frames(inputs, workdir):
     written = [o for o in outs if o.exists()]
     assert 1 <= len(written) < NFRAMES, len(written)
     assert not any(p.name.endswith(".tmp") for p in workdir.iterdir())
+
+
+#: An interrupted job over MPI that hangs fails the test instead of the suite.
+MPI_TIMEOUT_S = 300
+
+
+def interrupt_rank(inputs, workdir, rank: int) -> tuple[list[str], int]:
+    """A job of NFRAMES frames over 2 ranks (mpi_job.py interrupt), SIGINT sent to `rank`
+    alone once the first frame is written; returns each rank's outcome and the frames
+    written."""
+    tag = f"mpi-interrupt-{rank}"
+    outs = [workdir / f"{tag}-{k}.fits" for k in range(NFRAMES)]
+    pids = workdir / tag
+    pids.mkdir()
+    script = Path(__file__).with_name("mpi_job.py")
+    lines = [job_line(inputs, "r0", "flat", o) for o in outs]
+    command = [*mpiexec_command(2), sys.executable, str(script), "interrupt", str(pids), *lines]
+    env = dict(os.environ, PYTHONPATH=str(script.parent))
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=env)
+    try:
+        deadline = time.monotonic() + MPI_TIMEOUT_S
+        while not outs[0].exists() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert job.poll() is None, job.communicate()
+        os.kill(int((pids / f"rank-{rank}.pid").read_text()), signal.SIGINT)
+        stdout, stderr = job.communicate(timeout=MPI_TIMEOUT_S)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, (job.returncode, stdout, stderr)
+    outcomes = sorted(l for l in stdout.splitlines() if l.startswith("rank "))
+    assert len(outcomes) == 2, (stdout, stderr)
+    return [o.split(": ", 1)[1] for o in outcomes], sum(o.exists() for o in outs)
+
+
+def test_ctrl_c_on_the_reading_rank_stops_the_job_on_both(inputs, workdir):
+    outcomes, written = interrupt_rank(inputs, workdir, 0)
+    assert outcomes[0].startswith("KeyboardInterrupt"), outcomes
+    # The reader reads no more frames: they fail on the other rank too.
+    assert outcomes[1].startswith("RuntimeError:") and "frames failed" in outcomes[1], outcomes
+    assert 1 <= written < NFRAMES, written
+
+
+def test_ctrl_c_on_another_rank_raises_there_alone(inputs, workdir):
+    outcomes, written = interrupt_rank(inputs, workdir, 1)
+    assert outcomes[1].startswith("KeyboardInterrupt"), outcomes
+    # Rank 0 reads every frame, so the job ends as it would have on both ranks.
+    assert outcomes[0] == "ok", outcomes
+    assert written == NFRAMES

@@ -6,14 +6,12 @@ program's, byte for byte apart from checksum and date keywords."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from conftest import assert_same_frame, job_line, run_program
+from conftest import (DESISPEC_TIMING, assert_same_frame, job_line, mpiexec_command,
+                      run_program)
 
 RANKS = 4
 #: A hung job fails the test instead of the suite.
@@ -22,13 +20,8 @@ TIMEOUT_S = 300
 
 def mpiexec(mode: str, lines: list[str]) -> list[str]:
     """Runs mpi_job.py on RANKS ranks; returns each rank's outcome, in rank order."""
-    launcher = shutil.which("mpiexec")
-    assert launcher, "mpiexec is missing: install openmpi-bin (scripts/setup does)"
     script = Path(__file__).with_name("mpi_job.py")
-    command = [launcher, "-n", str(RANKS), "--oversubscribe"]
-    if os.geteuid() == 0:
-        command.append("--allow-run-as-root")
-    command += [sys.executable, str(script), mode, *lines]
+    command = [*mpiexec_command(RANKS), sys.executable, str(script), mode, *lines]
     env = dict(os.environ, PYTHONPATH=str(script.parent))
     done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
     outcomes = sorted(l for l in done.stdout.splitlines() if l.startswith("rank "))
@@ -44,34 +37,41 @@ def reference(inputs, workdir, camera: str, kind: str) -> Path:
     return path
 
 
+def assert_mode_writes_the_programs_frames(inputs, workdir, mode: str, kind: str,
+                                           cameras: list[str]) -> None:
+    """mpi_job.py `mode` on the job lines of `cameras`: every rank ok, and each frame the
+    program's."""
+    outs = [workdir / f"mpi-{mode}-{c}.fits" for c in cameras]
+    lines = [job_line(inputs, c, kind, o) for c, o in zip(cameras, outs)]
+    assert mpiexec(mode, lines) == ["ok"] * RANKS
+    for camera, out in zip(cameras, outs):
+        assert_same_frame(out, reference(inputs, workdir, camera, kind))
+
+
 def test_comm_world(inputs, workdir):
-    out = workdir / "mpi-world-r0.fits"
-    assert mpiexec("world", [job_line(inputs, "r0", "science", out)]) == ["ok"] * RANKS
+    assert_mode_writes_the_programs_frames(inputs, workdir, "world", "science", ["r0"])
+
+
+def test_timing_over_a_communicator_on_the_writer_and_the_others(inputs, workdir):
+    out = workdir / "mpi-timing-r0.fits"
+    outcomes = mpiexec("timing", [job_line(inputs, "r0", "science", out)])
+    # Rank 0 writes the frame (no dedicated writer without --async-io).
+    assert outcomes[0] == " ".join(["ok", *DESISPEC_TIMING]), outcomes
+    assert outcomes[1:] == ["ok frame-start frame-write"] * (RANKS - 1), outcomes
     assert_same_frame(out, reference(inputs, workdir, "r0", "science"))
 
 
 def test_split_sub_communicators_take_cameras_round_robin(inputs, workdir):
-    cameras = ["b0", "r0", "z0"]
-    outs = [workdir / f"mpi-split-{c}.fits" for c in cameras]
-    lines = [job_line(inputs, c, "flat", o) for c, o in zip(cameras, outs)]
-    assert mpiexec("split", lines) == ["ok"] * RANKS
-    for camera, out in zip(cameras, outs):
-        assert_same_frame(out, reference(inputs, workdir, camera, "flat"))
+    assert_mode_writes_the_programs_frames(inputs, workdir, "split", "flat", ["b0", "r0", "z0"])
 
 
 def test_create_group_with_a_coordinator(inputs, workdir):
-    out = workdir / "mpi-coordinator-z0.fits"
-    assert mpiexec("coordinator", [job_line(inputs, "z0", "arc", out)]) == ["ok"] * RANKS
-    assert_same_frame(out, reference(inputs, workdir, "z0", "arc"))
+    assert_mode_writes_the_programs_frames(inputs, workdir, "coordinator", "arc", ["z0"])
 
 
 def test_exposure_over_two_frame_groups(inputs, workdir):
-    cameras = ["b0", "r0", "z0"]
-    outs = [workdir / f"mpi-exposure-{c}.fits" for c in cameras]
-    lines = [job_line(inputs, c, "flat", o) for c, o in zip(cameras, outs)]
-    assert mpiexec("exposure", lines) == ["ok"] * RANKS
-    for camera, out in zip(cameras, outs):
-        assert_same_frame(out, reference(inputs, workdir, camera, "flat"))
+    assert_mode_writes_the_programs_frames(inputs, workdir, "exposure", "flat",
+                                           ["b0", "r0", "z0"])
 
 
 def test_missing_input_raises_on_every_rank(inputs, workdir):
