@@ -1,22 +1,36 @@
-//! Gzip compression of a written FITS file, on every core.
+//! Gzip compression of a written FITS file, on the rank's cores.
 //!
 //! desi_proc names its frames `.fits.gz`. cfitsio would compress such a file on one thread
 //! when it closes it, which takes longer than extracting the frame on a GPU; instead the
-//! plain file is compressed here by independent blocks in parallel (`gzp`, pigz's scheme),
-//! into one gzip member that any gzip reader (cfitsio, astropy, fitsio) reads.
+//! plain file is compressed here by independent chunks on rayon's pool (the rank's cores),
+//! pigz's scheme: each chunk is deflated on its own, every chunk but the last ended by a sync
+//! flush (an empty stored block, so that the next chunk starts on a byte boundary), and the
+//! chunks are joined into one gzip member whose CRC-32 is combined from theirs. One member,
+//! not one per chunk: cfitsio reads only the first member of a file, while astropy and
+//! fitsio read this one as any other.
+//!
+//! Deflate is miniz_oxide (flate2's default backend) at level 1. On a full r frame (70.1 MB
+//! plain) it writes 57.3 MB in 0.55 s of CPU; zlib-rs at level 1 (zlib-ng's `deflate_quick`)
+//! writes 67.9 MB in 0.80 s and at level 2 56.4 MB in 1.5 s, so it is not used.
 
 use std::io::Write;
 use std::path::Path;
 
-use gzp::deflate::Gzip;
-use gzp::par::compress::{ParCompress, ParCompressBuilder};
-use gzp::{Compression, ZWriter};
+use flate2::{Compress, Compression, Crc, FlushCompress, Status};
+use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 
 /// The fastest level: on a full frame the file is 2.5% larger than at zlib's default level 6
-/// and written three times faster (0.7 s instead of 2.3 s on two cores).
+/// and written three times faster.
 const LEVEL: u32 = 1;
+
+/// Plain bytes deflated per task: 70 tasks for a full frame, enough for a node's cores; a
+/// chunk deflated without its predecessor's window loses almost nothing at this size.
+const CHUNK: usize = 1 << 20;
+
+/// gzip's header: magic, deflate, no flags, no time, fastest compression (XFL 4), Unix.
+const HEADER: [u8; 10] = [0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 4, 3];
 
 /// Replaces the plain file at `path` by its gzip compression.
 pub(super) fn compress_in_place(path: &Path) -> Result<()> {
@@ -24,20 +38,143 @@ pub(super) fn compress_in_place(path: &Path) -> Result<()> {
         path: path.into(),
         source,
     };
+    let t0 = std::time::Instant::now();
     let plain = std::fs::read(path).map_err(io)?;
-    let file = crate::output::creating(|| std::fs::File::create(path)).map_err(io)?;
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let gzip_error = |e: gzp::GzpError| Error::Fits {
+    let (chunks, crc) = deflate(&plain).map_err(|message| Error::Fits {
         path: path.into(),
         what: "cannot compress".into(),
-        message: e.to_string(),
+        message,
+    })?;
+    let deflated_s = t0.elapsed().as_secs_f64();
+    let mut file = crate::output::creating(|| std::fs::File::create(path)).map_err(io)?;
+    let trailer = [crc.sum().to_le_bytes(), crc.amount().to_le_bytes()].concat();
+    let mut write = || -> std::io::Result<()> {
+        file.write_all(&HEADER)?;
+        for chunk in &chunks {
+            file.write_all(chunk)?;
+        }
+        file.write_all(&trailer)
     };
-    let mut writer: ParCompress<Gzip, std::fs::File> = ParCompressBuilder::new()
-        .num_threads(threads)
-        .map_err(gzip_error)?
-        .compression_level(Compression::new(LEVEL))
-        .from_writer(file);
-    writer.write_all(&plain).map_err(io)?;
-    writer.finish().map_err(gzip_error)?;
+    write().map_err(io)?;
+    let compressed: usize = chunks.iter().map(Vec::len).sum();
+    tracing::debug!(
+        "{}: deflated {:.1} MB to {:.1} MB in {deflated_s:.3} s, written in {:.3} s ({} threads)",
+        path.display(),
+        plain.len() as f64 / 1e6,
+        compressed as f64 / 1e6,
+        t0.elapsed().as_secs_f64() - deflated_s,
+        rayon::current_num_threads(),
+    );
     Ok(())
+}
+
+/// The raw deflate stream of `plain` as chunks to be written in order, and its CRC-32.
+fn deflate(plain: &[u8]) -> std::result::Result<(Vec<Vec<u8>>, Crc), String> {
+    let n = plain.len().div_ceil(CHUNK).max(1);
+    let parts: Vec<(Vec<u8>, Crc)> = (0..n)
+        .into_par_iter()
+        .map(|k| {
+            let chunk = &plain[(k * CHUNK).min(plain.len())..((k + 1) * CHUNK).min(plain.len())];
+            let mut crc = Crc::new();
+            crc.update(chunk);
+            deflate_chunk(chunk, k + 1 == n).map(|deflated| (deflated, crc))
+        })
+        .collect::<std::result::Result<_, _>>()?;
+    let mut crc = Crc::new();
+    let chunks = parts
+        .into_iter()
+        .map(|(deflated, part)| {
+            crc.combine(&part);
+            deflated
+        })
+        .collect();
+    Ok((chunks, crc))
+}
+
+/// One chunk deflated on its own: ended by a sync flush, or by the final block if `last`.
+fn deflate_chunk(chunk: &[u8], last: bool) -> std::result::Result<Vec<u8>, String> {
+    let mut deflater = Compress::new(Compression::new(LEVEL), false);
+    let flush = if last {
+        FlushCompress::Finish
+    } else {
+        FlushCompress::Sync
+    };
+    // zlib's bound for incompressible data, and room for the flush's blocks.
+    let mut out = Vec::with_capacity(chunk.len() + chunk.len() / 1000 + 64);
+    loop {
+        let read = deflater.total_in() as usize;
+        let status = deflater
+            .compress_vec(&chunk[read..], &mut out, flush)
+            .map_err(|e| e.to_string())?;
+        let consumed = deflater.total_in() as usize == chunk.len();
+        // A flush is complete once a call consumed everything and left output room unused.
+        let done = match status {
+            Status::StreamEnd => true,
+            Status::Ok | Status::BufError => !last && consumed && out.len() < out.capacity(),
+        };
+        if done {
+            return Ok(out);
+        }
+        out.reserve(out.capacity().max(64 * 1024));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+
+    /// Bytes that deflate neither trivially nor not at all: a noisy ramp.
+    fn sample(len: usize) -> Vec<u8> {
+        let mut state = 12345u32;
+        (0..len)
+            .map(|i| {
+                state = state.wrapping_mul(1_103_515_245).wrapping_add(12345);
+                (i / 7) as u8 ^ ((state >> 28) as u8)
+            })
+            .collect()
+    }
+
+    fn gzip_of(plain: &[u8]) -> Vec<u8> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.fits.gz");
+        std::fs::write(&path, plain).unwrap();
+        compress_in_place(&path).unwrap();
+        std::fs::read(&path).unwrap()
+    }
+
+    #[test]
+    fn chunks_join_into_one_member_that_inflates_to_the_plain_bytes() {
+        // empty, under a chunk, a chunk exactly, and several chunks with a partial last one
+        for len in [0, 1000, CHUNK, 3 * CHUNK + 12345] {
+            let plain = sample(len);
+            let gz = gzip_of(&plain);
+            // one member: a single-member decoder reads it all and nothing is left after it
+            let mut decoder = flate2::read::GzDecoder::new(&gz[..]);
+            let mut inflated = Vec::new();
+            decoder.read_to_end(&mut inflated).unwrap();
+            assert_eq!(inflated, plain, "{len} bytes");
+            let trailer = &gz[gz.len() - 4..];
+            assert_eq!(u32::from_le_bytes(trailer.try_into().unwrap()), len as u32);
+            // and it does compress
+            assert!(
+                len < CHUNK || gz.len() < plain.len(),
+                "{len}: {} bytes",
+                gz.len()
+            );
+        }
+    }
+
+    #[test]
+    fn a_sync_flush_ends_every_chunk_but_the_last() {
+        let plain = sample(2 * CHUNK);
+        let first = deflate_chunk(&plain[..CHUNK], false).unwrap();
+        assert_eq!(first[first.len() - 4..], [0, 0, 0xff, 0xff]);
+        let (chunks, crc) = deflate(&plain).unwrap();
+        assert_eq!(chunks.len(), 2);
+        assert_eq!(chunks[0], first);
+        let mut whole = Crc::new();
+        whole.update(&plain);
+        assert_eq!((crc.sum(), crc.amount()), (whole.sum(), whole.amount()));
+    }
 }
