@@ -98,6 +98,7 @@ const MIN_MEMBER: usize = 20;
 
 /// [`inflate_gzip`] without the registry.
 fn inflate_file(path: &Path) -> Result<Option<Vec<u8>>> {
+    let t0 = std::time::Instant::now();
     let compressed = std::fs::read(path).map_err(|source| Error::Io {
         path: path.into(),
         source,
@@ -113,9 +114,17 @@ fn inflate_file(path: &Path) -> Result<Option<Vec<u8>>> {
     if compressed.len() < MIN_MEMBER {
         return Err(damaged("truncated"));
     }
-    inflate_members(&compressed, size_hint(&compressed))
-        .map(Some)
-        .map_err(damaged)
+    let read_s = t0.elapsed().as_secs_f64();
+    let inflated = inflate_members(&compressed, size_hint(&compressed)).map_err(damaged)?;
+    // The benchmarks (scripts/bench-desi-proc) split a frame's read with this line.
+    tracing::debug!(
+        "{}: read {:.1} MB in {read_s:.3} s, inflated to {:.1} MB in {:.3} s",
+        path.display(),
+        compressed.len() as f64 / 1e6,
+        inflated.len() as f64 / 1e6,
+        t0.elapsed().as_secs_f64() - read_s,
+    );
+    Ok(Some(inflated))
 }
 
 /// The size of the inflated file if it is one member: the last trailer's ISIZE (the size
