@@ -38,57 +38,94 @@ pub(super) fn compress_in_place(path: &Path) -> Result<()> {
         path: path.into(),
         source,
     };
-    let t0 = std::time::Instant::now();
     let plain = std::fs::read(path).map_err(io)?;
-    let (chunks, crc) = deflate(&plain).map_err(|message| Error::Fits {
-        path: path.into(),
-        what: "cannot compress".into(),
-        message,
+    let file = crate::output::creating(|| std::fs::File::create(path)).map_err(io)?;
+    let t0 = std::time::Instant::now();
+    let written = write_gzip(&plain, std::io::BufWriter::new(file)).map_err(|f| match f {
+        Failure::Io(source) => io(source),
+        Failure::Deflate(message) => Error::Fits {
+            path: path.into(),
+            what: "cannot compress".into(),
+            message,
+        },
     })?;
-    let deflated_s = t0.elapsed().as_secs_f64();
-    let mut file = crate::output::creating(|| std::fs::File::create(path)).map_err(io)?;
-    let trailer = [crc.sum().to_le_bytes(), crc.amount().to_le_bytes()].concat();
-    let mut write = || -> std::io::Result<()> {
-        file.write_all(&HEADER)?;
-        for chunk in &chunks {
-            file.write_all(chunk)?;
-        }
-        file.write_all(&trailer)
-    };
-    write().map_err(io)?;
-    let compressed: usize = chunks.iter().map(Vec::len).sum();
+    // The benchmarks (scripts/bench-desi-proc) split a frame's write with this line.
     tracing::debug!(
-        "{}: deflated {:.1} MB to {:.1} MB in {deflated_s:.3} s, written in {:.3} s ({} threads)",
+        "{}: deflated {:.1} MB to {:.1} MB in {:.3} s ({} threads)",
         path.display(),
         plain.len() as f64 / 1e6,
-        compressed as f64 / 1e6,
-        t0.elapsed().as_secs_f64() - deflated_s,
+        written as f64 / 1e6,
+        t0.elapsed().as_secs_f64(),
         rayon::current_num_threads(),
     );
     Ok(())
 }
 
-/// The raw deflate stream of `plain` as chunks to be written in order, and its CRC-32.
-fn deflate(plain: &[u8]) -> std::result::Result<(Vec<Vec<u8>>, Crc), String> {
+/// Why a gzip file could not be written.
+enum Failure {
+    Io(std::io::Error),
+    Deflate(String),
+}
+
+/// A chunk deflated, with its place in the file and the CRC-32 of its plain bytes.
+type Deflated = (usize, Vec<u8>, Crc);
+
+/// Writes `plain` to `out` as one gzip member; returns the bytes written. The chunks are
+/// deflated on rayon's pool and written in order by a thread of its own as they come, so
+/// that writing the file overlaps deflating it.
+fn write_gzip<W: Write + Send>(plain: &[u8], out: W) -> std::result::Result<usize, Failure> {
     let n = plain.len().div_ceil(CHUNK).max(1);
-    let parts: Vec<(Vec<u8>, Crc)> = (0..n)
-        .into_par_iter()
-        .map(|k| {
-            let chunk = &plain[(k * CHUNK).min(plain.len())..((k + 1) * CHUNK).min(plain.len())];
-            let mut crc = Crc::new();
-            crc.update(chunk);
-            deflate_chunk(chunk, k + 1 == n).map(|deflated| (deflated, crc))
-        })
-        .collect::<std::result::Result<_, _>>()?;
+    let (sender, receiver) = std::sync::mpsc::channel::<Deflated>();
+    std::thread::scope(|s| {
+        let writer = s.spawn(move || write_in_order(receiver, n, out));
+        let deflated = (0..n)
+            .into_par_iter()
+            .try_for_each_with(sender, |sender, k| {
+                let chunk = &plain[k * CHUNK..((k + 1) * CHUNK).min(plain.len())];
+                let mut crc = Crc::new();
+                crc.update(chunk);
+                let deflated = deflate_chunk(chunk, k + 1 == n).map_err(Failure::Deflate)?;
+                // A writer gone has failed: its error is the one reported.
+                let _ = sender.send((k, deflated, crc));
+                Ok(())
+            });
+        let written = writer
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p));
+        deflated?;
+        written.map_err(Failure::Io)
+    })
+}
+
+/// The writer's side of [`write_gzip`]: header, the `n` chunks in order (those that come
+/// early wait), trailer. Without all `n` (deflating failed) it stops, and the caller reports
+/// why.
+fn write_in_order(
+    chunks: std::sync::mpsc::Receiver<Deflated>,
+    n: usize,
+    mut out: impl Write,
+) -> std::io::Result<usize> {
+    out.write_all(&HEADER)?;
+    let mut written = HEADER.len();
     let mut crc = Crc::new();
-    let chunks = parts
-        .into_iter()
-        .map(|(deflated, part)| {
+    let mut early = std::collections::BTreeMap::new();
+    let mut next = 0;
+    for (k, deflated, part) in chunks {
+        early.insert(k, (deflated, part));
+        while let Some((deflated, part)) = early.remove(&next) {
+            out.write_all(&deflated)?;
+            written += deflated.len();
             crc.combine(&part);
-            deflated
-        })
-        .collect();
-    Ok((chunks, crc))
+            next += 1;
+        }
+    }
+    if next == n {
+        out.write_all(&crc.sum().to_le_bytes())?;
+        out.write_all(&crc.amount().to_le_bytes())?;
+        out.flush()?;
+        written += 8;
+    }
+    Ok(written)
 }
 
 /// One chunk deflated on its own: ended by a sync flush, or by the final block if `last`.
@@ -166,15 +203,33 @@ mod tests {
     }
 
     #[test]
-    fn a_sync_flush_ends_every_chunk_but_the_last() {
-        let plain = sample(2 * CHUNK);
+    fn a_sync_flush_ends_every_chunk_but_the_last_and_the_crc_is_the_whole_files() {
+        let plain = sample(2 * CHUNK + 1);
         let first = deflate_chunk(&plain[..CHUNK], false).unwrap();
         assert_eq!(first[first.len() - 4..], [0, 0, 0xff, 0xff]);
-        let (chunks, crc) = deflate(&plain).unwrap();
-        assert_eq!(chunks.len(), 2);
-        assert_eq!(chunks[0], first);
+        let mut gz = Vec::new();
+        let written = write_gzip(&plain, &mut gz).unwrap_or_else(|_| panic!("write_gzip"));
+        assert_eq!(written, gz.len());
+        assert_eq!(gz[HEADER.len()..HEADER.len() + first.len()], first);
         let mut whole = Crc::new();
         whole.update(&plain);
-        assert_eq!((crc.sum(), crc.amount()), (whole.sum(), whole.amount()));
+        assert_eq!(gz[gz.len() - 8..gz.len() - 4], whole.sum().to_le_bytes());
+    }
+
+    #[test]
+    fn a_failing_writer_is_the_error() {
+        struct Full;
+        impl Write for Full {
+            fn write(&mut self, _: &[u8]) -> std::io::Result<usize> {
+                Err(std::io::Error::other("disk full"))
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        match write_gzip(&sample(3 * CHUNK), Full) {
+            Err(Failure::Io(e)) => assert_eq!(e.to_string(), "disk full"),
+            _ => panic!("the writer's error is lost"),
+        }
     }
 }
