@@ -353,6 +353,20 @@ fn desi_proc_job_lines_through_spex_write_desispec_frames() {
     }
 }
 
+/// A .fits.gz frame (deflated by chunks, several for 25 fibers) is one gzip member that
+/// astropy and cfitsio (through fitsio) both read as the plain frame.
+#[test]
+fn astropy_and_fitsio_read_a_spex_fits_gz_frame_whole() {
+    let gz = job_line("r0", "frame-r0-readers.fits.gz", &["--no-gpu"]);
+    let plain = job_line("r0", "frame-r0-readers.fits", &["--no-gpu"]);
+    assert!(
+        std::fs::metadata(&plain).unwrap().len() > 2 << 20,
+        "the frame spans several 1 MiB chunks"
+    );
+    let out = python("gzip_readers.py", &[gz.as_os_str(), plain.as_os_str()]);
+    assert!(out.contains("astropy and fitsio read"), "{out}");
+}
+
 #[test]
 fn frames2spectra_combines_a_spex_frame_with_a_desispec_frame() {
     let frame = job_line(
