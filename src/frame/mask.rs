@@ -1,6 +1,13 @@
 //! The desispec `specmask` bits that extraction sets: SOMEBADPIX and ALLBADPIX from the
 //! fraction of a bin's spot on masked pixels, BAD2DFIT from chi2pix by desispec 0.70.0's rule
 //! or by the rule of its production tag (0.71, desispec PR #2612).
+//!
+//! ALLBADPIX is set where the fraction is 1 to within 1e-12 (a sum of a few hundred spot
+//! values of at most 1 rounds by less than 1e-13), not where it equals 1.0 exactly as
+//! desispec 0.70.0 asks of gpu_specter's fraction: that fraction is numpy's
+//! `Apatch.T.dot(ivar == 0)`, a BLAS dgemv whose summation order is the BLAS kernel's and
+//! the thread count's, so desispec's own bit changes from one CPU (or GPU) to another
+//! (`scripts/pixmask-order` shows it); no order spex could pick agrees everywhere.
 
 use std::str::FromStr;
 
@@ -91,6 +98,7 @@ impl Frame {
             if fraction > 0.5 {
                 *m |= specmask::SOMEBADPIX;
             }
+            // every pixel of the spot masked, up to rounding (see the module documentation)
             if fraction >= 1.0 - 1e-12 {
                 *m |= specmask::ALLBADPIX;
             }
