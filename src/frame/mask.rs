@@ -94,14 +94,7 @@ impl Frame {
             .and(&self.pixmask_fraction)
             .and(&bad2dfit);
         bins.for_each(|m, &fraction, &bad| {
-            *m = 0;
-            if fraction > 0.5 {
-                *m |= specmask::SOMEBADPIX;
-            }
-            // every pixel of the spot masked, up to rounding (see the module documentation)
-            if fraction >= 1.0 - 1e-12 {
-                *m |= specmask::ALLBADPIX;
-            }
+            *m = masked_pixel_bits(fraction);
             if bad {
                 *m |= specmask::BAD2DFIT;
             }
@@ -109,10 +102,35 @@ impl Frame {
     }
 }
 
+/// SOMEBADPIX where over half of the bin's spot lies on masked pixels, ALLBADPIX where all of
+/// it does up to rounding (see the module documentation).
+fn masked_pixel_bits(fraction: f64) -> u32 {
+    let mut bits = 0;
+    if fraction > 0.5 {
+        bits |= specmask::SOMEBADPIX;
+    }
+    if fraction >= 1.0 - 1e-12 {
+        bits |= specmask::ALLBADPIX;
+    }
+    bits
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use ndarray::Array2;
+
+    /// A fully masked spot whose fraction BLAS rounded short of 1 (1 - 4 eps, the smallest of
+    /// scripts/pixmask-order's) is ALLBADPIX; a spot with a pixel of weight 1e-9 left is not.
+    #[test]
+    fn allbadpix_is_every_pixel_masked_up_to_rounding() {
+        let both = specmask::SOMEBADPIX | specmask::ALLBADPIX;
+        assert_eq!(masked_pixel_bits(1.0), both);
+        assert_eq!(masked_pixel_bits(1.0 - 4.0 * f64::EPSILON), both);
+        assert_eq!(masked_pixel_bits(1.0 - 1e-9), specmask::SOMEBADPIX);
+        assert_eq!(masked_pixel_bits(0.5), 0);
+        assert_eq!(masked_pixel_bits(0.0), 0);
+    }
 
     #[test]
     fn rules_parse_and_bad_ones_are_refused() {
