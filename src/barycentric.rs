@@ -20,17 +20,20 @@
 //! ERFA routines come from the `sofars` crate, a Rust port of SOFA, the library ERFA is taken
 //! from; the constants are astropy's.
 //!
-//! Two inputs of astropy are left out on purpose, with their bound on `f`: UT1 is taken equal
-//! to UTC (|UT1 - UTC| < 0.9 s turns the site's 0.39 km/s rotation velocity by at most
-//! 6.6e-5 rad: < 1e-10 in `f`) and the polar motion is zero (< 1e-6 rad of the site position:
-//! < 1e-14 in `f`). These are what astropy takes from its IERS tables; desispec freezes those
-//! tables, spex ships none. The tests compare with desispec itself to 1e-9.
+//! UT1-UTC (for the Earth rotation angle) and the polar motion come from the IERS table
+//! astropy reads, shipped with spex (`iers`); every time is split into two-part Julian dates
+//! as astropy's `Time` splits it, and the last steps are desispec's (`v` in km/s, divided by
+//! c in km/s): the factor is then desispec's to the bit from 2019 on (after the table's end
+//! too, where both fall back alike), which the tests check with desispec itself. Before 2019
+//! spex warns and UT1-UTC is the table's first value, up to 0.9 s off: < 1e-10 in `f`.
 
 use std::path::Path;
 
 use sofars::{coords, eph, erst, pnp, ts};
 
 use crate::error::{Error, Result};
+
+mod iers;
 
 /// KPNO, as `desispec.heliocentric.kpno` (WGS84 geodetic).
 pub const KPNO_LATITUDE_DEG: f64 = 31.96403;
@@ -44,6 +47,8 @@ pub const MJD_KEYWORDS: [&str; 2] = ["MJD-OBS", "MJD"];
 
 // astropy.constants (CODATA 2018, IAU 2015) and astropy.coordinates.earth.
 const C: f64 = 299_792_458.0;
+/// c in km/s, the value of astropy's `c.to(u.km / u.s)` that desispec divides by.
+const C_KMS: f64 = 299_792.458;
 const AU: f64 = 149_597_870_700.0;
 const DAY: f64 = 86_400.0;
 const GM_SUN: f64 = 1.327_124_4e20;
@@ -136,6 +141,16 @@ pub fn multiplicative_factor(ra_deg: f64, dec_deg: f64, mjd_utc: f64) -> Result<
 
 fn compute(ra_deg: f64, dec_deg: f64, mjd_utc: f64) -> std::result::Result<f64, String> {
     let t = Times::from_utc_mjd(mjd_utc)?;
+    if !t.orientation.tabulated {
+        let (first, last) = iers::range();
+        tracing::warn!(
+            "MJD {} is outside spex's IERS table (MJD {first}-{last}): UT1-UTC held at \
+             the table's nearest value and the polar motion at astropy's 50-year mean, as \
+             astropy does outside its own table; the barycentric factor may then differ from \
+             desispec's by up to 1e-10",
+            crate::error::number(mjd_utc)
+        );
+    }
     let (earth_helio, earth_bary) = eph::epv00(t.tdb.0, t.tdb.1).ok_or_else(|| {
         format!(
             "MJD {} is outside 1900-2100, the range of the Earth ephemeris",
@@ -148,19 +163,28 @@ fn compute(ra_deg: f64, dec_deg: f64, mjd_utc: f64) -> std::result::Result<f64, 
     let (ra, dec) = (ra_deg.to_radians(), dec_deg.to_radians());
     let n = [dec.cos() * ra.cos(), dec.cos() * ra.sin(), dec.sin()];
     let gr = gravitational_redshift(&t, &earth_helio[0], &earth_bary[0], &site_pos)?;
-    Ok(gamma * (1.0 + dot(&beta, &n)) / (1.0 + gr / C))
+    let zb = gamma * (1.0 + dot(&beta, &n)) / (1.0 + gr / C);
+    // astropy returns (zb - 1) c in m/s; desispec converts it to km/s (astropy multiplies by
+    // 0.001) and divides by c in km/s: each rounding can move the last bit of the factor.
+    let v_kms = (zb - 1.0) * C * 0.001;
+    Ok(1.0 + v_kms / C_KMS)
 }
 
-/// One UTC instant in the time scales the ERFA routines take, as two-part Julian dates.
+/// One UTC instant in the time scales the ERFA routines take, as two-part Julian dates split
+/// as astropy's `Time` splits them (the split changes ERFA's rounding, hence the last bit of
+/// the factor), with the Earth's orientation at that instant.
 struct Times {
-    utc: (f64, f64),
+    ut1: (f64, f64),
     tt: (f64, f64),
     tdb: (f64, f64),
+    orientation: iers::Orientation,
 }
 
 impl Times {
-    /// UTC -> TAI -> TT (leap seconds from ERFA's table), TT -> TDB with the geocentric
-    /// `dtdb`, as astropy's `Time` does for a time without location.
+    /// astropy's `Time(mjd, format="mjd")` in UTC converted as `Time._set_scale` does: UTC ->
+    /// TAI -> TT (leap seconds from ERFA's table), TT -> TDB with the geocentric `dtdb` (the
+    /// time has no location), UTC -> UT1 with UT1-UTC from the IERS table; each chain's
+    /// result normalised by `day_frac`.
     fn from_utc_mjd(mjd: f64) -> std::result::Result<Times, String> {
         let bad = |status: i32| {
             format!(
@@ -168,23 +192,56 @@ impl Times {
                 crate::error::number(mjd)
             )
         };
-        let utc = (MJD0, mjd);
+        let (day, frac) = day_frac(mjd, 0.0);
+        let utc = day_frac(day + MJD0, frac);
         let tai = ts::utctai(utc.0, utc.1).map_err(bad)?;
         let tt = ts::taitt(tai.0, tai.1).map_err(bad)?;
-        let ut_fraction = mjd.rem_euclid(1.0);
-        let dtr = ts::dtdb(tt.0, tt.1, ut_fraction, 0.0, 0.0, 0.0);
+        // dtdb's UT only enters with the site's distance from the Earth's axis, zero here.
+        let dtr = ts::dtdb(tt.0, tt.1, 0.0, 0.0, 0.0, 0.0);
         let tdb = ts::tttdb(tt.0, tt.1, dtr).map_err(bad)?;
-        Ok(Times { utc, tt, tdb })
+        let orientation = iers::at_utc(utc.0, utc.1);
+        let ut1 = ts::utcut1(utc.0, utc.1, orientation.ut1_utc).map_err(bad)?;
+        Ok(Times {
+            ut1: day_frac(ut1.0, ut1.1),
+            tt: day_frac(tt.0, tt.1),
+            tdb: day_frac(tdb.0, tdb.1),
+            orientation,
+        })
     }
 }
 
+/// astropy's `day_frac(val1, val2)`: the exact sum as an integer day and a fraction within
+/// -0.5..0.5 (error-free transformations, the integer rounded to even).
+fn day_frac(val1: f64, val2: f64) -> (f64, f64) {
+    let (sum, err) = two_sum(val1, val2);
+    let mut day = sum.round_ties_even();
+    let (frac, check) = two_sum(sum - day, err);
+    // numpy's sign: 0 for 0.
+    let sign = if check == 0.0 { 0.0 } else { check.signum() };
+    day += if frac * sign != 0.5 {
+        frac.round_ties_even()
+    } else {
+        (frac + 2.0 * check).round_ties_even()
+    };
+    (day, sum - day + err)
+}
+
+/// Shewchuk's two-sum: `a + b` rounded and its exact error.
+fn two_sum(a: f64, b: f64) -> (f64, f64) {
+    let x = a + b;
+    let eb = x - a;
+    let ea = x - eb;
+    (x, (a - ea) + (b - eb))
+}
+
 /// The site's GCRS position (m) and velocity (m/s): astropy's `EarthLocation.get_gcrs_posvel`
-/// through CIRS, with UT1 = UTC and no polar motion (see the module documentation).
+/// through CIRS, with the Earth rotation angle at UT1 and the polar motion of the IERS table.
 fn site_gcrs(t: &Times) -> ([f64; 3], [f64; 3]) {
     let gcrs_to_cirs = pnp::c2i06a(t.tt.0, t.tt.1);
     let sp = pnp::sp00(t.tt.0, t.tt.1);
-    let pom = pnp::pom00(0.0, 0.0, sp);
-    let era = erst::era00(t.utc.0, t.utc.1);
+    let (xp, yp) = t.orientation.polar_motion;
+    let pom = pnp::pom00(xp, yp, sp);
+    let era = erst::era00(t.ut1.0, t.ut1.1);
     let identity = [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]];
     let cirs_to_itrs = pnp::c2tcio(&identity, era, &pom);
     let itrs = site_itrs();

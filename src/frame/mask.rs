@@ -1,6 +1,13 @@
 //! The desispec `specmask` bits that extraction sets: SOMEBADPIX and ALLBADPIX from the
 //! fraction of a bin's spot on masked pixels, BAD2DFIT from chi2pix by desispec 0.70.0's rule
 //! or by the rule of its production tag (0.71, desispec PR #2612).
+//!
+//! ALLBADPIX is set where the fraction is 1 to within 1e-12 (a sum of a few hundred spot
+//! values of at most 1 rounds by less than 1e-13), not where it equals 1.0 exactly as
+//! desispec 0.70.0 asks of gpu_specter's fraction: that fraction is numpy's
+//! `Apatch.T.dot(ivar == 0)`, a BLAS dgemv whose summation order is the BLAS kernel's and
+//! the thread count's, so desispec's own bit changes from one CPU (or GPU) to another
+//! (`scripts/pixmask-order` shows it); no order spex could pick agrees everywhere.
 
 use std::str::FromStr;
 
@@ -87,13 +94,7 @@ impl Frame {
             .and(&self.pixmask_fraction)
             .and(&bad2dfit);
         bins.for_each(|m, &fraction, &bad| {
-            *m = 0;
-            if fraction > 0.5 {
-                *m |= specmask::SOMEBADPIX;
-            }
-            if fraction >= 1.0 - 1e-12 {
-                *m |= specmask::ALLBADPIX;
-            }
+            *m = masked_pixel_bits(fraction);
             if bad {
                 *m |= specmask::BAD2DFIT;
             }
@@ -101,10 +102,35 @@ impl Frame {
     }
 }
 
+/// SOMEBADPIX where over half of the bin's spot lies on masked pixels, ALLBADPIX where all of
+/// it does up to rounding (see the module documentation).
+fn masked_pixel_bits(fraction: f64) -> u32 {
+    let mut bits = 0;
+    if fraction > 0.5 {
+        bits |= specmask::SOMEBADPIX;
+    }
+    if fraction >= 1.0 - 1e-12 {
+        bits |= specmask::ALLBADPIX;
+    }
+    bits
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use ndarray::Array2;
+
+    /// A fully masked spot whose fraction BLAS rounded short of 1 (1 - 4 eps, the smallest of
+    /// scripts/pixmask-order's) is ALLBADPIX; a spot with a pixel of weight 1e-9 left is not.
+    #[test]
+    fn allbadpix_is_every_pixel_masked_up_to_rounding() {
+        let both = specmask::SOMEBADPIX | specmask::ALLBADPIX;
+        assert_eq!(masked_pixel_bits(1.0), both);
+        assert_eq!(masked_pixel_bits(1.0 - 4.0 * f64::EPSILON), both);
+        assert_eq!(masked_pixel_bits(1.0 - 1e-9), specmask::SOMEBADPIX);
+        assert_eq!(masked_pixel_bits(0.5), 0);
+        assert_eq!(masked_pixel_bits(0.0), 0);
+    }
 
     #[test]
     fn rules_parse_and_bad_ones_are_refused() {

@@ -110,15 +110,16 @@ fn card(key: &str, value: f64) -> String {
     format!("{key:<8}= {value:>20?} / test value")
 }
 
-/// 24 pointings over a year, each written with one of the keyword sets desispec accepts
-/// (with decoys of lower precedence) so that the choice of keyword is compared too.
-fn barycentric_cases() -> Vec<Vec<String>> {
-    (0..24)
+/// `n` pointings spread over `days` days from `first_mjd`, each written with one of the
+/// keyword sets desispec accepts (with decoys of lower precedence) so that the choice of
+/// keyword is compared too.
+fn barycentric_cases(first_mjd: f64, days: f64, n: usize) -> Vec<Vec<String>> {
+    (0..n)
         .map(|i| {
             let x = i as f64;
             let ra = (x * 137.507_764) % 360.0;
             let dec = -30.0 + (x * 47.3) % 110.0;
-            let mjd = 60_676.0 + 365.0 * x / 24.0 + 0.11 + 0.09 * (i % 5) as f64;
+            let mjd = first_mjd + days * x / n as f64 + 0.11 + 0.09 * (i % 5) as f64;
             let exptime = 300.0 + 60.0 * (i % 7) as f64;
             match i % 4 {
                 0 => vec![
@@ -150,10 +151,9 @@ fn barycentric_cases() -> Vec<Vec<String>> {
         .collect()
 }
 
-#[test]
-fn barycentric_factor_matches_desispec_over_a_year() {
-    let cases = barycentric_cases();
-    let path = workdir().join("barycentric-cases.txt");
+/// desispec's factor for each case (tests/desispec/barycentric.py), and spex's.
+fn barycentric_factors(cases: &[Vec<String>], name: &str) -> Vec<(f64, f64)> {
+    let path = workdir().join(format!("barycentric-{name}.txt"));
     let text: String = cases
         .iter()
         .map(|cards| format!("{}\nEND\n", cards.join("\n")))
@@ -166,24 +166,55 @@ fn barycentric_factor_matches_desispec_over_a_year() {
         .map(|v| v.parse().expect("a factor"))
         .collect();
     assert_eq!(desispec.len(), cases.len(), "one factor per case");
-    let mut worst = 0.0f64;
-    for (i, (cards, want)) in cases.iter().zip(&desispec).enumerate() {
-        let got = barycentric::factor_from_header(cards, Path::new("case")).unwrap();
-        let rel = (got / want - 1.0).abs();
-        assert!(
-            rel < 1e-9,
-            "case {i} {cards:?}: spex {got:.15}, desispec {want:.15}"
+    cases
+        .iter()
+        .zip(desispec)
+        .map(|(cards, want)| {
+            let got = barycentric::factor_from_header(cards, Path::new("case")).unwrap();
+            (got, want)
+        })
+        .collect()
+}
+
+/// Inside spex's IERS table (2019 to its last prediction) the factor is desispec's to the
+/// bit: over 2025 (final Earth orientation values), over the table's predictions (2026-10 on)
+/// and after its end, where spex falls back as astropy does after its own.
+#[test]
+fn barycentric_factor_is_desispec_to_the_bit() {
+    let mut cases = barycentric_cases(60_676.0, 365.0, 24);
+    cases.extend(barycentric_cases(61_340.0, 360.0, 8));
+    cases.extend(barycentric_cases(61_710.0, 700.0, 4));
+    let factors = barycentric_factors(&cases, "bits");
+    for (i, (cards, (got, want))) in cases.iter().zip(&factors).enumerate() {
+        assert_eq!(
+            got.to_bits(),
+            want.to_bits(),
+            "case {i} {cards:?}: spex {got:?}, desispec {want:?}"
         );
-        worst = worst.max(rel);
     }
     // The velocities span the Earth's orbit: the cases are not all alike.
-    let spread = desispec.iter().cloned().fold(f64::MIN, f64::max)
-        - desispec.iter().cloned().fold(f64::MAX, f64::min);
+    let wants = factors.iter().map(|f| f.1);
+    let spread = wants.clone().fold(f64::MIN, f64::max) - wants.fold(f64::MAX, f64::min);
     assert!(spread > 1e-4, "factors span only {spread:e}");
     println!(
-        "barycentric factor: {} cases, largest relative difference from desispec {worst:.2e}",
+        "barycentric factor: {} cases, all desispec's to the bit",
         cases.len()
     );
+}
+
+/// Before spex's IERS table (2019-01-01) UT1-UTC is the table's first value, not the date's:
+/// |UT1-UTC| < 0.9 s turns the site's rotation velocity (394 m/s at Kitt Peak) by at most
+/// 0.9 s x 7.29e-5 rad/s = 6.6e-5 rad, 0.026 m/s or 8.7e-11 in the factor.
+#[test]
+fn barycentric_factor_before_the_iers_table_is_within_its_bound() {
+    let cases = barycentric_cases(57_000.0, 1_400.0, 8);
+    let factors = barycentric_factors(&cases, "before");
+    let worst = factors
+        .iter()
+        .map(|(got, want)| (got / want - 1.0).abs())
+        .fold(0.0, f64::max);
+    assert!(worst < 1e-10, "largest relative difference {worst:.2e}");
+    println!("barycentric factor before 2019: largest relative difference {worst:.2e}");
 }
 
 /// desi_proc's cameras: the name, the wavelength grid of its extraction line and its psferr.
