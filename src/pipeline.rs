@@ -43,11 +43,16 @@ pub const WAVE_TOLERANCE: f64 = 5.0;
 /// A validated extraction request for one frame.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ExtractRequest {
+    #[serde(with = "crate::parallel::messages::path_bytes")]
     pub input: PathBuf,
+    #[serde(with = "crate::parallel::messages::path_bytes")]
     pub psf: PathBuf,
+    #[serde(with = "crate::parallel::messages::path_bytes")]
     pub output: PathBuf,
+    #[serde(with = "crate::parallel::messages::path_bytes::option")]
     pub model: Option<PathBuf>,
     /// The fibermap to copy and take the pointing from (`None`: the input's FIBERMAP HDU).
+    #[serde(with = "crate::parallel::messages::path_bytes::option")]
     pub fibermap: Option<PathBuf>,
     /// `wmin, wmax, dw`; `None`: the PSF's domain at 0.8 A.
     pub wavelength: Option<(f64, f64, f64)>,
