@@ -490,11 +490,23 @@ pub fn write(
     results: &[PatchResult],
     timings: &mut Timings,
 ) -> Result<()> {
-    timings.time("write", || -> Result<()> {
+    stage(request, inputs, frame, results, timings)?.commit()
+}
+
+/// [`write`] without the final rename: the frame and model under their temporary names, for
+/// ranks that agree before the files appear.
+pub fn stage(
+    request: &ExtractRequest,
+    inputs: &Inputs,
+    frame: &Frame,
+    results: &[PatchResult],
+    timings: &mut Timings,
+) -> Result<output::StagedSet> {
+    timings.time("write", || -> Result<output::StagedSet> {
         let meta = request.frame_meta(inputs);
         let mut targets = vec![request.output.as_path()];
         targets.extend(request.model.as_deref());
-        output::write_together(&targets, |tmp| {
+        output::stage_together(&targets, |tmp| {
             frame.write(tmp[0], &meta)?;
             if let Some(path) = tmp.get(1) {
                 let shape = (inputs.image.nrows, inputs.image.ncols);
