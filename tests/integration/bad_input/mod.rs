@@ -451,6 +451,7 @@ mod comparisons;
 mod data_loss;
 mod files;
 mod messages;
+mod mpi;
 mod regressions;
 mod silent_results;
 mod streams;
