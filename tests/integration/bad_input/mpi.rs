@@ -240,6 +240,19 @@ fn a_rank_killed_or_terminated_during_the_write_keeps_the_old_files() {
     }
 }
 
+/// Under `--async-io` a dedicated writer (rank 1 of 4) holds the frame; a worker dies.
+#[test]
+fn a_worker_killed_while_a_dedicated_writer_writes_keeps_the_old_files() {
+    let (c, mut a) = with_old_outputs();
+    a.push("--async-io".into());
+    let mut run = Held::start(Some(4), &a);
+    run.wait_for(&c.path("f.fits"));
+    run.signal_rank(3, libc::SIGKILL);
+    run.release();
+    let o = run.finish();
+    assert_stopped(&o, &c);
+}
+
 #[test]
 fn a_held_mpi_run_that_is_released_commits_its_files() {
     let (c, a) = with_old_outputs();
