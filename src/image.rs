@@ -32,6 +32,7 @@ impl MaskRule {
 /// A CCD frame ready for extraction: `ivar` is zero wherever the pixel must not be used.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Image {
+    #[serde(with = "crate::parallel::messages::path_bytes")]
     pub path: PathBuf,
     /// The CCD shape, known even when the pixel arrays are not (see [`Image::without_pixels`]).
     pub nrows: usize,

@@ -16,9 +16,8 @@ use spex::cli::{
 use spex::compare::{self, ParityLimits, PullLimits, Truth};
 use spex::config::{BackendChoice, JobConfig};
 use spex::frame::Frame;
-use spex::parallel::{
-    job, layout, print_line, FrameCheck, Hooks, JobOutcome, Layout, Roles, Universe,
-};
+use spex::parallel::startup::{self, Refusal};
+use spex::parallel::{job, print_line, FrameCheck, Hooks, JobOutcome, Layout, Roles, Universe};
 use spex::pipeline::ExtractRequest;
 use spex::psf::GaussHermitePsf;
 use spex::qa::{QuickLook, Residual};
@@ -110,25 +109,27 @@ fn extract(args: &ExtractArgs) -> ExitCode {
     // Locals drop in reverse order: every communicator goes before the universe finalises MPI.
     let universe = Universe::init();
     let world = universe.world();
-    // Every rank reaches the same verdict on the configuration on its own, so it needs no
-    // message; rank 0 alone says why, and the others wait for its line: a launcher may kill
-    // the job as soon as one rank exits non-zero.
-    let refuse = |message: &dyn std::fmt::Display, code: u8| {
-        if world.rank() == 0 {
-            let prefix = layout::error_prefix(universe.is_mpi(), 0);
-            print_line(&format!("{prefix} {message}"));
-        }
-        world.all_max(0);
-        ExitCode::from(code)
-    };
+    // Each rank builds its configuration, then all agree on it (or on why not) before any
+    // collective that assumes it: one rank says why the job stops.
     let no_gpu_env = std::env::var_os("DESI_NO_GPU").is_some();
-    let config = match JobConfig::from_args(args, no_gpu_env) {
-        Ok(config) => config,
-        Err(e) => return refuse(&e, e.exit_code()),
-    };
-    let roles = match Roles::new(world.size(), config.async_io, config.frame_groups) {
-        Ok(roles) => roles,
-        Err(e) => return refuse(&e, 2),
+    let local = JobConfig::from_args(args, no_gpu_env)
+        .map_err(|e| Refusal {
+            message: e.to_string(),
+            code: e.exit_code(),
+        })
+        .and_then(
+            |config| match Roles::new(world.size(), config.async_io, config.frame_groups) {
+                Ok(roles) => Ok((config, roles)),
+                Err(e) => Err(Refusal {
+                    message: e.to_string(),
+                    code: 2,
+                }),
+            },
+        );
+    let fingerprint = startup::fingerprint(&std::env::args_os().collect::<Vec<_>>());
+    let (config, roles) = match startup::agree(&world, universe.is_mpi(), local, fingerprint) {
+        Ok(agreed) => agreed,
+        Err(code) => return ExitCode::from(code),
     };
     let is_worker = roles.is_worker(world.rank());
     // Loading the CUDA libraries and initialising the driver take a few tenths of a second

@@ -79,14 +79,15 @@ fn clean_up_on_signals() {
                 if let Some(signal) = signals.forever().next() {
                     // Held until the process is gone: no rename or new temporary after this.
                     let live = live();
-                    for path in live.values() {
-                        let _ = std::fs::remove_file(path);
-                    }
+                    let _open = remove_quickly(live.values());
                     let name = signal_name(signal);
-                    eprintln!(
-                        "spex: error: stopped by {name}: {} unfinished output file(s) removed",
+                    // Not eprintln!, which panics when stderr is gone (a launcher that
+                    // ended first).
+                    let line = format!(
+                        "spex: error: stopped by {name}: {} unfinished output file(s) removed\n",
                         live.len()
                     );
+                    let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
                     std::process::exit(128 + signal);
                 }
             });
@@ -94,6 +95,22 @@ fn clean_up_on_signals() {
             tracing::warn!("cannot start the signal cleanup thread: {e}");
         }
     });
+}
+
+/// Removes the names of `paths` in as little time as possible. A launcher kills a rank that
+/// is still alive a second after its SIGTERM (Open MPI), and unlinking a file of hundreds of
+/// megabytes frees its blocks first, which takes long on a busy machine: each file is opened
+/// before the names go, so that each unlink only removes a name, and the files returned are
+/// kept open until the process ends: the kernel frees their blocks then, however it ends.
+fn remove_quickly<'a>(paths: impl Iterator<Item = &'a PathBuf> + Clone) -> Vec<std::fs::File> {
+    let open: Vec<std::fs::File> = paths
+        .clone()
+        .filter_map(|p| std::fs::File::open(p).ok())
+        .collect();
+    for path in paths {
+        let _ = std::fs::remove_file(path);
+    }
+    open
 }
 
 /// The name of one of the [`ENDING_SIGNALS`], for the line that says what stopped the run.
@@ -403,6 +420,32 @@ pub fn write_atomically(target: &Path, write: impl FnOnce(&Path) -> Result<()>) 
 /// target, and nothing is renamed into place unless every file was written. If a rename
 /// fails after others succeeded, the files they replaced are put back (see [`commit_all`]).
 pub fn write_together(targets: &[&Path], write: impl FnOnce(&[&Path]) -> Result<()>) -> Result<()> {
+    stage_together(targets, write)?.commit()
+}
+
+/// Files written together under their temporary names and not yet renamed into place
+/// ([`stage_together`]): dropped, they are removed and the targets left as they were.
+pub struct StagedSet(Vec<Staged>);
+
+impl StagedSet {
+    /// Renames every file into place, or none (see [`commit_all`]).
+    pub fn commit(self) -> Result<()> {
+        commit_all(self.0)
+    }
+
+    /// The files the user asked for.
+    pub fn targets(&self) -> impl Iterator<Item = &Path> {
+        self.0.iter().map(Staged::target)
+    }
+}
+
+/// The first half of [`write_together`]: writes the temporaries and returns them unrenamed,
+/// for a caller that must agree with others before the files appear (the ranks of an MPI
+/// job: see `parallel::collective`).
+pub fn stage_together(
+    targets: &[&Path],
+    write: impl FnOnce(&[&Path]) -> Result<()>,
+) -> Result<StagedSet> {
     check_paths(&[], targets)?;
     let staged: Vec<Staged> = targets
         .iter()
@@ -414,7 +457,46 @@ pub fn write_together(targets: &[&Path], write: impl FnOnce(&[&Path]) -> Result<
         let e = staged.iter().fold(e, |e, s| s.about_target(e));
         return Err(e);
     }
-    commit_all(staged)
+    let set = StagedSet(staged);
+    hold::before_commit(&set);
+    Ok(set)
+}
+
+/// A pause between the written temporaries and their commit, for tests only: with
+/// `SPEX_TEST_HOLD_COMMIT=MARKER` set, every set of staged files creates the file MARKER
+/// (holding the first target's name) and waits until it is removed (at most a minute). A
+/// test thus signals a run at a known point of its write, instead of racing it.
+mod hold {
+    use std::time::{Duration, Instant};
+
+    use super::StagedSet;
+
+    /// Longest a held commit waits for its marker to go.
+    const MAX_HOLD: Duration = Duration::from_secs(60);
+
+    pub(super) fn before_commit(set: &StagedSet) {
+        let Some(marker) = std::env::var_os("SPEX_TEST_HOLD_COMMIT") else {
+            return;
+        };
+        // A file written into another's temporary is part of that one's write: only the
+        // outer set is held.
+        let nested = {
+            let live = super::live();
+            set.targets().any(|t| live.values().any(|p| p == t))
+        };
+        if nested {
+            return;
+        }
+        let marker = std::path::PathBuf::from(marker);
+        let name = set.targets().next().map(|t| t.display().to_string());
+        if std::fs::write(&marker, name.unwrap_or_default()).is_err() {
+            return;
+        }
+        let t0 = Instant::now();
+        while marker.exists() && t0.elapsed() < MAX_HOLD {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
 }
 
 /// What identifies a file: its device and inode when it exists, else its canonical

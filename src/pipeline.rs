@@ -43,11 +43,16 @@ pub const WAVE_TOLERANCE: f64 = 5.0;
 /// A validated extraction request for one frame.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ExtractRequest {
+    #[serde(with = "crate::parallel::messages::path_bytes")]
     pub input: PathBuf,
+    #[serde(with = "crate::parallel::messages::path_bytes")]
     pub psf: PathBuf,
+    #[serde(with = "crate::parallel::messages::path_bytes")]
     pub output: PathBuf,
+    #[serde(with = "crate::parallel::messages::path_bytes::option")]
     pub model: Option<PathBuf>,
     /// The fibermap to copy and take the pointing from (`None`: the input's FIBERMAP HDU).
+    #[serde(with = "crate::parallel::messages::path_bytes::option")]
     pub fibermap: Option<PathBuf>,
     /// `wmin, wmax, dw`; `None`: the PSF's domain at 0.8 A.
     pub wavelength: Option<(f64, f64, f64)>,
@@ -510,11 +515,23 @@ pub fn write(
     results: &[PatchResult],
     timings: &mut Timings,
 ) -> Result<()> {
-    timings.time("write", || -> Result<()> {
+    stage(request, inputs, frame, results, timings)?.commit()
+}
+
+/// [`write`] without the final rename: the frame and model under their temporary names, for
+/// ranks that agree before the files appear.
+pub fn stage(
+    request: &ExtractRequest,
+    inputs: &Inputs,
+    frame: &Frame,
+    results: &[PatchResult],
+    timings: &mut Timings,
+) -> Result<output::StagedSet> {
+    timings.time("write", || -> Result<output::StagedSet> {
         let meta = request.frame_meta(inputs);
         let mut targets = vec![request.output.as_path()];
         targets.extend(request.model.as_deref());
-        output::write_together(&targets, |tmp| {
+        output::stage_together(&targets, |tmp| {
             frame.write(tmp[0], &meta)?;
             if let Some(path) = tmp.get(1) {
                 let shape = (inputs.image.nrows, inputs.image.ncols);

@@ -36,7 +36,7 @@ impl Fits {
     /// Opens an existing file for reading and writing (its name taken literally); HDUs
     /// created then are appended at its end.
     pub fn open_rw(path: &Path) -> Result<Self> {
-        let name = cstring(&path.to_string_lossy());
+        let name = super::path_cstring(path);
         let mut ptr = std::ptr::null_mut();
         // SAFETY: `name` is NUL-terminated and outlives the call; cfitsio stores a handle in
         // `ptr` (null on failure) and only reads the name.

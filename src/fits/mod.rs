@@ -105,6 +105,12 @@ pub struct Fits {
 // reentrant), and `Fits` is not `Sync`: one thread at a time uses it through `&mut self`.
 unsafe impl Send for Fits {}
 
+/// A path as cfitsio takes it: its bytes, which need not be UTF-8 on Linux.
+pub(super) fn path_cstring(path: &Path) -> CString {
+    use std::os::unix::ffi::OsStrExt;
+    CString::new(path.as_os_str().as_bytes()).unwrap_or_default()
+}
+
 fn cstring(s: &str) -> CString {
     CString::new(s.replace('\0', " ")).unwrap_or_default()
 }
@@ -204,7 +210,7 @@ impl Fits {
             }
         }
         compressed::check_file(path)?;
-        let name = cstring(&path.to_string_lossy());
+        let name = path_cstring(path);
         let mut ptr = std::ptr::null_mut();
         // SAFETY: `name` is NUL-terminated and outlives the call; cfitsio stores a handle in
         // `ptr` (null on failure) and only reads the name.
@@ -220,7 +226,7 @@ impl Fits {
     /// gzip-compressed file: cfitsio writes the plain file, which [`Fits::close`] compresses
     /// in place on every core.
     pub fn create(path: &Path) -> Result<Self> {
-        let name = cstring(&path.to_string_lossy());
+        let name = path_cstring(path);
         let mut ptr = std::ptr::null_mut();
         crate::output::creating(|| -> Result<()> {
             match std::fs::remove_file(path) {

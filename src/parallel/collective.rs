@@ -2,8 +2,11 @@
 //! list, the reader reads the PSF and the image, checks the plan and broadcasts a header (the
 //! PSF, the image's shape and header cards) and the pixels of the plan's box as raw f32
 //! buffers; each worker solves its block of patches on its backend and returns the results
-//! to the writer, which stitches the frame and writes it atomically. One process runs the
-//! same code (then one rank is reader, worker and writer).
+//! to the writer, which stitches the frame and writes it under temporary names; the writer
+//! renames them into place only after every rank of its write communicator answered that it
+//! is alive after the write (`agree_and_commit`), so that a rank killed during the write
+//! leaves the old files. One process runs the same code (then one rank is reader, worker and
+//! writer).
 //!
 //! Errors: a frame that cannot be read, or fails on any worker, is counted by the writer and
 //! skipped by every rank that handles it: the reader broadcasts a failure header, a worker
@@ -17,7 +20,7 @@ use ndarray::Array2;
 
 use super::layout::Group;
 use super::messages::{decode, encode, pack_box, unpack_box, Contribution, FrameHeader};
-use super::phases::{solve_share, write_frame, Fate, Outcome, Share};
+use super::phases::{commit_now, solve_share, write_frame, Fate, Outcome, Ready, Share};
 use super::{print_line, Comm, FrameCheck};
 use crate::backend::{Backend, Progress};
 use crate::error::{Error, Result};
@@ -121,8 +124,8 @@ impl GroupContext<'_> {
                 received.inputs = None;
             }
             if let Some(wc) = &write_comm {
-                let written = self.gather_and_write(wc, request, received, own);
-                if let Some(written) = written {
+                let staged = self.gather_and_write(wc, request, received, own);
+                if let Some(written) = self.agree_and_commit(wc, staged) {
                     outcome.record(written, request, self.prefix);
                 }
             }
@@ -247,15 +250,45 @@ impl GroupContext<'_> {
         }
     }
 
-    /// Gathers the contributions on the writer (rank 0 of `wc`), which stitches and writes
-    /// the frame only once every worker delivered. `None` on the other ranks.
+    /// Commits the frame that the writer (rank 0 of `wc`) staged, once every rank of `wc` has
+    /// shown that it is still alive after the write: the writer says whether it holds the
+    /// frame's files, and each rank answers only once it heard that. The answer of a rank
+    /// that dies before it gives one never comes: the writer waits in the second collective
+    /// until the launcher, which takes the whole job down when one rank dies, stops it, and
+    /// its signal handler removes the temporaries (`output`). A single collective would not
+    /// do: a rank that entered it early and then died has its share already delivered.
+    ///
+    /// What remains is the time between the last answer and the rename (and the rest of
+    /// the job after it): a rank that dies there leaves a non-zero exit with the new files.
+    /// Returns the writer's fate of the frame, `None` on the other ranks.
+    fn agree_and_commit(
+        &self,
+        wc: &Comm,
+        staged: Option<Result<Option<Ready>>>,
+    ) -> Option<Result<Fate>> {
+        if wc.size() > 1 {
+            let mut ready = vec![u8::from(matches!(staged, Some(Ok(Some(_)))))];
+            wc.wait_quietly();
+            if let Err(e) = wc.broadcast_bytes(0, &mut ready) {
+                self.fatal(&e);
+            }
+            if ready.first() == Some(&1) {
+                wc.all_max(0);
+            }
+        }
+        staged.map(commit_now)
+    }
+
+    /// Gathers the contributions on the writer (rank 0 of `wc`), which stitches the frame,
+    /// once every worker delivered, and writes it under temporary names for
+    /// [`GroupContext::agree_and_commit`]. `None` on the other ranks.
     fn gather_and_write(
         &self,
         wc: &Comm,
         request: &ExtractRequest,
         received: Received,
         mut own: Option<Contribution>,
-    ) -> Option<Result<Fate>> {
+    ) -> Option<Result<Option<Ready>>> {
         let group = self.group;
         let is_writer = self.local == group.writer();
         let send = match (&own, is_writer) {

@@ -8,6 +8,9 @@
 //! computed it, which is what makes the output independent of the number of ranks. Decoding
 //! runs the same `validate` as reading the value from its file, so a malformed message is an
 //! error, never a panic or a frame built from inconsistent parts.
+//!
+//! Paths travel as their bytes ([`path_bytes`]): a Linux file name is any bytes but `/` and
+//! NUL, not necessarily UTF-8, and serde's own encoding of a path refuses what is not.
 
 use std::ops::Range;
 
@@ -20,6 +23,63 @@ use crate::extract::PatchResult;
 use crate::image::Image;
 use crate::pipeline::{ExtractRequest, Inputs};
 use crate::psf::GaussHermitePsf;
+
+/// Serde of a path as the bytes of its name (`#[serde(with = "path_bytes")]`), so that any
+/// name Linux accepts travels, UTF-8 or not.
+pub mod path_bytes {
+    use std::ffi::OsString;
+    use std::os::unix::ffi::{OsStrExt, OsStringExt};
+    use std::path::{Path, PathBuf};
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(path: &Path, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_bytes(path.as_os_str().as_bytes())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<PathBuf, D::Error> {
+        let bytes: Vec<u8> = serde_bytes_vec(d)?;
+        Ok(PathBuf::from(OsString::from_vec(bytes)))
+    }
+
+    /// Bytes written by `serialize_bytes`, through serde's byte-buffer visitor.
+    fn serde_bytes_vec<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        struct Bytes;
+        impl serde::de::Visitor<'_> for Bytes {
+            type Value = Vec<u8>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("the bytes of a path")
+            }
+            fn visit_bytes<E: serde::de::Error>(self, v: &[u8]) -> Result<Vec<u8>, E> {
+                Ok(v.to_vec())
+            }
+            fn visit_byte_buf<E: serde::de::Error>(self, v: Vec<u8>) -> Result<Vec<u8>, E> {
+                Ok(v)
+            }
+        }
+        d.deserialize_byte_buf(Bytes)
+    }
+
+    /// The same for an optional path.
+    pub mod option {
+        use super::*;
+
+        pub fn serialize<S: Serializer>(path: &Option<PathBuf>, s: S) -> Result<S::Ok, S::Error> {
+            #[derive(serde::Serialize)]
+            struct Wrap<'a>(#[serde(with = "super")] &'a Path);
+            match path {
+                Some(p) => s.serialize_some(&Wrap(p)),
+                None => s.serialize_none(),
+            }
+        }
+
+        pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<PathBuf>, D::Error> {
+            #[derive(serde::Deserialize)]
+            struct Wrap(#[serde(with = "super")] PathBuf);
+            Ok(Option::<Wrap>::deserialize(d)?.map(|w| w.0))
+        }
+    }
+}
 
 /// A value that travels between ranks.
 pub trait Message: Serialize + DeserializeOwned {
@@ -320,6 +380,26 @@ mod tests {
         ];
         let back: Vec<ExtractRequest> = decode(&encode(&frames).unwrap()).unwrap();
         assert_eq!(back, frames);
+    }
+
+    #[test]
+    fn paths_that_are_not_utf8_travel_byte_for_byte() {
+        use std::os::unix::ffi::OsStringExt;
+        let latin1 = |name: &[u8]| PathBuf::from(std::ffi::OsString::from_vec(name.to_vec()));
+        let mut request = ExtractRequest::new(
+            latin1(b"d\xe9/in\xff.fits"),
+            latin1(b"psf\xe9.fits"),
+            latin1(b"out\xe9.fits"),
+        );
+        request.model = Some(latin1(b"m\xe9.fits"));
+        let frames = vec![request];
+        let back: Vec<ExtractRequest> = decode(&encode(&frames).unwrap()).unwrap();
+        assert_eq!(back, frames);
+        let mut image = test_image();
+        image.path = latin1(b"in\xff.fits");
+        let header = FrameHeader::new(&inputs(&test_psf(), &image), (1..3, 0..2), 0.5);
+        let h: FrameHeader = decode(&encode(&header).unwrap()).unwrap();
+        assert_eq!(h.image.path, image.path);
     }
 
     fn test_psf() -> GaussHermitePsf {

@@ -11,6 +11,7 @@
 //! - [`layout`] and `devices`: ranks, nodes, threads, frame groups and roles, the split of a
 //!   frame's patches, the rank-to-GPU mapping, starting backends, and their logging;
 //! - `messages`: what ranks send each other, through serde;
+//! - [`startup`]: the ranks' agreement on their configuration before any other collective;
 //! - `Comm`/`Universe`: the communication primitives, through MPI when a launcher started
 //!   the process (the only user of the `mpi` crate), otherwise a world of one rank. Built
 //!   without the `mpi` feature a serial stand-in with the same API takes their place, so
@@ -29,6 +30,7 @@ pub mod layout;
 pub mod messages;
 mod overlap;
 mod phases;
+pub mod startup;
 
 #[cfg(feature = "mpi")]
 #[path = "comm_mpi.rs"]

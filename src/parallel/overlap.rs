@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use super::messages::Contribution;
-use super::phases::{solve_share, write_frame, Outcome, Share};
+use super::phases::{commit_now, solve_share, write_frame, Outcome, Share};
 use super::{print_line, FrameCheck};
 use crate::backend::{Backend, Progress};
 use crate::error::Result;
@@ -193,7 +193,7 @@ fn write_all(
             outcome.failed += 1;
             continue;
         };
-        let written = write_frame(
+        let staged = write_frame(
             frame.request,
             Some(inputs),
             frame.read_s,
@@ -201,7 +201,7 @@ fn write_all(
             None,
             check,
         );
-        outcome.record(written, frame.request, prefix);
+        outcome.record(commit_now(staged), frame.request, prefix);
     }
     outcome
 }

@@ -15,6 +15,7 @@ use super::{print_line, FrameCheck};
 use crate::backend::{Backend, Progress};
 use crate::error::{Error, Result};
 use crate::extract::PatchResult;
+use crate::output::StagedSet;
 use crate::pipeline::{self, ExtractRequest, Inputs, Timings};
 
 /// What a writer counts.
@@ -139,8 +140,30 @@ fn delivered(
     Some(d)
 }
 
+/// A frame written at its writer under temporary names, waiting for its commit.
+pub(super) struct Ready {
+    files: StagedSet,
+    fate: Fate,
+}
+
+impl Ready {
+    /// Renames the frame's files into place: what becomes of the frame.
+    pub fn commit(self) -> Result<Fate> {
+        self.files.commit()?;
+        Ok(self.fate)
+    }
+}
+
+/// The fate of a frame that [`write_frame`] staged, once committed at once: for a rank that
+/// agrees with nobody (a frame group of one rank).
+pub(super) fn commit_now(staged: Result<Option<Ready>>) -> Result<Fate> {
+    staged?.map_or(Ok(Fate::Failed), Ready::commit)
+}
+
 /// Stitches, checks and writes a frame from the workers' contributions, gathered in `gather`
-/// (`None`: solved in this process). `local`: the inputs, if this rank read them.
+/// (`None`: solved in this process), under temporary names: the caller commits it.
+/// `None`: a rank failed on the frame and said why. `local`: the inputs, if this rank read
+/// them.
 pub(super) fn write_frame(
     request: &ExtractRequest,
     local: Option<Inputs>,
@@ -148,9 +171,9 @@ pub(super) fn write_frame(
     contributions: Vec<(usize, Contribution)>,
     gather: Option<Duration>,
     check: Option<&FrameCheck<'_>>,
-) -> Result<Fate> {
+) -> Result<Option<Ready>> {
     let Some(d) = delivered(request, contributions) else {
-        return Ok(Fate::Failed);
+        return Ok(None);
     };
     let (inputs, read_s) = match (local, d.header) {
         (Some(i), _) => (i, read_s),
@@ -182,17 +205,18 @@ pub(super) fn write_frame(
     let (frame, _) = pipeline::assemble(request, &plan, &inputs, &d.results, &mut timings)?;
     // The check runs before the write: a reference that cannot be compared leaves no output.
     let passed = check.map(|c| c(request, &frame)).transpose()?;
-    pipeline::write(request, &inputs, &frame, &d.results, &mut timings)?;
+    let files = pipeline::stage(request, &inputs, &frame, &d.results, &mut timings)?;
     tracing::info!(
         "{}: {timings}; solve per rank {:.3}-{:.3} s",
         request.output.display(),
         d.solve_s.0,
         d.solve_s.1
     );
-    Ok(match passed {
+    let fate = match passed {
         Some(false) => Fate::OutsideLimits,
         _ => Fate::Passed,
-    })
+    };
+    Ok(Some(Ready { files, fate }))
 }
 
 /// Failures on demand, to test that a failing rank never hangs the job:

@@ -49,6 +49,7 @@ const MAX_GHDEG: usize = 20;
 /// A Gauss-Hermite PSF as read from a specex file.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct GaussHermitePsf {
+    #[serde(with = "crate::parallel::messages::path_bytes")]
     pub path: PathBuf,
     /// Number of fibers described (FIBERMAX - FIBERMIN + 1).
     pub nfiber: usize,

@@ -499,6 +499,7 @@ mod data_loss;
 mod files;
 mod grids;
 mod messages;
+mod mpi;
 mod regressions;
 mod silent_results;
 mod streams;
