@@ -527,7 +527,7 @@ pub fn stage(
     results: &[PatchResult],
     timings: &mut Timings,
 ) -> Result<output::StagedSet> {
-    timings.time("write", || -> Result<output::StagedSet> {
+    let staged = timings.time("write", || -> Result<output::StagedSet> {
         let meta = request.frame_meta(inputs);
         let mut targets = vec![request.output.as_path()];
         targets.extend(request.model.as_deref());
@@ -541,8 +541,9 @@ pub fn stage(
             Ok(())
         })
     })?;
+    // Recorded when staged: what remains, the rename, takes no measurable time.
     note_written(&request.output, timings);
-    Ok(())
+    Ok(staged)
 }
 
 /// A frame this process wrote, as [`take_written_frames`] returns it.
