@@ -34,20 +34,20 @@ pub const DEFAULT_NSIGMA: f64 = 5.0;
 /// sets. A bin that lost more than half of its spot also gets SOMEBADPIX, as for masked pixels.
 pub const REJECTED: u32 = 1 << 2;
 
-/// Gives weight zero to the outliers of one pass over a solved patch; returns how many.
-/// `pix`, `ivar` and `model` are the patch's pixels in one order; only the pixels that
-/// `core` marks are tested: those of the core fibers' spots away from the box's edges, which
-/// also see light of bins and fibers that the patch does not solve.
-pub fn reject_pass(
+/// The outliers of one pass over a solved patch, as indices of its pixels; the caller gives
+/// them weight zero. `pix`, `ivar` and `model` are the patch's pixels in one order; only the
+/// pixels that `core` marks are tested: those of the core fibers' spots away from the box's
+/// edges, which also see light of bins and fibers that the patch does not solve.
+pub fn find_outliers(
     pix: &[f64],
-    ivar: &mut [f64],
+    ivar: &[f64],
     model: &[f64],
     core: &[bool],
     nsigma: f64,
     psferr: f64,
-) -> usize {
+) -> Vec<usize> {
     let Some(rn2) = read_noise_variance(ivar, model) else {
-        return 0;
+        return Vec::new();
     };
     let pull = |p: usize| {
         let m = model[p];
@@ -56,15 +56,11 @@ pub fn reject_pass(
     };
     let live = (0..pix.len()).filter(|&p| core[p] && ivar[p] > 0.0);
     let high: Vec<usize> = live.clone().filter(|&p| pull(p) > nsigma).collect();
-    let chosen = if high.is_empty() {
+    if high.is_empty() {
         live.filter(|&p| pull(p) < -nsigma).collect()
     } else {
         high
-    };
-    for &p in &chosen {
-        ivar[p] = 0.0;
     }
-    chosen.len()
 }
 
 /// The median of `1/ivar - max(m, 0)` over the pixels with weight, at least 0; `None` when
@@ -161,12 +157,11 @@ mod tests {
         core[50] = false;
         pix[7] += 4.0 * var.sqrt();
         pix[9] -= 6.0 * var.sqrt();
-        assert_eq!(reject_pass(&pix, &mut ivar, &model, &core, 5.0, 0.0), 1);
-        assert_eq!(ivar[3], 0.0);
-        assert!(ivar[7] > 0.0 && ivar[9] > 0.0);
-        assert_eq!(reject_pass(&pix, &mut ivar, &model, &core, 5.0, 0.0), 1);
-        assert_eq!(ivar[9], 0.0);
-        assert_eq!(reject_pass(&pix, &mut ivar, &model, &core, 5.0, 0.0), 0);
+        assert_eq!(find_outliers(&pix, &ivar, &model, &core, 5.0, 0.0), [3]);
+        ivar[3] = 0.0;
+        assert_eq!(find_outliers(&pix, &ivar, &model, &core, 5.0, 0.0), [9]);
+        ivar[9] = 0.0;
+        assert!(find_outliers(&pix, &ivar, &model, &core, 5.0, 0.0).is_empty());
     }
 
     /// The noise is the model's: a pixel whose own ivar is tiny (its data's Poisson term
@@ -179,7 +174,7 @@ mod tests {
         let mut pix = model.clone();
         pix[5] = 2000.0;
         ivar[5] = 1.0 / 2009.0;
-        assert_eq!(reject_pass(&pix, &mut ivar, &model, &core, 5.0, 0.01), 1);
+        assert_eq!(find_outliers(&pix, &ivar, &model, &core, 5.0, 0.01), [5]);
         assert_eq!(read_noise_variance(&[1.0 / 13.0; 3], &[4.0; 3]), Some(9.0));
     }
 }
