@@ -43,7 +43,8 @@ pub(super) fn reject_and_resolve(
     };
     while done.nresolves < MAX_RESOLVES {
         let model = sys.project(solved.xflux(), 0..sys.m());
-        let outliers = find_outliers(&sys.pix, &sys.ivar, &model, core, nsigma, options.psferr);
+        let limits = (nsigma, options.psferr);
+        let outliers = find_outliers(&sys.pix, &sys.ivar, &model, core, geom.cols.len(), limits);
         if outliers.is_empty() {
             break;
         }
