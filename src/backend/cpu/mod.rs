@@ -406,6 +406,8 @@ fn solve_one(
     pixmask_fraction(&sys, &mut result, ncore, nk, core_col);
 
     let ne = sys.normal_equations_bounded();
+    // the model of the final solution, where outlier rejection computed it
+    let mut model = None;
     let solution = match options.reject_outliers {
         None => decorrelation(&ne, geom, options, counts, &|| sys.normal_equations()),
         Some(nsigma) => {
@@ -422,6 +424,7 @@ fn solve_one(
                 .map(|(a, b)| a - b)
                 .collect();
             (result.nrejected, result.nresolves) = (done.nrejected, done.nresolves);
+            model = done.model;
             last
         }
     };
@@ -456,7 +459,8 @@ fn solve_one(
         decorrelate::fill_fiber(&mut result, c, q, xb, &bins);
     }
 
-    chi2pix(&sys, xflux, options, &mut result, ncore, nk, core_col);
+    let model = model.unwrap_or_else(|| sys.project(xflux, 0..sys.m()));
+    chi2pix(&sys, &model, options, &mut result, ncore, nk, core_col);
 
     if options.model {
         // The model covers every core bin of the patch, also those of the last patch of a
@@ -518,18 +522,17 @@ fn pixmask_fraction(
     }
 }
 
-/// Step 7: chi2pix from the deconvolved model over the whole patch.
+/// Step 7: chi2pix from the deconvolved model `A xflux` over the whole patch.
 #[inline(always)]
 fn chi2pix(
     sys: &system::PatchSystem<'_>,
-    xflux: &[f64],
+    model: &[f64],
     options: &SolveOptions,
     result: &mut PatchResult,
     ncore: usize,
     nk: usize,
     core_col: impl Fn(usize, usize) -> usize,
 ) {
-    let model = sys.project(xflux, 0..sys.m());
     // per pixel: the weighted squared residual and whether the pixel counts
     let (mut chi, mut used) = (vec![0.0; model.len()], vec![0.0; model.len()]);
     for (p, (&m, &iv)) in model.iter().zip(&sys.ivar).enumerate() {

@@ -15,12 +15,15 @@ use crate::extract::{PatchGeometry, SolveOptions};
 use crate::outliers::{find_outliers, MAX_RESOLVES};
 
 /// What rejection did to one patch.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default)]
 pub(super) struct Rejection {
     /// Pixels given weight zero.
     pub nrejected: usize,
     /// Solves added.
     pub nresolves: usize,
+    /// `A xflux` of the final solution over the box, where the last pass computed it: chi2pix
+    /// needs it too.
+    pub model: Option<Vec<f64>>,
 }
 
 /// Solves the patch whose normal equations are `ne`, rejects the outliers of the solution and
@@ -46,6 +49,7 @@ pub(super) fn reject_and_resolve(
         let limits = (nsigma, options.psferr);
         let outliers = find_outliers(&sys.pix, &sys.ivar, &model, core, geom.cols.len(), limits);
         if outliers.is_empty() {
+            done.model = Some(model);
             break;
         }
         downdate(sys, &mut ne, &outliers);
@@ -59,12 +63,17 @@ pub(super) fn reject_and_resolve(
             None => return (None, done),
         }
     }
+    let projected = solved.xflux().to_vec();
     let solution = match solved {
         Solved::Sweeps(sweeps) => decorrelate_sweeps(sweeps, &ne, &geom, options, counts, &|| {
             sys.normal_equations()
         }),
         Solved::Decorrelated(d) => Some(d),
     };
+    // the dense route, where a Schur complement had no usable root, solves anew
+    if solution.as_ref().is_none_or(|d| d.xflux != projected) {
+        done.model = None;
+    }
     (solution, done)
 }
 
