@@ -14,7 +14,13 @@
 //!
 //! A pass rejects the positive outliers; only a pass that finds none rejects negative ones,
 //! so that the dip a cosmic's pull leaves around it in the first fit is not taken for
-//! outliers.
+//! outliers. A positive outlier also takes the pixels connected to it (the 8 neighbours,
+//! and theirs in turn) whose pull exceeds [`GROW_NSIGMA`], the two thresholds of cosmic-ray
+//! finders: a track that lies along a fiber's trace is partly absorbed by that fiber's flux,
+//! so that only its brightest pixels stand out of the first fit, and rejecting them alone
+//! left the rest of the track in the flux after the last pass. On a frame without cosmics a
+//! pixel is beyond 2 sigma with probability 0.023, so a chance outlier takes 0.2 neighbours on
+//! average.
 
 use ndarray::Array2;
 
@@ -26,6 +32,9 @@ use crate::plan::Plan;
 /// How many times a patch is solved again at most, after its first solve.
 pub const MAX_RESOLVES: usize = 3;
 
+/// Pull above which a pixel connected to a positive outlier is rejected with it.
+pub const GROW_NSIGMA: f64 = 2.0;
+
 /// Default `NSIGMA` of `--reject-outliers` given without a value.
 pub const DEFAULT_NSIGMA: f64 = 5.0;
 
@@ -34,37 +43,62 @@ pub const DEFAULT_NSIGMA: f64 = 5.0;
 /// sets. A bin that lost more than half of its spot also gets SOMEBADPIX, as for masked pixels.
 pub const REJECTED: u32 = 1 << 2;
 
-/// Gives weight zero to the outliers of one pass over a solved patch; returns how many.
-/// `pix`, `ivar` and `model` are the patch's pixels in one order; only the pixels that
-/// `core` marks are tested: those of the core fibers' spots away from the box's edges, which
-/// also see light of bins and fibers that the patch does not solve.
-pub fn reject_pass(
+/// The outliers of one pass over a solved patch, as indices of its pixels; the caller gives
+/// them weight zero. `pix`, `ivar` and `model` are the patch's pixels, row by row of a box
+/// `width` pixels wide; only the pixels that `core` marks are tested: those of the core
+/// fibers' spots away from the box's edges, which also see light of bins and fibers that the
+/// patch does not solve.
+pub fn find_outliers(
     pix: &[f64],
-    ivar: &mut [f64],
+    ivar: &[f64],
     model: &[f64],
     core: &[bool],
-    nsigma: f64,
-    psferr: f64,
-) -> usize {
+    width: usize,
+    limits: (f64, f64),
+) -> Vec<usize> {
+    let (nsigma, psferr) = limits;
     let Some(rn2) = read_noise_variance(ivar, model) else {
-        return 0;
+        return Vec::new();
     };
     let pull = |p: usize| {
         let m = model[p];
         let var = rn2 + m.max(0.0) + (psferr * m) * (psferr * m);
         (pix[p] - m) / var.sqrt()
     };
-    let live = (0..pix.len()).filter(|&p| core[p] && ivar[p] > 0.0);
-    let high: Vec<usize> = live.clone().filter(|&p| pull(p) > nsigma).collect();
-    let chosen = if high.is_empty() {
-        live.filter(|&p| pull(p) < -nsigma).collect()
-    } else {
-        high
-    };
-    for &p in &chosen {
-        ivar[p] = 0.0;
+    let tested = |p: usize| core[p] && ivar[p] > 0.0;
+    let high: Vec<usize> = (0..pix.len())
+        .filter(|&p| tested(p) && pull(p) > nsigma)
+        .collect();
+    if high.is_empty() {
+        return (0..pix.len())
+            .filter(|&p| tested(p) && pull(p) < -nsigma)
+            .collect();
     }
-    chosen.len()
+    grow(high, width, pix.len(), |p| {
+        tested(p) && pull(p) > GROW_NSIGMA
+    })
+}
+
+/// `seeds` with every pixel connected to them through 8-neighbours that `takes`: a flood
+/// fill over a box of `len` pixels, `width` wide.
+fn grow(seeds: Vec<usize>, width: usize, len: usize, takes: impl Fn(usize) -> bool) -> Vec<usize> {
+    let mut taken: std::collections::HashSet<usize> = seeds.iter().copied().collect();
+    let mut out = seeds.clone();
+    let mut stack = seeds;
+    while let Some(p) = stack.pop() {
+        let (r, c) = (p / width, p % width);
+        let rows = r.saturating_sub(1)..=r + 1;
+        let cols = c.saturating_sub(1)..=(c + 1).min(width - 1);
+        let around = rows.flat_map(|r| cols.clone().map(move |c| r * width + c));
+        for q in around.filter(|&q| q < len) {
+            if q != p && !taken.contains(&q) && takes(q) {
+                taken.insert(q);
+                out.push(q);
+                stack.push(q);
+            }
+        }
+    }
+    out
 }
 
 /// The median of `1/ivar - max(m, 0)` over the pixels with weight, at least 0; `None` when
@@ -161,12 +195,17 @@ mod tests {
         core[50] = false;
         pix[7] += 4.0 * var.sqrt();
         pix[9] -= 6.0 * var.sqrt();
-        assert_eq!(reject_pass(&pix, &mut ivar, &model, &core, 5.0, 0.0), 1);
-        assert_eq!(ivar[3], 0.0);
-        assert!(ivar[7] > 0.0 && ivar[9] > 0.0);
-        assert_eq!(reject_pass(&pix, &mut ivar, &model, &core, 5.0, 0.0), 1);
-        assert_eq!(ivar[9], 0.0);
-        assert_eq!(reject_pass(&pix, &mut ivar, &model, &core, 5.0, 0.0), 0);
+        assert_eq!(
+            find_outliers(&pix, &ivar, &model, &core, n, (5.0, 0.0)),
+            [3]
+        );
+        ivar[3] = 0.0;
+        assert_eq!(
+            find_outliers(&pix, &ivar, &model, &core, n, (5.0, 0.0)),
+            [9]
+        );
+        ivar[9] = 0.0;
+        assert!(find_outliers(&pix, &ivar, &model, &core, n, (5.0, 0.0)).is_empty());
     }
 
     /// The noise is the model's: a pixel whose own ivar is tiny (its data's Poisson term
@@ -179,7 +218,32 @@ mod tests {
         let mut pix = model.clone();
         pix[5] = 2000.0;
         ivar[5] = 1.0 / 2009.0;
-        assert_eq!(reject_pass(&pix, &mut ivar, &model, &core, 5.0, 0.01), 1);
+        assert_eq!(
+            find_outliers(&pix, &ivar, &model, &core, 11, (5.0, 0.01)),
+            [5]
+        );
         assert_eq!(read_noise_variance(&[1.0 / 13.0; 3], &[4.0; 3]), Some(9.0));
+    }
+
+    /// A positive outlier takes the pixels connected to it beyond 2 sigma (a chain of them,
+    /// diagonals included), not a pixel below 2 sigma next to it nor one beyond 2 sigma
+    /// that no chain reaches.
+    #[test]
+    fn an_outlier_takes_its_connected_pixels_beyond_two_sigma() {
+        let (w, h) = (8, 6);
+        let model = vec![16.0; w * h];
+        let var: f64 = 9.0 + 16.0;
+        let ivar = vec![1.0 / var; w * h];
+        let core = vec![true; w * h];
+        let mut pix = model.clone();
+        let mut set = |r: usize, c: usize, pull: f64| pix[r * w + c] += pull * var.sqrt();
+        set(2, 2, 6.0);
+        set(3, 3, 3.0); // diagonal neighbour
+        set(4, 3, 2.5); // its neighbour
+        set(2, 1, 1.5); // next to the outlier, below 2 sigma
+        set(0, 7, 3.0); // beyond 2 sigma, unconnected
+        let mut found = find_outliers(&pix, &ivar, &model, &core, w, (5.0, 0.0));
+        found.sort_unstable();
+        assert_eq!(found, [2 * w + 2, 3 * w + 3, 4 * w + 3]);
     }
 }

@@ -215,31 +215,88 @@ fn decorrelation(
     counts: &mut RouteCounts,
     exact: &dyn Fn() -> NormalEquations,
 ) -> Option<Decorrelation> {
+    match solve_flux(ne, geom, options, counts, exact)? {
+        Solved::Sweeps(sweeps) => decorrelate_sweeps(sweeps, ne, geom, options, counts, exact),
+        Solved::Decorrelated(d) => Some(d),
+    }
+}
+
+/// A patch's system solved up to its flux: the Schur route's sweeps, whose `Q_b` are not
+/// taken yet (outlier rejection takes them of the last solution only), or the dense route's
+/// whole solution.
+enum Solved {
+    Sweeps(schur::Sweeps),
+    Decorrelated(Decorrelation),
+}
+
+impl Solved {
+    fn xflux(&self) -> &[f64] {
+        match self {
+            Solved::Sweeps(s) => &s.xflux,
+            Solved::Decorrelated(d) => &d.xflux,
+        }
+    }
+}
+
+/// Steps 2-3 of [`decorrelation`]: the sweeps where the far couplings are negligible and the
+/// blocks positive definite, else the dense route's solution.
+fn solve_flux(
+    ne: &NormalEquations,
+    geom: &PatchGeometry,
+    options: &SolveOptions,
+    counts: &mut RouteCounts,
+    exact: &dyn Fn() -> NormalEquations,
+) -> Option<Solved> {
     let prior = prior(&ne.fluxweight, options.regularize)?;
     let coupling = ne.far_coupling(&prior);
     if ne.far_bounded && coupling > FAR_COUPLING_LIMIT {
         tracing::debug!("far fiber coupling bounded by {coupling:.1e}: exact couplings");
-        return decorrelation(&exact(), geom, options, counts, exact);
+        return solve_flux(&exact(), geom, options, counts, exact);
     }
     if coupling <= FAR_COUPLING_LIMIT {
         if let Some(sweeps) = schur::solve(ne, &prior, geom) {
-            let roots: Option<Vec<(Root, Route)>> = sweeps
-                .schur
-                .iter()
-                .map(decorrelate::sqrt_of_schur)
-                .collect();
-            if let Some(roots) = roots {
-                counts.polar += roots.iter().filter(|(_, r)| *r == Route::Polar).count();
-                return Some(Decorrelation {
-                    xflux: sweeps.xflux,
-                    q: roots.into_iter().map(|(q, _)| q).collect(),
-                    status: PatchStatus::Ok,
-                });
-            }
+            return Some(Solved::Sweeps(sweeps));
         }
     } else {
         tracing::debug!("far fiber coupling {coupling:.1e}: dense route");
     }
+    dense_route(ne, geom, options, counts, exact).map(Solved::Decorrelated)
+}
+
+/// Step 4 on the Schur route: the `Q_b` of the sweeps' Schur complements, else (a complement
+/// without a usable root) the dense route.
+fn decorrelate_sweeps(
+    sweeps: schur::Sweeps,
+    ne: &NormalEquations,
+    geom: &PatchGeometry,
+    options: &SolveOptions,
+    counts: &mut RouteCounts,
+    exact: &dyn Fn() -> NormalEquations,
+) -> Option<Decorrelation> {
+    let roots: Option<Vec<(Root, Route)>> = sweeps
+        .schur
+        .iter()
+        .map(decorrelate::sqrt_of_schur)
+        .collect();
+    if let Some(roots) = roots {
+        counts.polar += roots.iter().filter(|(_, r)| *r == Route::Polar).count();
+        return Some(Decorrelation {
+            xflux: sweeps.xflux,
+            q: roots.into_iter().map(|(q, _)| q).collect(),
+            status: PatchStatus::Ok,
+        });
+    }
+    dense_route(ne, geom, options, counts, exact)
+}
+
+/// Steps 2-4 by the dense route, on the exact normal equations.
+fn dense_route(
+    ne: &NormalEquations,
+    geom: &PatchGeometry,
+    options: &SolveOptions,
+    counts: &mut RouteCounts,
+    exact: &dyn Fn() -> NormalEquations,
+) -> Option<Decorrelation> {
     counts.dense += 1;
     let exact_ne;
     let ne = if ne.far_bounded {
@@ -349,13 +406,15 @@ fn solve_one(
     pixmask_fraction(&sys, &mut result, ncore, nk, core_col);
 
     let ne = sys.normal_equations_bounded();
-    let solution = decorrelation(&ne, geom, options, counts, &|| sys.normal_equations());
-    let solution = match (solution, options.reject_outliers) {
-        (Some(first), Some(nsigma)) => {
+    // the model of the final solution, where outlier rejection computed it
+    let mut model = None;
+    let solution = match options.reject_outliers {
+        None => decorrelation(&ne, geom, options, counts, &|| sys.normal_equations()),
+        Some(nsigma) => {
             let before = result.pixmask_fraction.clone();
             let core = reject::core_pixels(&sys, reject::tested_columns(geom, p0));
             let (last, done) =
-                reject::reject_and_resolve(&mut sys, &core, first, nsigma, options, counts);
+                reject::reject_and_resolve(&mut sys, ne, &core, nsigma, options, counts);
             // Rejected pixels count as masked ones; the bins whose fraction grew lost pixels.
             pixmask_fraction(&sys, &mut result, ncore, nk, core_col);
             result.rejected = result
@@ -365,9 +424,9 @@ fn solve_one(
                 .map(|(a, b)| a - b)
                 .collect();
             (result.nrejected, result.nresolves) = (done.nrejected, done.nresolves);
+            model = done.model;
             last
         }
-        (solution, _) => solution,
     };
     let Some(solution) = solution else {
         let fraction = result.pixmask_fraction;
@@ -400,7 +459,8 @@ fn solve_one(
         decorrelate::fill_fiber(&mut result, c, q, xb, &bins);
     }
 
-    chi2pix(&sys, xflux, options, &mut result, ncore, nk, core_col);
+    let model = model.unwrap_or_else(|| sys.project(xflux, 0..sys.m()));
+    chi2pix(&sys, &model, options, &mut result, ncore, nk, core_col);
 
     if options.model {
         // The model covers every core bin of the patch, also those of the last patch of a
@@ -462,18 +522,17 @@ fn pixmask_fraction(
     }
 }
 
-/// Step 7: chi2pix from the deconvolved model over the whole patch.
+/// Step 7: chi2pix from the deconvolved model `A xflux` over the whole patch.
 #[inline(always)]
 fn chi2pix(
     sys: &system::PatchSystem<'_>,
-    xflux: &[f64],
+    model: &[f64],
     options: &SolveOptions,
     result: &mut PatchResult,
     ncore: usize,
     nk: usize,
     core_col: impl Fn(usize, usize) -> usize,
 ) {
-    let model = sys.project(xflux, 0..sys.m());
     // per pixel: the weighted squared residual and whether the pixel counts
     let (mut chi, mut used) = (vec![0.0; model.len()], vec![0.0; model.len()]);
     for (p, (&m, &iv)) in model.iter().zip(&sys.ivar).enumerate() {
