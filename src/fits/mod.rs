@@ -127,12 +127,14 @@ fn buffer_to_string(buf: &[c_char]) -> String {
 
 /// Forgets cfitsio's stack of error messages (after an expected failure).
 fn clear_messages() {
-    // SAFETY: ffcmsg takes no argument and only empties cfitsio's thread-local message stack.
+    // SAFETY: ffcmsg takes no argument and only empties cfitsio's message stack.
     unsafe { sys::ffcmsg() };
 }
 
 /// cfitsio's text for a status code, plus the first message of its error stack, which is
-/// emptied.
+/// emptied. That stack is one for the process: while another thread reads or writes a file
+/// (the PSF is read beside the preproc) its calls may empty the stack first, and the message
+/// then has the status text alone.
 fn status_message(status: c_int) -> String {
     let mut text = [0 as c_char; FLEN_ERRMSG];
     // SAFETY: ffgerr writes at most FLEN_ERRMSG bytes, NUL included, into `text`.
