@@ -104,3 +104,34 @@ pub fn extract_bundle0(
     args.extend(extra);
     run_spex(&args)
 }
+
+/// `mpiexec` on PATH; the multi-rank tests fail, naming the packages, where there is none.
+pub fn mpiexec_path() -> PathBuf {
+    let found = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|p| p.join("mpiexec"))
+            .find(|p| p.is_file())
+    });
+    found.unwrap_or_else(|| {
+        panic!(
+            "mpiexec not found on PATH: the multi-rank tests need an MPI launcher \
+             (Debian/Ubuntu: apt-get install openmpi-bin libopenmpi-dev)"
+        )
+    })
+}
+
+/// The launcher line of the multi-rank tests, up to the program: `ranks` ranks as root,
+/// oversubscribed and unbound (CI's 2 cores), shared-memory transfers without ptrace rights
+/// (containers).
+pub fn mpiexec(ranks: usize) -> std::process::Command {
+    let mut c = std::process::Command::new(mpiexec_path());
+    c.args([
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+    ])
+    .args(["--mca", "btl_vader_single_copy_mechanism", "none"])
+    .args(["-n", &ranks.to_string()]);
+    c
+}

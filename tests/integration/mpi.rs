@@ -49,20 +49,6 @@ fn single(input: &str, output: &Path) -> Vec<String> {
     a
 }
 
-fn mpiexec_path() -> PathBuf {
-    let found = std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|p| p.join("mpiexec"))
-            .find(|p| p.is_file())
-    });
-    found.unwrap_or_else(|| {
-        panic!(
-            "mpiexec not found on PATH: the multi-rank tests need an MPI launcher \
-             (Debian/Ubuntu: apt-get install openmpi-bin libopenmpi-dev)"
-        )
-    })
-}
-
 /// How a run ended.
 struct Run {
     code: Option<i32>,
@@ -83,16 +69,8 @@ fn spex(ranks: Option<usize>, args: &[String], env: &[(&str, &str)], timeout: Du
     let mut cmd = match ranks {
         None => Command::new(exe),
         Some(n) => {
-            let mut c = Command::new(mpiexec_path());
-            c.args([
-                "--allow-run-as-root",
-                "--oversubscribe",
-                "--bind-to",
-                "none",
-            ])
-            // Shared-memory transfers without ptrace rights (containers).
-            .args(["--mca", "btl_vader_single_copy_mechanism", "none"])
-            .args(["-n", &n.to_string(), exe]);
+            let mut c = crate::common::mpiexec(n);
+            c.arg(exe);
             c
         }
     };

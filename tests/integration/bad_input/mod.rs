@@ -122,15 +122,8 @@ fn run(ranks: Option<usize>, args: &[OsString], env: &[(&str, &str)]) -> Outcome
     let mut cmd = match ranks {
         None => Command::new(exe),
         Some(n) => {
-            let mut c = Command::new("mpiexec");
-            c.args([
-                "--allow-run-as-root",
-                "--oversubscribe",
-                "--bind-to",
-                "none",
-            ])
-            .args(["--mca", "btl_vader_single_copy_mechanism", "none"])
-            .args(["-n", &n.to_string(), exe]);
+            let mut c = crate::common::mpiexec(n);
+            c.arg(exe);
             c
         }
     };

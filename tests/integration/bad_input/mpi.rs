@@ -20,16 +20,8 @@ use super::*;
 /// still alive one second after its SIGTERM; on a machine whose cores are all busy the
 /// rank's signal thread may not have run by then, so the cases give it ten.
 fn mpiexec(ranks: usize) -> Command {
-    let mut c = Command::new("mpiexec");
-    c.args([
-        "--allow-run-as-root",
-        "--oversubscribe",
-        "--bind-to",
-        "none",
-    ])
-    .args(["--mca", "btl_vader_single_copy_mechanism", "none"])
-    .args(["--mca", "odls_base_sigkill_timeout", "10"])
-    .args(["-n", &ranks.to_string()]);
+    let mut c = crate::common::mpiexec(ranks);
+    c.args(["--mca", "odls_base_sigkill_timeout", "10"]);
     c
 }
 
