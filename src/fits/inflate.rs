@@ -9,15 +9,16 @@
 //! method is the `rapidgzip-core` crate's (zlib-rs behind it, no C to build).
 //!
 //! Speculation costs CPU: the marker path spends about four times libdeflate's CPU time per
-//! byte, so it is tried only for a large member and a rank with enough threads
-//! ([`MIN_BYTES`], [`MIN_THREADS`]), and abandoned as soon as the crate, which measures both
-//! paths on the first megabytes, settles on plain sequential decoding (zlib-rs, slower than
-//! libdeflate on one core). Whatever this path returns has been checked here against the
-//! member's CRC-32 (computed on rayon's pool) and ISIZE, besides the crate's own checks;
-//! every failure returns `None` and the caller inflates the file as before, so a damaged file
-//! gets the serial path's error.
+//! byte (docs/benchmarks.md), so it is tried only for a large member, on a rank with enough
+//! threads ([`MIN_BYTES`], [`MIN_THREADS`]) and while no other file inflates; and it is
+//! abandoned as soon as the crate, which measures both paths on the first megabytes, settles
+//! on plain sequential decoding (zlib-rs, slower than libdeflate on one core). Whatever this
+//! path returns has been checked here against the member's CRC-32 (computed on rayon's pool)
+//! and ISIZE, besides the crate's own checks; every failure returns `None` and the caller
+//! inflates the file as before, so a damaged file gets the serial path's error.
 
 use std::io::Read;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use flate2::Crc;
@@ -33,9 +34,31 @@ pub const MIN_BYTES: usize = 16 << 20;
 /// from the rank's other work.
 pub const MIN_THREADS: usize = 8;
 
-/// Whether a member of `compressed_len` bytes is worth inflating in parallel on `threads`.
-pub fn pays(compressed_len: usize, threads: usize) -> bool {
-    compressed_len >= MIN_BYTES && threads >= MIN_THREADS
+/// Whether a member of `compressed_len` bytes is worth inflating in parallel on `threads`
+/// while `others` files are being inflated in the process. Only a lone file is: when a rank's
+/// reader threads inflate several at once, the cores are already busy, and inflating each on
+/// one core costs a quarter of the CPU time.
+pub fn pays(compressed_len: usize, threads: usize, others: usize) -> bool {
+    others == 0 && compressed_len >= MIN_BYTES && threads >= MIN_THREADS
+}
+
+/// Files being inflated in the process now, in parallel or not.
+static INFLATING: AtomicUsize = AtomicUsize::new(0);
+
+/// A file being inflated: counted in [`INFLATING`] while this lives.
+pub struct Inflating(());
+
+impl Inflating {
+    /// Counts a file that starts inflating; with how many others were inflating then.
+    pub fn start() -> (Self, usize) {
+        (Self(()), INFLATING.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+impl Drop for Inflating {
+    fn drop(&mut self) {
+        INFLATING.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// Whether the caller of [`inflate_one_member`] accepts the crate's sequential decoding.
@@ -284,8 +307,17 @@ mod tests {
 
     #[test]
     fn the_parallel_path_is_taken_only_where_it_pays() {
-        assert!(pays(MIN_BYTES, MIN_THREADS));
-        assert!(!pays(MIN_BYTES - 1, 64));
-        assert!(!pays(1 << 30, MIN_THREADS - 1));
+        assert!(pays(MIN_BYTES, MIN_THREADS, 0));
+        assert!(!pays(MIN_BYTES - 1, 64, 0));
+        assert!(!pays(1 << 30, MIN_THREADS - 1, 0));
+        assert!(!pays(1 << 30, 64, 1), "another file inflating");
+    }
+
+    #[test]
+    fn files_inflating_are_counted_while_they_inflate() {
+        let (first, _) = Inflating::start();
+        let (second, others) = Inflating::start();
+        assert!(others >= 1, "the first is counted");
+        drop((first, second));
     }
 }

@@ -118,7 +118,8 @@ fn inflate_file(path: &Path) -> Result<Option<Vec<u8>>> {
     let compressed_len = compressed.len();
     let read_s = t0.elapsed().as_secs_f64();
     let threads = rayon::current_num_threads();
-    let parallel = inflate::pays(compressed.len(), threads).then_some(threads);
+    let (_inflating, others) = inflate::Inflating::start();
+    let parallel = inflate::pays(compressed.len(), threads, others).then_some(threads);
     let inflated = inflate_bytes(compressed, parallel).map_err(damaged)?;
     // The benchmarks (scripts/bench-desi-proc) split a frame's read with this line.
     tracing::debug!(
