@@ -110,16 +110,18 @@ fn try_inflate(
     let mut reader = decoder
         .reader(Arc::clone(compressed))
         .map_err(|e| decode(&e))?;
-    let mut written = 0;
+    let (mut written, mut chosen) = (0, sequential != Sequential::GiveUp);
     while written < out.len() {
         let n = reader.read(&mut out[written..]).map_err(|e| decode(&e))?;
         if n == 0 {
             break;
         }
-        if written == 0 && sequential == Sequential::GiveUp {
-            // The first bytes come once the crate has chosen its path.
-            if reader.stats().path == DecoderPath::Sequential {
-                return Err("the decoder chose one thread".into());
+        if !chosen {
+            // The crate chooses its path on the first megabytes, as their bytes come.
+            match reader.stats().path {
+                DecoderPath::Sequential => return Err("the decoder chose one thread".into()),
+                DecoderPath::Starting | DecoderPath::MarkerAdmission => {}
+                _ => chosen = true,
             }
         }
         written += n;
