@@ -40,6 +40,7 @@ mod device;
 mod error;
 mod kernels;
 mod launchers;
+mod reject;
 mod results;
 mod schur;
 mod shape;
@@ -384,6 +385,7 @@ impl CudaBackend {
         // another frame, maybe another PSF: no spots carry over from the call before
         self.workspace.last_spots = None;
         let ws = &mut self.workspace;
+        ws.reject.start(input.options.reject_outliers.is_some());
         ws.input
             .ensure_frame(&self.dev, input, sh, host, patches.len())?;
         let n = patches.len();
@@ -432,6 +434,18 @@ impl CudaBackend {
         };
         for q in queued {
             solve::finish_wave(gpu, ws, input, host, q, &mut sink)?;
+        }
+        if let Some(nsigma) = input.options.reject_outliers {
+            reject::resolve(
+                gpu,
+                &self.tuning,
+                ws,
+                input,
+                patches,
+                host,
+                nsigma,
+                &mut sink,
+            )?;
         }
         Ok(())
     }
