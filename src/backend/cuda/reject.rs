@@ -14,6 +14,10 @@
 //! (a failed or coupled one) was tested there already.
 
 use std::ops::Range;
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::CudaContext;
 
 use rayon::prelude::*;
 
@@ -23,7 +27,8 @@ use super::error;
 use super::kernels;
 use super::launchers::Gpu;
 use super::solve::{self, Sink};
-use super::tables::FrameHost;
+use super::staging::Staging;
+use super::tables::{FrameHost, Wave};
 use super::tuning::Tuning;
 use super::workspace::{Slot, Workspace};
 use crate::backend::{FrameInput, Progress};
@@ -48,10 +53,13 @@ pub(crate) struct Boxes {
     core: Slot<u8>,
     /// 1 where a pixel has weight zero in its patch.
     rejected: Slot<u8>,
+    /// Host copies of `fit` and `core` (pinned from the second frame on).
+    fit_back: Staging<f64>,
+    core_back: Staging<u8>,
 }
 
 impl Boxes {
-    pub(crate) fn new() -> Self {
+    pub(crate) fn new(ctx: Arc<CudaContext>) -> Self {
         Boxes {
             on: false,
             pass: 0,
@@ -59,6 +67,8 @@ impl Boxes {
             fit: Slot::new("model boxes of the outlier test"),
             core: Slot::new("tested pixels"),
             rejected: Slot::new("rejected pixels"),
+            fit_back: pinned_later(&ctx),
+            core_back: pinned_later(&ctx),
         }
     }
 
@@ -77,6 +87,13 @@ impl Boxes {
             0
         }
     }
+}
+
+/// A host buffer of copies back, pinned in the background once a frame has used it.
+fn pinned_later<T: Copy + Default + Send + 'static>(ctx: &Arc<CudaContext>) -> Staging<T> {
+    let mut s = Staging::new(ctx.clone());
+    s.allow_pinning(0);
+    s
 }
 
 /// Before a wave's assembly: points the flags at the wave's boxes (`boxes` within the frame's,
@@ -116,15 +133,22 @@ fn zero_range(dev: &Device, b: &DevBuf<u8>, range: std::ops::Range<usize>) -> Re
     .map_err(error::driver("cuMemsetD8Async"))
 }
 
-/// After chi2pix: keeps the wave's `len` model values (`A xflux`, in `ws.model`) for the test
-/// and, in the first pass, flags the pixels it looks at.
-pub(crate) fn keep_fit(g: Gpu<'_>, ws: &Workspace, n: usize, len: usize) -> Result<()> {
+/// After chi2pix: keeps the wave's model values (`A xflux`, in `ws.model`) for the test, those
+/// from `skip` to `len` (a wave solved again may start after its boxes' first patch) and, in
+/// the first pass, flags the pixels the test looks at.
+pub(crate) fn keep_fit(
+    g: Gpu<'_>,
+    ws: &Workspace,
+    n: usize,
+    (skip, len): (usize, usize),
+) -> Result<()> {
     let b = &ws.reject;
-    if !b.on || len == 0 {
+    if !b.on || len <= skip {
         return Ok(());
     }
+    let at = b.wave_at + skip;
     g.dev
-        .dtod_at(b.fit.get(), b.wave_at, ws.model.get(), 0, len)?;
+        .dtod_at(b.fit.get(), at, ws.model.get(), skip, len - skip)?;
     if b.pass > 0 {
         return Ok(());
     }
@@ -170,18 +194,22 @@ pub(crate) fn resolve<'a>(
     ws: &mut Workspace,
     input: &FrameInput<'_>,
     patches: &[&'a Patch],
-    host: &FrameHost,
+    host: &mut FrameHost,
     nsigma: f64,
     sink: &mut Sink<'_>,
 ) -> Result<()> {
     if host.live.is_empty() {
         return Ok(());
     }
+    let t0 = Instant::now();
     let frame = Frame::new(host, input.image);
-    let mut rejected = vec![0u8; host.box_total];
-    let mut core = vec![0u8; host.box_total];
+    let total = host.box_total;
+    let mut rejected = vec![0u8; total];
+    let b = &mut ws.reject;
     g.dev
-        .copy_from(&mut core, ws.reject.core.get(), 0, "tested pixels")?;
+        .copy_from(b.core_back.get(total), b.core.get(), 0, "tested pixels")?;
+    g.dev
+        .copy_from(b.fit_back.get(total), b.fit.get(), 0, "model boxes")?;
     let before: Vec<Vec<f64>> = frame
         .ci
         .iter()
@@ -189,18 +217,31 @@ pub(crate) fn resolve<'a>(
         .collect();
     let mut done = vec![Done::default(); frame.ci.len()];
     let mut active = on_device(&frame, sink.results, (0..frame.ci.len()).collect());
-    let mut fit = vec![0.0; host.box_total];
     let limits = (nsigma, input.options.psferr);
+    let mut test_ms = 0.0;
+    // the model boxes solved again since the last copy
+    let mut stale: Vec<Range<usize>> = Vec::new();
     for _ in 0..MAX_RESOLVES {
         if active.is_empty() {
             break;
         }
-        g.dev
-            .copy_from(&mut fit, ws.reject.fit.get(), 0, "model boxes")?;
+        let t_test = Instant::now();
+        let b = &mut ws.reject;
+        let back = b.fit_back.current_mut(total);
+        for r in stale.drain(..) {
+            g.dev
+                .copy_from(&mut back[r.clone()], b.fit.get(), r.start, "model boxes")?;
+        }
         g.dev.sync("model boxes of the outlier test")?;
+        let b = &ws.reject;
+        let arrays = (
+            b.fit_back.current(total),
+            b.core_back.current(total),
+            &rejected[..],
+        );
         let found: Vec<(usize, Vec<usize>)> = active
             .par_iter()
-            .map(|&li| (li, frame.outliers(li, (&fit, &core, &rejected), limits)))
+            .map(|&li| (li, frame.outliers(li, arrays, limits)))
             .filter(|(_, o)| !o.is_empty())
             .collect();
         for (li, outliers) in &found {
@@ -211,13 +252,14 @@ pub(crate) fn resolve<'a>(
             done[*li].nresolves += 1;
         }
         let changed: Vec<usize> = found.into_iter().map(|(li, _)| li).collect();
+        test_ms += t_test.elapsed().as_secs_f64() * 1e3;
         if changed.is_empty() {
             break;
         }
         g.dev
             .copy_to(ws.reject.rejected.get(), &rejected, "rejected pixels")?;
         ws.reject.pass += 1;
-        solve_again(g, tuning, ws, input, patches, host, &changed, sink)?;
+        stale = solve_again(g, tuning, ws, input, patches, host, &changed, sink)?;
         active = on_device(&frame, sink.results, changed);
     }
     for (li, d) in done.iter().enumerate() {
@@ -227,11 +269,15 @@ pub(crate) fn resolve<'a>(
             (r.nrejected, r.nresolves) = (d.nrejected, d.nresolves);
         }
     }
+    sink.timings.add("outlier test", test_ms);
+    let total_ms = t0.elapsed().as_secs_f64() * 1e3;
+    sink.timings.add("rejection", total_ms - test_ms);
     Ok(())
 }
 
-/// Queues again the waves of the live patches `changed` (sorted), then finishes them: their
-/// results replace the ones before.
+/// Queues again the waves of the live patches `changed` (sorted), each from its first to its
+/// last changed patch, then finishes them: their results replace the ones before. Returns the
+/// ranges of model boxes solved again.
 #[allow(clippy::too_many_arguments)]
 fn solve_again<'a>(
     g: Gpu<'a>,
@@ -239,13 +285,41 @@ fn solve_again<'a>(
     ws: &mut Workspace,
     input: &FrameInput<'_>,
     patches: &[&'a Patch],
-    host: &FrameHost,
+    host: &mut FrameHost,
     changed: &[usize],
     sink: &mut Sink<'_>,
+) -> Result<Vec<Range<usize>>> {
+    let planned = host.waves.len();
+    let npixels = |li: usize| {
+        let g = &host.live[li].1;
+        g.rows.len() * g.cols.len()
+    };
+    let trimmed: Vec<Wave> = host
+        .waves
+        .iter()
+        .filter_map(|w| trim(w, changed, npixels, &host.boxoff))
+        .collect();
+    let boxes = trimmed.iter().map(|w| w.boxes.clone()).collect();
+    host.waves.extend(trimmed);
+    let solved = queue_and_finish(g, tuning, ws, input, patches, host, planned, sink);
+    host.waves.truncate(planned);
+    solved.map(|()| boxes)
+}
+
+/// Queues the waves of `host` from `first` on, then finishes them.
+#[allow(clippy::too_many_arguments)]
+fn queue_and_finish<'a>(
+    g: Gpu<'a>,
+    tuning: &Tuning,
+    ws: &mut Workspace,
+    input: &FrameInput<'_>,
+    patches: &[&'a Patch],
+    host: &FrameHost,
+    first: usize,
+    sink: &mut Sink<'_>,
 ) -> Result<()> {
-    let waves = waves_of(host.waves.iter().map(|w| w.live.clone()), changed);
-    let mut queued = Vec::with_capacity(waves.len());
-    for &wi in &waves {
+    let mut queued = Vec::with_capacity(host.waves.len() - first);
+    for wi in first..host.waves.len() {
         queued.push(solve::queue_wave(g, tuning, ws, input, patches, host, wi)?);
     }
     // the call's progress counted these patches once already
@@ -262,16 +336,30 @@ fn solve_again<'a>(
     Ok(())
 }
 
-/// The waves (by index, ascending) whose live ranges hold one of `patches` (sorted).
-fn waves_of(waves: impl Iterator<Item = std::ops::Range<usize>>, patches: &[usize]) -> Vec<usize> {
-    waves
-        .enumerate()
-        .filter(|(_, live)| {
-            let i = patches.partition_point(|&li| li < live.start);
-            patches.get(i).is_some_and(|li| live.contains(li))
-        })
-        .map(|(wi, _)| wi)
-        .collect()
+/// Wave `w` cut down to its patches from the first to the last of `changed` (sorted), None if
+/// it holds none. Its tables still start at the wave's first bundle and first model box (the
+/// kernels count spots and box offsets `boxoff` from there); its boxes end with its last
+/// patch's, of `npixels` pixels.
+fn trim(
+    w: &Wave,
+    changed: &[usize],
+    npixels: impl Fn(usize) -> usize,
+    boxoff: &[i64],
+) -> Option<Wave> {
+    let i = changed.partition_point(|&li| li < w.live.start);
+    let j = changed.partition_point(|&li| li < w.live.end);
+    if i == j {
+        return None;
+    }
+    let (first, last) = (changed[i], changed[j - 1]);
+    let end = w.boxes.start + boxoff[last] as usize + npixels(last);
+    Some(Wave {
+        live: first..last + 1,
+        slots: w.slots.clone(),
+        boxes: w.boxes.start..end,
+        traced: Vec::new(),
+        strips: Vec::new(),
+    })
 }
 
 /// The live patches of `candidates` that the device solved: the CPU reference tested those
@@ -370,14 +458,24 @@ impl<'f> Frame<'f> {
 mod tests {
     use super::*;
 
-    /// A wave is solved again when it holds a changed patch, whichever of its patches.
+    /// A wave is solved again from its first to its last changed patch, its tables still from
+    /// its first bundle and model box; a wave without changed patches is not.
     #[test]
-    fn only_the_waves_of_changed_patches_are_solved_again() {
-        let waves = || [0..4, 4..8, 8..12, 12..13].into_iter();
-        assert_eq!(waves_of(waves(), &[1, 2, 12]), [0, 3]);
-        assert_eq!(waves_of(waves(), &[7, 8]), [1, 2]);
-        assert_eq!(waves_of(waves(), &[4]), [1]);
-        assert!(waves_of(waves(), &[]).is_empty());
+    fn a_wave_is_solved_again_over_its_changed_patches() {
+        // patches of 10 pixels; the wave holds patches 4-7, its boxes from 100 on
+        let w = Wave {
+            live: 4..8,
+            slots: 1..3,
+            boxes: 100..140,
+            ..Wave::default()
+        };
+        let boxoff = [0, 10, 20, 30, 0, 10, 20, 30];
+        let cut = trim(&w, &[1, 5, 6, 9], |_| 10, &boxoff).expect("holds 5 and 6");
+        assert_eq!((cut.live, cut.slots, cut.boxes), (5..7, 1..3, 100..130));
+        let cut = trim(&w, &[7], |_| 10, &boxoff).expect("holds 7");
+        assert_eq!((cut.live, cut.boxes), (7..8, 100..140));
+        assert!(trim(&w, &[0, 3, 8], |_| 10, &boxoff).is_none());
+        assert!(trim(&w, &[], |_| 10, &boxoff).is_none());
     }
 
     /// The fraction lost is the growth of the masked fraction, none for a patch without one

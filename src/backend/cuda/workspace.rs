@@ -110,7 +110,7 @@ impl Workspace {
             steps: Slot::new("polar steps"),
             model: Slot::new("patch models"),
             chi2: Slot::new("chi2pix"),
-            reject: super::reject::Boxes::new(),
+            reject: super::reject::Boxes::new(ctx.clone()),
             back: pinned_from_the_start(Staging::new(ctx.clone()), EARLY_BACK),
             verdicts: pinned_from_the_start(Staging::new(ctx.clone()), EARLY_VERDICTS),
             coupling_back: pinned_from_the_start(Staging::new(ctx.clone()), EARLY_COUPLING),
