@@ -25,7 +25,8 @@
 //! tables of a frame and its waves), `launchers` (one typed launcher per kernel), `dense`
 //! (factorisation and core covariance through cuSOLVER and cuBLAS), `schur` (the same by
 //! per-fiber Schur complements), `decorrelate` (polar route and Jacobi fallback), `results`
-//! (host-side results and the CPU fallback), `solve` (the steps of a wave in order),
+//! (host-side results and the CPU fallback), `solve` (the steps of a wave in order), `reject`
+//! (outlier rejection's passes over a solved frame),
 //! `tuning` and `timings`.
 //!
 //! Tuning variables, for measurements rather than production, are read once when a backend is
@@ -502,7 +503,8 @@ impl CudaBackend {
                 MODEL_BOX_BYTES
             } else {
                 0
-            };
+            }
+            + reject::box_bytes(input.options.reject_outliers.is_some(), MODEL_BOX_BYTES);
         // trace positions (two f64) and spot corners (two i32) of every spot of the bundles
         let nbundles = bundles_per_wave(&ordered, ordered.len());
         let tables = 24 * nbundles * sh.bundlesize * sh.nfull;

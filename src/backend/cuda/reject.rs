@@ -89,6 +89,16 @@ impl Boxes {
     }
 }
 
+/// Device bytes per patch of the frame-sized arrays when rejection is `on`, for a patch whose
+/// model box takes `model_box` bytes (of f64): the model box again and two flags per pixel.
+pub(crate) fn box_bytes(on: bool, model_box: usize) -> usize {
+    if on {
+        model_box + 2 * model_box / 8
+    } else {
+        0
+    }
+}
+
 /// A host buffer of copies back, pinned in the background once a frame has used it.
 fn pinned_later<T: Copy + Default + Send + 'static>(ctx: &Arc<CudaContext>) -> Staging<T> {
     let mut s = Staging::new(ctx.clone());
