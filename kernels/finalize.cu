@@ -35,8 +35,8 @@ extern "C" __global__ void project_f64(const double* __restrict__ spots,
 // One warp per (core bin, patch), SPEX_CHI2_BINS bins to a block: chi2pix = sum A (p -
 // model)^2 w / sum A [w > 0] over the spot's pixels in the box, w = 1 / ((psferr model +
 // 1e-32)^2 + 1/ivar) where ivar > 0, a pixel flagged in `rejected` (null unless outliers are
-// rejected) counting as ivar 0, as in the assembly. (A block of 64 threads per bin took 2.27 ms a full frame
-// on an H100 against 2.02.)
+// rejected) counting as ivar 0, as in the assembly. (A block of 64 threads per bin took
+// 2.27 ms a full frame on an H100 against 2.02.)
 extern "C" __global__ void chi2pix_f64(const double* __restrict__ spots,
                                        const int* __restrict__ corners,
                                        const int* __restrict__ colspot,
