@@ -119,6 +119,10 @@ extern "C" __global__ void column_table(const int* __restrict__ first, int nb, i
 //
 // Shared memory (dynamic): w1[ny nx] (weighted spot) per warp.
 //
+// `rejected` (null unless outliers are rejected): a flag per pixel of each patch's box, at
+// `boxoff`; a flagged pixel has weight zero in that patch only (boxes overlap, and the image
+// is shared).
+//
 // Blocks of 128 threads, 12 per SM, which caps the kernel at 40 registers: the kernel waits
 // on L1 (Nsight Compute: 92% of its throughput), and at the 32 registers of 16 blocks per SM
 // it spilled (68 million local-memory requests in one 784-patch assembly) and took 11.6 ms per
@@ -129,6 +133,7 @@ extern "C" __global__ void __launch_bounds__(SPEX_COLUMNS * SPEX_WARP, 12) assem
     const int* __restrict__ colspot, const int* __restrict__ boxes,
     const int* __restrict__ patch_ids,
     const float* __restrict__ pix, const float* __restrict__ ivar,
+    const long long* __restrict__ boxoff, const unsigned char* __restrict__ rejected,
     int sub_row0, int sub_col0, int sub_w,
     int m, int nx, int ny, int nwavetot, int ncore, int wavepad, int nwavestep, int band,
     double* __restrict__ icov, double* __restrict__ y, double* __restrict__ fw,
@@ -166,7 +171,9 @@ extern "C" __global__ void __launch_bounds__(SPEX_COLUMNS * SPEX_WARP, 12) assem
         double w = 0.0;
         if (rr >= r0 && rr < r1 && cc >= c0 && cc < c1) {
             size_t k = (size_t)(rr - sub_row0) * sub_w + (cc - sub_col0);
-            double iv = (double)ivar[k];
+            double iv = rejected_pixel(rejected, boxoff, p, rr - r0, cc - c0, c1 - c0)
+                            ? 0.0
+                            : (double)ivar[k];
             double a = a1[s];
             w = a * iv;
             sy += w * (double)pix[k];

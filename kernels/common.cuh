@@ -96,6 +96,15 @@ __device__ __forceinline__ int patch_of(const int* patch_ids, int i) {
     return patch_ids ? patch_ids[i] : i;
 }
 
+// Whether outlier rejection gave pixel (row, col) of patch p's box, `width` wide, weight zero:
+// `rejected` holds a flag per pixel of every box, patch p's from `boxoff[p]` on; null when
+// outliers are not rejected.
+__device__ __forceinline__ bool rejected_pixel(const unsigned char* rejected,
+                                               const long long* boxoff, int p, int row, int col,
+                                               int width) {
+    return rejected && rejected[boxoff[p] + (size_t)row * width + col];
+}
+
 // icov's storage, written by kernels/assemble.cu. Only one triangle of the symmetric matrix is
 // stored, each overlap computed once.
 // - Dense (`band` 0, the dense route, for cuSOLVER): a patch's m x m matrix row-major, of row

@@ -34,8 +34,9 @@ extern "C" __global__ void project_f64(const double* __restrict__ spots,
 
 // One warp per (core bin, patch), SPEX_CHI2_BINS bins to a block: chi2pix = sum A (p -
 // model)^2 w / sum A [w > 0] over the spot's pixels in the box, w = 1 / ((psferr model +
-// 1e-32)^2 + 1/ivar) where ivar > 0. (A block of 64 threads per bin took 2.27 ms a full frame
-// on an H100 against 2.02.)
+// 1e-32)^2 + 1/ivar) where ivar > 0, a pixel flagged in `rejected` (null unless outliers are
+// rejected) counting as ivar 0, as in the assembly. (A block of 64 threads per bin took
+// 2.27 ms a full frame on an H100 against 2.02.)
 extern "C" __global__ void chi2pix_f64(const double* __restrict__ spots,
                                        const int* __restrict__ corners,
                                        const int* __restrict__ colspot,
@@ -43,7 +44,9 @@ extern "C" __global__ void chi2pix_f64(const double* __restrict__ spots,
                                        const long long* __restrict__ boxoff,
                                        const double* __restrict__ model,
                                        const float* __restrict__ pix,
-                                       const float* __restrict__ ivar, int sub_row0,
+                                       const float* __restrict__ ivar,
+                                       const unsigned char* __restrict__ rejected,
+                                       int sub_row0,
                                        int sub_col0, int sub_w, const int* __restrict__ nkeep,
                                        int m, int nx, int ny, int nwavetot, int ncore,
                                        int wavepad, int nwavestep, double psferr,
@@ -70,7 +73,9 @@ extern "C" __global__ void chi2pix_f64(const double* __restrict__ spots,
         int s = px.row * nx + px.col, rr = yc + px.row, cc = xc + px.col;
         if (rr >= r0 && rr < r1 && cc >= c0 && cc < c1) {
             size_t k = (size_t)(rr - sub_row0) * sub_w + (cc - sub_col0);
-            double iv = (double)ivar[k];
+            double iv = rejected_pixel(rejected, boxoff, p, rr - r0, cc - c0, w)
+                            ? 0.0
+                            : (double)ivar[k];
             if (iv > 0.0) {
                 double mv = mod[(size_t)(rr - r0) * w + (cc - c0)];
                 double e = psferr * mv + 1e-32;

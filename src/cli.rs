@@ -238,7 +238,7 @@ pub struct ExtractArgs {
     #[arg(short, long)]
     pub verbose: bool,
     /// Reject pixels whose residual exceeds NSIGMA times the model's noise and solve their
-    /// patch again (CPU backend; off by default, NSIGMA 5 when given without a value).
+    /// patch again (off by default, NSIGMA 5 when given without a value).
     #[arg(long, value_name = "NSIGMA", num_args = 0..=1, default_missing_value = "5")]
     pub reject_outliers: Option<f64>,
 }

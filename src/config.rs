@@ -107,11 +107,7 @@ impl JobConfig {
         let mut config = JobConfig {
             frames: Vec::with_capacity(requests.len()),
             skipped: Vec::new(),
-            backend: crate::outliers::backend_for(
-                args.reject_outliers,
-                backend_choice(args, no_gpu_env),
-            )
-            .map_err(usage)?,
+            backend: backend_choice(args, no_gpu_env),
             device: args.device,
             threads: args.threads,
             async_io: args.async_io,
@@ -374,7 +370,7 @@ mod tests {
     }
 
     #[test]
-    fn reject_outliers_takes_an_optional_nsigma_and_the_cpu() {
+    fn reject_outliers_takes_an_optional_nsigma_on_either_backend() {
         let with = |extra: &[&str]| {
             let mut words = vec!["-i", "a", "-p", "b", "-o", "c"];
             words.extend_from_slice(extra);
@@ -383,17 +379,13 @@ mod tests {
         assert_eq!(with(&[]).unwrap().frames[0].reject_outliers, None);
         let c = with(&["--reject-outliers"]).unwrap();
         assert_eq!(c.frames[0].reject_outliers, Some(5.0));
-        assert_eq!(c.backend, BackendChoice::Cpu);
         let c = with(&["--reject-outliers", "4"]).unwrap();
         assert_eq!(c.frames[0].reject_outliers, Some(4.0));
-        for refused in [
-            &["--reject-outliers", "--gpu"][..],
-            &["--reject-outliers", "0"],
-        ] {
-            assert!(
-                matches!(with(refused), Err(ConfigError::Usage(_))),
-                "{refused:?}"
-            );
-        }
+        let c = with(&["--reject-outliers", "--gpu"]).unwrap();
+        assert_eq!(c.backend, BackendChoice::Gpu { required: true });
+        assert!(matches!(
+            with(&["--reject-outliers", "0"]),
+            Err(ConfigError::Usage(_))
+        ));
     }
 }

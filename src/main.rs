@@ -159,11 +159,6 @@ fn extract(args: &ExtractArgs) -> ExitCode {
     if args.use_specter && layout.rank == 0 {
         tracing::info!("--use-specter: spex is the extractor, with specter's equations");
     }
-    if let (Some(k), 0) = (args.reject_outliers, layout.rank) {
-        tracing::info!(
-            "--reject-outliers {k}: extracting on the CPU backend, which alone rejects outliers"
-        );
-    }
     let reference = config.test_reference.as_deref().map(Reference::new);
     if let Some(reference) = &reference {
         // A reference that cannot be read stops the job before any work; rank 0 reads it.

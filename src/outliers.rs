@@ -24,7 +24,6 @@
 
 use ndarray::Array2;
 
-use crate::config::BackendChoice;
 use crate::extract::PatchResult;
 use crate::frame::Frame;
 use crate::plan::Plan;
@@ -147,19 +146,6 @@ pub fn flag_rejected_bins(frame: &mut Frame, plan: &Plan, results: &[PatchResult
         }
     }
     n
-}
-
-/// The backend of a job with `--reject-outliers` (`nsigma`): the CPU, which alone rejects
-/// outliers. A GPU that `--gpu` requires is a usage error; one that would be used by default
-/// gives way to the CPU (the job logs it).
-pub fn backend_for(nsigma: Option<f64>, choice: BackendChoice) -> Result<BackendChoice, String> {
-    match (nsigma, choice) {
-        (Some(_), BackendChoice::Gpu { required: true }) => Err(
-            "--reject-outliers runs on the CPU backend only: drop --gpu (or add --no-gpu)".into(),
-        ),
-        (Some(_), BackendChoice::Gpu { required: false }) => Ok(BackendChoice::Cpu),
-        (_, choice) => Ok(choice),
-    }
 }
 
 /// Flags the bins that lost pixels ([`flag_rejected_bins`]) and logs the frame's rejected

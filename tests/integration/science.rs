@@ -118,7 +118,12 @@ fn a_range_past_the_psf_is_refused() {
 
 /// A simulated bundle with many cosmic-ray tracks (`density` per million pixels), all or none
 /// of them left out of the MASK.
-fn cosmic_preproc(dir: &Path, name: &str, density: f64, unmasked: f64) -> (PathBuf, PathBuf) {
+pub(crate) fn cosmic_preproc(
+    dir: &Path,
+    name: &str,
+    density: f64,
+    unmasked: f64,
+) -> (PathBuf, PathBuf) {
     let img = dir.join(format!("{name}.fits"));
     let truth = dir.join(format!("{name}-truth.fits"));
     let mut o = SimulateOptions::new(450..475, 5900.0, 6260.0);
@@ -132,17 +137,27 @@ fn cosmic_preproc(dir: &Path, name: &str, density: f64, unmasked: f64) -> (PathB
 /// The CPU extraction of one bundle of `img`, with rejection at `nsigma` or without: the
 /// frame (bins that lost pixels flagged) and the patch results.
 fn solve(img: &Path, nsigma: Option<f64>) -> (Frame, Vec<PatchResult>) {
+    solve_on(&mut CpuBackend::new(2).unwrap(), img, nsigma, false)
+}
+
+/// [`solve`] on `backend`, with the patches' models when `model`.
+pub(crate) fn solve_on(
+    backend: &mut dyn Backend,
+    img: &Path,
+    nsigma: Option<f64>,
+    model: bool,
+) -> (Frame, Vec<PatchResult>) {
     let mut r = ExtractRequest::new(img, data("psf-r0-00067784.fits"), "unused.fits");
     r.wavelength = Some(GRID);
     r.specmin = 450;
     r.nspec = Some(25);
     r.reject_outliers = nsigma;
+    r.model = model.then(|| PathBuf::from("unused-model.fits"));
     let inputs = pipeline::read_inputs(&r).unwrap();
     let plan = r.plan(&inputs.psf).unwrap();
     let options = r.solve_options(&inputs.psf);
     let input = FrameInput::new(&plan, &inputs.psf, &inputs.image, &options);
-    let results = CpuBackend::new(2)
-        .unwrap()
+    let results = backend
         .extract(input, &plan.patches, &Progress::silent())
         .unwrap();
     let (mut frame, _) = Frame::assemble(&plan, inputs.psf.hsizey, &results).unwrap();

@@ -63,6 +63,11 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
         include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/finalize.cu")),
         &["project_f64", "chi2pix_f64"],
     ),
+    (
+        "reject.cu",
+        include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/reject.cu")),
+        &["core_pixels"],
+    ),
 ];
 
 /// NVRTC options besides the architecture.

@@ -257,6 +257,7 @@ pub(crate) struct Kernels {
     pub decorrelate: CudaFunction,
     pub project: CudaFunction,
     pub chi2pix: CudaFunction,
+    pub core_pixels: CudaFunction,
 }
 
 impl Kernels {
@@ -314,6 +315,7 @@ impl Kernels {
             decorrelate: take("decorrelate_f64"),
             project: take("project_f64"),
             chi2pix: take("chi2pix_f64"),
+            core_pixels: take("core_pixels"),
             _modules: modules,
         })
     }

@@ -25,7 +25,8 @@
 //! tables of a frame and its waves), `launchers` (one typed launcher per kernel), `dense`
 //! (factorisation and core covariance through cuSOLVER and cuBLAS), `schur` (the same by
 //! per-fiber Schur complements), `decorrelate` (polar route and Jacobi fallback), `results`
-//! (host-side results and the CPU fallback), `solve` (the steps of a wave in order),
+//! (host-side results and the CPU fallback), `solve` (the steps of a wave in order), `reject`
+//! (outlier rejection's passes over a solved frame),
 //! `tuning` and `timings`.
 //!
 //! Tuning variables, for measurements rather than production, are read once when a backend is
@@ -40,6 +41,7 @@ mod device;
 mod error;
 mod kernels;
 mod launchers;
+mod reject;
 mod results;
 mod schur;
 mod shape;
@@ -384,6 +386,7 @@ impl CudaBackend {
         // another frame, maybe another PSF: no spots carry over from the call before
         self.workspace.last_spots = None;
         let ws = &mut self.workspace;
+        ws.reject.start(input.options.reject_outliers.is_some());
         ws.input
             .ensure_frame(&self.dev, input, sh, host, patches.len())?;
         let n = patches.len();
@@ -432,6 +435,18 @@ impl CudaBackend {
         };
         for q in queued {
             solve::finish_wave(gpu, ws, input, host, q, &mut sink)?;
+        }
+        if let Some(nsigma) = input.options.reject_outliers {
+            reject::resolve(
+                gpu,
+                &self.tuning,
+                ws,
+                input,
+                patches,
+                host,
+                nsigma,
+                &mut sink,
+            )?;
         }
         Ok(())
     }
@@ -488,7 +503,8 @@ impl CudaBackend {
                 MODEL_BOX_BYTES
             } else {
                 0
-            };
+            }
+            + reject::box_bytes(input.options.reject_outliers.is_some(), MODEL_BOX_BYTES);
         // trace positions (two f64) and spot corners (two i32) of every spot of the bundles
         let nbundles = bundles_per_wave(&ordered, ordered.len());
         let tables = 24 * nbundles * sh.bundlesize * sh.nfull;

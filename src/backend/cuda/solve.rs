@@ -159,11 +159,12 @@ fn decorrelate_wave(
 }
 
 /// Step 6: chi2pix from the model of xflux, and the model image of the core flux when asked,
-/// for the wave's `n` patches and their `boxes` model values.
+/// for the wave's `n` patches and their `boxes` model values (the first `skip` belong to
+/// patches before them).
 fn finalize(
     g: Gpu<'_>,
     ws: &mut Workspace,
-    (n, boxes): (usize, usize),
+    (n, skip, boxes): (usize, usize, usize),
     region: Region,
     input: &FrameInput<'_>,
 ) -> Result<()> {
@@ -172,6 +173,7 @@ fn finalize(
     g.dev.zero_prefix(ws.model.get(), boxes)?;
     launchers::project(g, n, ws, ws.x.get())?;
     launchers::chi2pix(g, n, ws, region, input.options.psferr)?;
+    super::reject::keep_fit(g, ws, n, (skip, boxes))?;
     if input.options.model {
         g.dev.zero_prefix(ws.model.get(), boxes)?;
         launchers::project(g, n, ws, ws.fluxcol.get())?;
@@ -209,7 +211,9 @@ fn gather(
     }
     if model && !w.boxes.is_empty() {
         let (m0, len) = (w.boxes.start, w.boxes.len());
-        dev.dtod_at(out.model.get(), m0, ws.model.get(), 0, len)?;
+        // a wave solved again for outliers may start after its boxes' first patch
+        let skip = host.boxoff[w.live.start] as usize;
+        dev.dtod_at(out.model.get(), m0 + skip, ws.model.get(), skip, len - skip)?;
     }
     Ok(())
 }
@@ -388,6 +392,7 @@ pub(crate) fn queue_wave<'a>(
         g.dev.fill_prefix(ws.icov.get(), len, 0xff)?;
     }
     let reg = input.options.regularize;
+    super::reject::prepare_wave(g.dev, ws, w.boxes.clone(), host.box_total)?;
     launchers::assemble(g, n, None, ws, region, reg, solve)?;
     clock.mark("assemble")?;
     let mut keep = Keep::new();
@@ -412,7 +417,9 @@ pub(crate) fn queue_wave<'a>(
     };
     decorrelate_wave(g, tuning, ws, &w.layout(g.sh), kind)?;
     clock.mark("decorrelate")?;
-    finalize(g, ws, (n, w.boxes.len()), region, input)?;
+    // a wave solved again for outliers may start after its boxes' first patch
+    let skip = host.boxoff[w.live.start] as usize;
+    finalize(g, ws, (n, skip, w.boxes.len()), region, input)?;
     clock.mark("finalize")?;
     gather(g, ws, host, wi, input.options.model, solve)?;
     clock.mark("gather")?;

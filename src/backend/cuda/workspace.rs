@@ -68,6 +68,8 @@ pub(crate) struct Workspace {
     pub(crate) steps: Slot<i32>,
     pub(crate) model: Slot<f64>,
     pub(crate) chi2: Slot<f64>,
+    /// The model boxes and pixel flags of outlier rejection.
+    pub(crate) reject: super::reject::Boxes,
     /// Host buffers of the copies back of a wave's results (core arrays, model boxes), of its
     /// verdicts (polar steps, Jacobi sweeps, then on the Schur route those of the sweeps) and
     /// of its second-neighbour coupling, from the frame's results once the device has
@@ -108,6 +110,7 @@ impl Workspace {
             steps: Slot::new("polar steps"),
             model: Slot::new("patch models"),
             chi2: Slot::new("chi2pix"),
+            reject: super::reject::Boxes::new(ctx.clone()),
             back: pinned_from_the_start(Staging::new(ctx.clone()), EARLY_BACK),
             verdicts: pinned_from_the_start(Staging::new(ctx.clone()), EARLY_VERDICTS),
             coupling_back: pinned_from_the_start(Staging::new(ctx.clone()), EARLY_COUPLING),

@@ -1,0 +1,501 @@
+//! Outlier rejection on the device (`--reject-outliers`, see [`crate::outliers`]): the same
+//! test and the same passes as the CPU's (`backend::cpu::reject`), over a frame's waves.
+//!
+//! Each wave keeps, beside its results, the model `A xflux` of each patch over its box (the
+//! finalize step projects it for chi2pix) and, in the first pass, a flag per box pixel that
+//! the test looks at (`core_pixels` in kernels/reject.cu). Once every wave is done the host
+//! copies the models back, tests the patches with [`find_outliers`] against the frame's image
+//! and gives the outliers weight zero in a flag per box pixel on the device (`rejected`),
+//! which the assembly and chi2pix read: in that patch only, since boxes overlap and the image
+//! is shared. The waves that hold a patch with new outliers are queued again, all of their
+//! patches solved from scratch (an unchanged patch gets the same result), and so on until a
+//! pass finds no outlier or [`MAX_RESOLVES`] solves have been added, as on the CPU. Only
+//! patches with new outliers are tested in the next pass; a patch the CPU reference solved
+//! (a failed or coupled one) was tested there already.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::CudaContext;
+
+use rayon::prelude::*;
+
+use super::buffers::DevBuf;
+use super::device::Device;
+use super::error;
+use super::kernels;
+use super::launchers::Gpu;
+use super::solve::{self, Sink};
+use super::staging::Staging;
+use super::tables::{FrameHost, Wave};
+use super::tuning::Tuning;
+use super::workspace::{Slot, Workspace};
+use crate::backend::{FrameInput, Progress};
+use crate::error::Result;
+use crate::extract::PatchResult;
+use crate::image::Image;
+use crate::outliers::{find_outliers, MAX_RESOLVES};
+use crate::plan::Patch;
+
+/// The device's share of rejection: frame-sized arrays over every patch's box, in the order
+/// of the waves' model boxes.
+pub(crate) struct Boxes {
+    /// Whether the frame being solved rejects outliers.
+    on: bool,
+    /// Passes done before the one being queued (0: the first solve).
+    pass: usize,
+    /// Where the wave being queued starts in the arrays.
+    wave_at: usize,
+    /// `A xflux` of each patch's last solution.
+    fit: Slot<f64>,
+    /// 1 where the test looks (pixels of the tested columns' spots).
+    core: Slot<u8>,
+    /// 1 where a pixel has weight zero in its patch.
+    rejected: Slot<u8>,
+    /// Host copies of `fit` and `core` (pinned from the second frame on).
+    fit_back: Staging<f64>,
+    core_back: Staging<u8>,
+}
+
+impl Boxes {
+    pub(crate) fn new(ctx: Arc<CudaContext>) -> Self {
+        Boxes {
+            on: false,
+            pass: 0,
+            wave_at: 0,
+            fit: Slot::new("model boxes of the outlier test"),
+            core: Slot::new("tested pixels"),
+            rejected: Slot::new("rejected pixels"),
+            fit_back: pinned_later(&ctx),
+            core_back: pinned_later(&ctx),
+        }
+    }
+
+    /// Starts a frame: rejection on or off, first pass.
+    pub(crate) fn start(&mut self, on: bool) {
+        self.on = on;
+        self.pass = 0;
+    }
+
+    /// The device address of the wave's rejected-pixel flags, 0 (none) when rejection is off:
+    /// the kernels' argument.
+    pub(crate) fn rejected_ptr(&self) -> u64 {
+        if self.on {
+            self.rejected.get().at(self.wave_at)
+        } else {
+            0
+        }
+    }
+}
+
+/// Device bytes per patch of the frame-sized arrays when rejection is `on`, for a patch whose
+/// model box takes `model_box` bytes (of f64): the model box again and two flags per pixel.
+pub(crate) fn box_bytes(on: bool, model_box: usize) -> usize {
+    if on {
+        model_box + 2 * model_box / 8
+    } else {
+        0
+    }
+}
+
+/// A host buffer of copies back, pinned in the background once a frame has used it.
+fn pinned_later<T: Copy + Default + Send + 'static>(ctx: &Arc<CudaContext>) -> Staging<T> {
+    let mut s = Staging::new(ctx.clone());
+    s.allow_pinning(0);
+    s
+}
+
+/// Before a wave's assembly: points the flags at the wave's boxes (`boxes` within the frame's,
+/// `total` values so far); in the first pass, sizes the arrays and clears the wave's flags.
+pub(crate) fn prepare_wave(
+    dev: &Device,
+    ws: &mut Workspace,
+    boxes: std::ops::Range<usize>,
+    total: usize,
+) -> Result<()> {
+    let b = &mut ws.reject;
+    if !b.on {
+        return Ok(());
+    }
+    b.wave_at = boxes.start;
+    if b.pass == 0 {
+        b.fit.grow_keeping(dev, total, boxes.start)?;
+        b.core.grow_keeping(dev, total, boxes.start)?;
+        b.rejected.grow_keeping(dev, total, boxes.start)?;
+        for s in [b.core.get(), b.rejected.get()] {
+            zero_range(dev, s, boxes.clone())?;
+        }
+    }
+    Ok(())
+}
+
+/// Sets the flags `range` of `b` to zero, on the compute stream.
+fn zero_range(dev: &Device, b: &DevBuf<u8>, range: std::ops::Range<usize>) -> Result<()> {
+    assert!(range.end <= b.len);
+    if range.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: the range lies inside the allocation.
+    unsafe {
+        cudarc::driver::result::memset_d8_async(b.at(range.start), 0, range.len(), dev.cu_stream())
+    }
+    .map_err(error::driver("cuMemsetD8Async"))
+}
+
+/// After chi2pix: keeps the wave's model values (`A xflux`, in `ws.model`) for the test, those
+/// from `skip` to `len` (a wave solved again may start after its boxes' first patch) and, in
+/// the first pass, flags the pixels the test looks at.
+pub(crate) fn keep_fit(
+    g: Gpu<'_>,
+    ws: &Workspace,
+    n: usize,
+    (skip, len): (usize, usize),
+) -> Result<()> {
+    let b = &ws.reject;
+    if !b.on || len <= skip {
+        return Ok(());
+    }
+    let at = b.wave_at + skip;
+    g.dev
+        .dtod_at(b.fit.get(), at, ws.model.get(), skip, len - skip)?;
+    if b.pass > 0 {
+        return Ok(());
+    }
+    let sh = g.sh;
+    kernels::launch(
+        g.dev,
+        &g.k.core_pixels,
+        "core_pixels",
+        (sh.m() as u32, n as u32, 1),
+        64,
+        0,
+        kernels::Args::new()
+            .ptr(ws.spots.get().ptr)
+            .ptr(ws.view.corners)
+            .ptr(ws.colspot.get().ptr)
+            .ptr(ws.view.boxes)
+            .ptr(ws.view.boxoff)
+            .i32(sh.m() as i32)
+            .i32(sh.nx as i32)
+            .i32(sh.ny as i32)
+            .i32(sh.nt as i32)
+            .i32(sh.ncore as i32)
+            .i32(sh.wavepad as i32)
+            .ptr(b.core.get().at(b.wave_at)),
+    )
+}
+
+/// What rejection did to one live patch, as `backend::cpu::reject` reports it.
+#[derive(Clone, Debug, Default)]
+struct Done {
+    nrejected: usize,
+    nresolves: usize,
+}
+
+/// The passes after the first solve of a frame whose waves are all finished (`sink` holds
+/// their results): test, flag, solve again the waves with new outliers, at most
+/// [`MAX_RESOLVES`] times; then each device-solved patch's rejection counts and the fraction
+/// of each core spot it lost, as the CPU path sets them.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn resolve<'a>(
+    g: Gpu<'a>,
+    tuning: &Tuning,
+    ws: &mut Workspace,
+    input: &FrameInput<'_>,
+    patches: &[&'a Patch],
+    host: &mut FrameHost,
+    nsigma: f64,
+    sink: &mut Sink<'_>,
+) -> Result<()> {
+    if host.live.is_empty() {
+        return Ok(());
+    }
+    let t0 = Instant::now();
+    let frame = Frame::new(host, input.image);
+    let total = host.box_total;
+    let mut rejected = vec![0u8; total];
+    let b = &mut ws.reject;
+    g.dev
+        .copy_from(b.core_back.get(total), b.core.get(), 0, "tested pixels")?;
+    g.dev
+        .copy_from(b.fit_back.get(total), b.fit.get(), 0, "model boxes")?;
+    let before: Vec<Vec<f64>> = frame
+        .ci
+        .iter()
+        .map(|&ci| pixmask_of(sink.results, ci))
+        .collect();
+    let mut done = vec![Done::default(); frame.ci.len()];
+    let mut active = on_device(&frame, sink.results, (0..frame.ci.len()).collect());
+    let limits = (nsigma, input.options.psferr);
+    let mut test_ms = 0.0;
+    // the model boxes solved again since the last copy
+    let mut stale: Vec<Range<usize>> = Vec::new();
+    for _ in 0..MAX_RESOLVES {
+        if active.is_empty() {
+            break;
+        }
+        let t_test = Instant::now();
+        let b = &mut ws.reject;
+        let back = b.fit_back.current_mut(total);
+        for r in stale.drain(..) {
+            g.dev
+                .copy_from(&mut back[r.clone()], b.fit.get(), r.start, "model boxes")?;
+        }
+        g.dev.sync("model boxes of the outlier test")?;
+        let b = &ws.reject;
+        let arrays = (
+            b.fit_back.current(total),
+            b.core_back.current(total),
+            &rejected[..],
+        );
+        let found: Vec<(usize, Vec<usize>)> = active
+            .par_iter()
+            .map(|&li| (li, frame.outliers(li, arrays, limits)))
+            .filter(|(_, o)| !o.is_empty())
+            .collect();
+        for (li, outliers) in &found {
+            for &p in outliers {
+                rejected[frame.at[*li] + p] = 1;
+            }
+            done[*li].nrejected += outliers.len();
+            done[*li].nresolves += 1;
+        }
+        let changed: Vec<usize> = found.into_iter().map(|(li, _)| li).collect();
+        test_ms += t_test.elapsed().as_secs_f64() * 1e3;
+        if changed.is_empty() {
+            break;
+        }
+        g.dev
+            .copy_to(ws.reject.rejected.get(), &rejected, "rejected pixels")?;
+        ws.reject.pass += 1;
+        stale = solve_again(g, tuning, ws, input, patches, host, &changed, sink)?;
+        active = on_device(&frame, sink.results, changed);
+    }
+    for (li, d) in done.iter().enumerate() {
+        let r = sink.results[frame.ci[li]].as_mut();
+        if let Some(r) = r.filter(|r| r.rejected.is_empty()) {
+            r.rejected = lost(&r.pixmask_fraction, &before[li]);
+            (r.nrejected, r.nresolves) = (d.nrejected, d.nresolves);
+        }
+    }
+    sink.timings.add("outlier test", test_ms);
+    let total_ms = t0.elapsed().as_secs_f64() * 1e3;
+    sink.timings.add("rejection", total_ms - test_ms);
+    Ok(())
+}
+
+/// Queues again the waves of the live patches `changed` (sorted), each from its first to its
+/// last changed patch, then finishes them: their results replace the ones before. Returns the
+/// ranges of model boxes solved again.
+#[allow(clippy::too_many_arguments)]
+fn solve_again<'a>(
+    g: Gpu<'a>,
+    tuning: &Tuning,
+    ws: &mut Workspace,
+    input: &FrameInput<'_>,
+    patches: &[&'a Patch],
+    host: &mut FrameHost,
+    changed: &[usize],
+    sink: &mut Sink<'_>,
+) -> Result<Vec<Range<usize>>> {
+    let planned = host.waves.len();
+    let npixels = |li: usize| {
+        let g = &host.live[li].1;
+        g.rows.len() * g.cols.len()
+    };
+    let trimmed: Vec<Wave> = host
+        .waves
+        .iter()
+        .filter_map(|w| trim(w, changed, npixels, &host.boxoff))
+        .collect();
+    let boxes = trimmed.iter().map(|w| w.boxes.clone()).collect();
+    host.waves.extend(trimmed);
+    let solved = queue_and_finish(g, tuning, ws, input, patches, host, planned, sink);
+    host.waves.truncate(planned);
+    solved.map(|()| boxes)
+}
+
+/// Queues the waves of `host` from `first` on, then finishes them.
+#[allow(clippy::too_many_arguments)]
+fn queue_and_finish<'a>(
+    g: Gpu<'a>,
+    tuning: &Tuning,
+    ws: &mut Workspace,
+    input: &FrameInput<'_>,
+    patches: &[&'a Patch],
+    host: &FrameHost,
+    first: usize,
+    sink: &mut Sink<'_>,
+) -> Result<()> {
+    let mut queued = Vec::with_capacity(host.waves.len() - first);
+    for wi in first..host.waves.len() {
+        queued.push(solve::queue_wave(g, tuning, ws, input, patches, host, wi)?);
+    }
+    // the call's progress counted these patches once already
+    let silent = Progress::silent();
+    let mut again = Sink {
+        results: &mut *sink.results,
+        last_mark: &mut *sink.last_mark,
+        timings: &mut *sink.timings,
+        progress: &silent,
+    };
+    for q in queued {
+        solve::finish_wave(g, ws, input, host, q, &mut again)?;
+    }
+    Ok(())
+}
+
+/// Wave `w` cut down to its patches from the first to the last of `changed` (sorted), None if
+/// it holds none. Its tables still start at the wave's first bundle and first model box (the
+/// kernels count spots and box offsets `boxoff` from there); its boxes end with its last
+/// patch's, of `npixels` pixels.
+fn trim(
+    w: &Wave,
+    changed: &[usize],
+    npixels: impl Fn(usize) -> usize,
+    boxoff: &[i64],
+) -> Option<Wave> {
+    let i = changed.partition_point(|&li| li < w.live.start);
+    let j = changed.partition_point(|&li| li < w.live.end);
+    if i == j {
+        return None;
+    }
+    let (first, last) = (changed[i], changed[j - 1]);
+    let end = w.boxes.start + boxoff[last] as usize + npixels(last);
+    Some(Wave {
+        live: first..last + 1,
+        slots: w.slots.clone(),
+        boxes: w.boxes.start..end,
+        traced: Vec::new(),
+        strips: Vec::new(),
+    })
+}
+
+/// The live patches of `candidates` that the device solved: the CPU reference tested those
+/// it solved itself (their `rejected` is set).
+fn on_device(frame: &Frame, results: &[Option<PatchResult>], candidates: Vec<usize>) -> Vec<usize> {
+    candidates
+        .into_iter()
+        .filter(|&li| {
+            results[frame.ci[li]]
+                .as_ref()
+                .is_some_and(|r| r.rejected.is_empty())
+        })
+        .collect()
+}
+
+fn pixmask_of(results: &[Option<PatchResult>], ci: usize) -> Vec<f64> {
+    results[ci]
+        .as_ref()
+        .map_or_else(Vec::new, |r| r.pixmask_fraction.clone())
+}
+
+/// The fraction of each core spot that rejection took: the masked fraction now less the one
+/// before (zero where a patch has no fraction before, one without pixels).
+fn lost(now: &[f64], before: &[f64]) -> Vec<f64> {
+    now.iter()
+        .enumerate()
+        .map(|(i, a)| before.get(i).map_or(0.0, |b| (a - b).max(0.0)))
+        .collect()
+}
+
+/// The live patches of a frame as the test sees them.
+struct Frame<'f> {
+    /// Position in the frame's results, per live patch.
+    ci: Vec<usize>,
+    /// Start of each live patch's box in the frame-sized arrays.
+    at: Vec<usize>,
+    /// Each live patch's box: its rows and columns of the CCD.
+    boxes: Vec<(Range<usize>, Range<usize>)>,
+    image: &'f Image,
+}
+
+impl<'f> Frame<'f> {
+    fn new(host: &FrameHost, image: &'f Image) -> Self {
+        let mut at = vec![0; host.live.len()];
+        for w in &host.waves {
+            for li in w.live.clone() {
+                at[li] = w.boxes.start + host.boxoff[li] as usize;
+            }
+        }
+        Frame {
+            ci: host.live.iter().map(|l| l.0).collect(),
+            at,
+            boxes: host
+                .live
+                .iter()
+                .map(|l| (l.1.rows.clone(), l.1.cols.clone()))
+                .collect(),
+            image,
+        }
+    }
+
+    /// The outliers of live patch `li` (box pixel indices) against the model boxes `fit`,
+    /// testing the pixels `core` flags and not those `rejected` already.
+    fn outliers(
+        &self,
+        li: usize,
+        arrays: (&[f64], &[u8], &[u8]),
+        limits: (f64, f64),
+    ) -> Vec<usize> {
+        let (fit, core, rejected) = arrays;
+        let (rows, cols) = self.boxes[li].clone();
+        let (len, width) = (rows.len() * cols.len(), cols.len());
+        let at = self.at[li];
+        let window = ndarray::s![rows, cols];
+        let pix: Vec<f64> = self
+            .image
+            .pix
+            .slice(window)
+            .iter()
+            .map(|&v| v as f64)
+            .collect();
+        let ivar: Vec<f64> = self
+            .image
+            .ivar
+            .slice(window)
+            .iter()
+            .zip(&rejected[at..at + len])
+            .map(|(&v, &r)| if r != 0 { 0.0 } else { v as f64 })
+            .collect();
+        let tested: Vec<bool> = core[at..at + len].iter().map(|&c| c != 0).collect();
+        find_outliers(&pix, &ivar, &fit[at..at + len], &tested, width, limits)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A wave is solved again from its first to its last changed patch, its tables still from
+    /// its first bundle and model box; a wave without changed patches is not.
+    #[test]
+    fn a_wave_is_solved_again_over_its_changed_patches() {
+        // patches of 10 pixels; the wave holds patches 4-7, its boxes from 100 on
+        let w = Wave {
+            live: 4..8,
+            slots: 1..3,
+            boxes: 100..140,
+            ..Wave::default()
+        };
+        let boxoff = [0, 10, 20, 30, 0, 10, 20, 30];
+        let cut = trim(&w, &[1, 5, 6, 9], |_| 10, &boxoff).expect("holds 5 and 6");
+        assert_eq!((cut.live, cut.slots, cut.boxes), (5..7, 1..3, 100..130));
+        let cut = trim(&w, &[7], |_| 10, &boxoff).expect("holds 7");
+        assert_eq!((cut.live, cut.boxes), (7..8, 100..140));
+        assert!(trim(&w, &[0, 3, 8], |_| 10, &boxoff).is_none());
+        assert!(trim(&w, &[], |_| 10, &boxoff).is_none());
+    }
+
+    /// The fraction lost is the growth of the masked fraction, none for a patch without one
+    /// before.
+    #[test]
+    fn rejection_takes_the_growth_of_the_masked_fraction() {
+        assert_eq!(
+            lost(&[0.5, 0.25, 0.0], &[0.25, 0.25, 0.0]),
+            [0.25, 0.0, 0.0]
+        );
+        assert_eq!(lost(&[1.0, 1.0], &[]), [0.0, 0.0]);
+    }
+}

@@ -1,0 +1,90 @@
+//! Outlier rejection on the GPU (`--gpu --reject-outliers`) against the CPU's: the bundle of
+//! `science::outlier_rejection_removes_unmasked_cosmics`, its cosmic-ray tracks all left out
+//! of the MASK, extracted by both backends.
+
+use spex::frame::Frame;
+use spex::outliers;
+
+use super::{assert_agree, backend, say};
+use crate::science::{cosmic_preproc, solve_on};
+use spex::backend::cpu::CpuBackend;
+use spex::compare::{self, Truth};
+
+/// Bins flagged as having lost pixels to rejection.
+fn flagged(frame: &Frame) -> usize {
+    frame
+        .mask
+        .iter()
+        .filter(|&&m| m & outliers::REJECTED != 0)
+        .count()
+}
+
+/// The GPU rejects the CPU's pixels in the CPU's patches, with as many extra solves, flags
+/// the same bins and agrees with the CPU's flux, ivar, resolution, chi2pix and model as
+/// without rejection; bins with |pull| > 5 drop 10x as on the CPU. The two backends' models
+/// differ by rounding (about 1e-12 relative), so a pixel flips only if its pull lies within
+/// about 1e-10 sigma of a threshold (5 or 2): with 1e5 tested pixels, a chance below 1e-4, so
+/// the counts must be equal. Without tracks the GPU rejects no more than the CPU.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn gpu_rejects_the_pixels_the_cpu_rejects() {
+    let dir = tempfile::tempdir().unwrap();
+    let (hit, truth_path) = cosmic_preproc(dir.path(), "unmasked", 3000.0, 1.0);
+    let truth = Truth::read(&truth_path, None).unwrap();
+    let mut gpu = backend();
+    let mut cpu = CpuBackend::new(2).unwrap();
+    let (plain, _) = solve_on(&mut gpu, &hit, None, false);
+    let (g_frame, g) = solve_on(&mut gpu, &hit, Some(5.0), true);
+    let (c_frame, c) = solve_on(&mut cpu, &hit, Some(5.0), true);
+    let count = |r: &[spex::extract::PatchResult]| -> (usize, usize, usize) {
+        (
+            r.iter().map(|r| r.nrejected).sum(),
+            r.iter().filter(|r| r.nresolves > 0).count(),
+            r.iter().map(|r| r.nresolves).sum(),
+        )
+    };
+    say(&format!(
+        "rejection: GPU {:?} CPU {:?} (pixels, patches solved again, extra solves); bins flagged GPU {} CPU {}",
+        count(&g),
+        count(&c),
+        flagged(&g_frame),
+        flagged(&c_frame)
+    ));
+    assert!(
+        count(&c).0 > 0,
+        "the CPU rejected nothing: the case lost its tracks"
+    );
+    for (a, b) in g.iter().zip(&c) {
+        assert_eq!(
+            (a.patch, a.nrejected, a.nresolves),
+            (b.patch, b.nrejected, b.nresolves),
+            "patch {}: rejected pixels and extra solves",
+            b.patch
+        );
+        assert_eq!(a.rejected.len(), b.rejected.len(), "patch {}", b.patch);
+        for (x, y) in a.rejected.iter().zip(&b.rejected) {
+            assert!((x - y).abs() <= 1e-9, "patch {}: lost {x} vs {y}", b.patch);
+        }
+    }
+    assert_eq!(g_frame.mask, c_frame.mask, "MASK of the two backends");
+    assert_agree(&g, &c);
+
+    let before = compare::pulls(&plain, &truth).unwrap();
+    let after = compare::pulls(&g_frame, &truth).unwrap();
+    say(&format!(
+        "GPU |pull| > 5: {} without rejection, {} with",
+        before.over5, after.over5
+    ));
+    assert!(before.over5 >= 50, "{before}");
+    assert!(10 * after.over5 <= before.over5, "{after}");
+
+    let (quiet, _) = cosmic_preproc(dir.path(), "quiet", 0.0, 0.0);
+    let (_, g) = solve_on(&mut gpu, &quiet, Some(5.0), false);
+    let (_, c) = solve_on(&mut cpu, &quiet, Some(5.0), false);
+    say(&format!(
+        "no tracks: GPU {:?} CPU {:?}",
+        count(&g),
+        count(&c)
+    ));
+    assert!(count(&g).0 <= count(&c).0);
+}
