@@ -433,20 +433,14 @@ impl CudaBackend {
             timings,
             progress,
         };
+        if let Some(nsigma) = input.options.reject_outliers {
+            let tuning = &self.tuning;
+            return reject::finish_frame(
+                gpu, tuning, ws, input, patches, host, nsigma, queued, &mut sink,
+            );
+        }
         for q in queued {
             solve::finish_wave(gpu, ws, input, host, q, &mut sink)?;
-        }
-        if let Some(nsigma) = input.options.reject_outliers {
-            reject::resolve(
-                gpu,
-                &self.tuning,
-                ws,
-                input,
-                patches,
-                host,
-                nsigma,
-                &mut sink,
-            )?;
         }
         Ok(())
     }

@@ -352,6 +352,13 @@ pub(crate) struct Queued<'a> {
     clock: PhaseClock<'a>,
 }
 
+impl Queued<'_> {
+    /// The wave it solves, in its frame's `waves`.
+    pub(crate) fn wave(&self) -> usize {
+        self.wave
+    }
+}
+
 /// The frame's image as the kernels index it: the whole CCD.
 fn region_of(input: &FrameInput<'_>) -> Region {
     Region {
