@@ -299,6 +299,7 @@ impl CudaBackend {
                 count,
                 xflux: x.ptr,
                 nkeep: nkeep.ptr,
+                only: 0,
             },
             kind,
             decorrelate::Scratch {

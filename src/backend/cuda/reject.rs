@@ -9,7 +9,9 @@
 //! weight zero in a flag per box pixel on the device (`rejected`), which the assembly and
 //! chi2pix read: in that patch only, since boxes overlap and the image is shared. The wave is
 //! then queued again behind the others, from its first to its last patch with new outliers
-//! (an unchanged patch between them gets the same result); its re-solve is tested in turn
+//! (an unchanged patch between them gets the same solution, so only the patches with new
+//! outliers are decorrelated again, unless `-m` projects each patch's decorrelated flux: the
+//! others' results stay in the frame's arrays); its re-solve is tested in turn
 //! once finished, and so on until a test finds no outlier or [`MAX_RESOLVES`] solves have
 //! been added, as on the CPU. Only patches with new outliers are tested after a re-solve; a
 //! patch the CPU reference solved (a failed or coupled one) was tested there already.
@@ -60,6 +62,12 @@ pub(crate) struct Boxes {
     core_back: Staging<u8>,
     /// The host's `rejected`, which the test reads and writes.
     rejected_host: Staging<u8>,
+    /// Per live patch, 1 where a wave solved again has new outliers: the patches it
+    /// decorrelates, and the host's copy.
+    changed: Slot<u8>,
+    changed_host: Staging<u8>,
+    /// The device address of the flags of the wave being queued, 0 when it decorrelates all.
+    only: u64,
 }
 
 impl Boxes {
@@ -74,6 +82,9 @@ impl Boxes {
             fit_back: pinned_later(&ctx),
             core_back: pinned_later(&ctx),
             rejected_host: pinned_later(&ctx),
+            changed: Slot::new("patches with new outliers"),
+            changed_host: pinned_later(&ctx),
+            only: 0,
         }
     }
 
@@ -81,6 +92,13 @@ impl Boxes {
     pub(crate) fn start(&mut self, on: bool) {
         self.on = on;
         self.pass = 0;
+    }
+
+    /// The patches the wave being queued decorrelates, 0 for all: a wave solved again for
+    /// outliers decorrelates only its patches with new outliers, since the others between
+    /// them get the same solution, whose results stay in the frame's arrays.
+    pub(crate) fn decorrelate_only(&self) -> u64 {
+        self.only
     }
 
     /// The device address of the wave's rejected-pixel flags, 0 (none) when rejection is off:
@@ -249,6 +267,9 @@ pub(crate) fn finish_frame<'a>(
     b.fit_back.get(total);
     b.core_back.get(total);
     b.rejected_host.get(total).fill(0);
+    let nlive = host.live.len();
+    b.changed.ensure(g.dev, nlive)?;
+    b.changed_host.get(nlive).fill(0);
     let mut done = vec![Done::default(); frame.ci.len()];
     let mut fifo: VecDeque<InFlight<'a>> = queued
         .into_iter()
@@ -405,9 +426,24 @@ fn queue_again<'a>(
     let Some(cut) = trim(&host.waves[wi], changed, npixels, &host.boxoff) else {
         return Ok(None);
     };
+    let b = &mut ws.reject;
+    // the model image (-m) projects each patch's decorrelated flux again
+    if !input.options.model {
+        let flags = b.changed_host.current_mut(host.live.len());
+        let live = cut.live.clone();
+        flags[live.clone()].fill(0);
+        for &li in changed {
+            flags[li] = 1;
+        }
+        // read by this re-solve only: the wave's next one is queued once this one is finished
+        htod_at(g.dev, b.changed.get(), &flags[live.clone()], live.start)?;
+        b.only = b.changed.get().at(live.start);
+    }
     host.waves.push(cut);
     let again = host.waves.len() - 1;
-    solve::queue_wave(g, tuning, ws, input, patches, host, again).map(Some)
+    let queued = solve::queue_wave(g, tuning, ws, input, patches, host, again);
+    ws.reject.only = 0;
+    queued.map(Some)
 }
 
 /// Wave `w` cut down to its patches from the first to the last of `changed` (sorted), None if

@@ -140,6 +140,7 @@ fn decorrelate_wave(
             count: nblocks,
             xflux: ws.x.get().ptr,
             nkeep: ws.view.nkeep,
+            only: ws.reject.decorrelate_only(),
         },
         kind,
         Scratch {
