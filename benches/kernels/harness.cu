@@ -300,7 +300,7 @@ struct Launches {
         CK(cudaMemset(b.steps, 0, count * 4));
         polar_f64<<<count, 4 * tiles(), polar_smem()>>>(
             b.sblocks, 0, factored, b.x, b.nkeep, sh.n, sh.m(), sh.ncore, sh.wavepad, sh.nws, sh.ndiag,
-            1e-7, 40, b.pbuf, b.flux, b.ivar, b.res, b.fluxcol, b.steps, nullptr);
+            1e-7, 40, b.pbuf, b.flux, b.ivar, b.res, b.fluxcol, b.steps, nullptr, nullptr);
     }
 };
 

@@ -38,6 +38,9 @@ pub(crate) struct CoreIn {
     pub count: usize,
     pub xflux: u64,
     pub nkeep: u64,
+    /// A flag per patch, 0 for a patch whose results stay as they are (a patch solved again
+    /// for outliers that rejected none), or 0 for none such.
+    pub only: u64,
 }
 
 /// Spots evaluated by one block, one per warp.
@@ -270,7 +273,8 @@ pub(crate) fn polar(
             .ptr(out.res)
             .ptr(out.fluxcol)
             .ptr(steps.ptr)
-            .ptr(qout),
+            .ptr(qout)
+            .ptr(input.only),
     )
 }
 
@@ -319,7 +323,8 @@ pub(crate) fn jacobi(
             .ptr(out.fluxcol)
             .ptr(sweeps.ptr)
             .ptr(qout)
-            .ptr(only_failed.map_or(0, |b| b.ptr)),
+            .ptr(only_failed.map_or(0, |b| b.ptr))
+            .ptr(input.only),
     )
 }
 

@@ -299,6 +299,7 @@ impl CudaBackend {
                 count,
                 xflux: x.ptr,
                 nkeep: nkeep.ptr,
+                only: 0,
             },
             kind,
             decorrelate::Scratch {
@@ -433,20 +434,14 @@ impl CudaBackend {
             timings,
             progress,
         };
+        if let Some(nsigma) = input.options.reject_outliers {
+            let tuning = &self.tuning;
+            return reject::finish_frame(
+                gpu, tuning, ws, input, patches, host, nsigma, queued, &mut sink,
+            );
+        }
         for q in queued {
             solve::finish_wave(gpu, ws, input, host, q, &mut sink)?;
-        }
-        if let Some(nsigma) = input.options.reject_outliers {
-            reject::resolve(
-                gpu,
-                &self.tuning,
-                ws,
-                input,
-                patches,
-                host,
-                nsigma,
-                &mut sink,
-            )?;
         }
         Ok(())
     }

@@ -3,16 +3,20 @@
 //!
 //! Each wave keeps, beside its results, the model `A xflux` of each patch over its box (the
 //! finalize step projects it for chi2pix) and, in the first pass, a flag per box pixel that
-//! the test looks at (`core_pixels` in kernels/reject.cu). Once every wave is done the host
-//! copies the models back, tests the patches with [`find_outliers`] against the frame's image
-//! and gives the outliers weight zero in a flag per box pixel on the device (`rejected`),
-//! which the assembly and chi2pix read: in that patch only, since boxes overlap and the image
-//! is shared. The waves that hold a patch with new outliers are queued again, all of their
-//! patches solved from scratch (an unchanged patch gets the same result), and so on until a
-//! pass finds no outlier or [`MAX_RESOLVES`] solves have been added, as on the CPU. Only
-//! patches with new outliers are tested in the next pass; a patch the CPU reference solved
-//! (a failed or coupled one) was tested there already.
+//! the test looks at (`core_pixels` in kernels/reject.cu). As soon as a wave is finished
+//! (while the device runs the waves queued after it) the host copies its model boxes back,
+//! tests its patches with [`find_outliers`] against the frame's image and gives the outliers
+//! weight zero in a flag per box pixel on the device (`rejected`), which the assembly and
+//! chi2pix read: in that patch only, since boxes overlap and the image is shared. The wave is
+//! then queued again behind the others, from its first to its last patch with new outliers
+//! (an unchanged patch between them gets the same solution, so only the patches with new
+//! outliers are decorrelated again, unless `-m` projects each patch's decorrelated flux: the
+//! others' results stay in the frame's arrays); its re-solve is tested in turn
+//! once finished, and so on until a test finds no outlier or [`MAX_RESOLVES`] solves have
+//! been added, as on the CPU. Only patches with new outliers are tested after a re-solve; a
+//! patch the CPU reference solved (a failed or coupled one) was tested there already.
 
+use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
@@ -26,7 +30,7 @@ use super::device::Device;
 use super::error;
 use super::kernels;
 use super::launchers::Gpu;
-use super::solve::{self, Sink};
+use super::solve::{self, Queued, Sink};
 use super::staging::Staging;
 use super::tables::{FrameHost, Wave};
 use super::tuning::Tuning;
@@ -56,6 +60,14 @@ pub(crate) struct Boxes {
     /// Host copies of `fit` and `core` (pinned from the second frame on).
     fit_back: Staging<f64>,
     core_back: Staging<u8>,
+    /// The host's `rejected`, which the test reads and writes.
+    rejected_host: Staging<u8>,
+    /// Per live patch, 1 where a wave solved again has new outliers: the patches it
+    /// decorrelates, and the host's copy.
+    changed: Slot<u8>,
+    changed_host: Staging<u8>,
+    /// The device address of the flags of the wave being queued, 0 when it decorrelates all.
+    only: u64,
 }
 
 impl Boxes {
@@ -69,6 +81,10 @@ impl Boxes {
             rejected: Slot::new("rejected pixels"),
             fit_back: pinned_later(&ctx),
             core_back: pinned_later(&ctx),
+            rejected_host: pinned_later(&ctx),
+            changed: Slot::new("patches with new outliers"),
+            changed_host: pinned_later(&ctx),
+            only: 0,
         }
     }
 
@@ -76,6 +92,13 @@ impl Boxes {
     pub(crate) fn start(&mut self, on: bool) {
         self.on = on;
         self.pass = 0;
+    }
+
+    /// The patches the wave being queued decorrelates, 0 for all: a wave solved again for
+    /// outliers decorrelates only its patches with new outliers, since the others between
+    /// them get the same solution, whose results stay in the frame's arrays.
+    pub(crate) fn decorrelate_only(&self) -> u64 {
+        self.only
     }
 
     /// The device address of the wave's rejected-pixel flags, 0 (none) when rejection is off:
@@ -143,6 +166,19 @@ fn zero_range(dev: &Device, b: &DevBuf<u8>, range: std::ops::Range<usize>) -> Re
     .map_err(error::driver("cuMemsetD8Async"))
 }
 
+/// Copies the flags `host` into `b` from index `at` on, on the compute stream. The host
+/// buffer (pinned from the second frame on) keeps these values until the stream has passed
+/// the copy: the wave's flags change only once its next solve is finished.
+fn htod_at(dev: &Device, b: &DevBuf<u8>, host: &[u8], at: usize) -> Result<()> {
+    assert!(at + host.len() <= b.len);
+    if host.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: the range lies inside the allocation; see above for the host buffer.
+    unsafe { cudarc::driver::result::memcpy_htod_async(b.at(at), host, dev.cu_stream()) }
+        .map_err(error::driver("copy of the rejected pixels to the device"))
+}
+
 /// After chi2pix: keeps the wave's model values (`A xflux`, in `ws.model`) for the test, those
 /// from `skip` to `len` (a wave solved again may start after its boxes' first patch) and, in
 /// the first pass, flags the pixels the test looks at.
@@ -191,14 +227,27 @@ pub(crate) fn keep_fit(
 struct Done {
     nrejected: usize,
     nresolves: usize,
+    /// The masked fraction of each core spot after the first solve.
+    before: Vec<f64>,
 }
 
-/// The passes after the first solve of a frame whose waves are all finished (`sink` holds
-/// their results): test, flag, solve again the waves with new outliers, at most
-/// [`MAX_RESOLVES`] times; then each device-solved patch's rejection counts and the fraction
-/// of each core spot it lost, as the CPU path sets them.
+/// A wave queued on the device and what its results go through once finished.
+struct InFlight<'a> {
+    queued: Queued<'a>,
+    /// Re-solves its patches had before it (0: the frame's first solve).
+    pass: usize,
+    /// The live patches with new outliers it solves again (all of the wave in the first pass).
+    tested: Vec<usize>,
+}
+
+/// Finishes the frame's `queued` waves (the first solve of each) and solves again, as soon as
+/// a wave is finished, its patches with new outliers: the host tests a wave's model boxes
+/// while the device runs the waves queued after it, and queues its re-solve behind them, so
+/// that the device never waits for the test of the whole frame. A patch is tested after each
+/// of its solves but the last of [`MAX_RESOLVES`] re-solves, as on the CPU; then each
+/// device-solved patch gets its rejection counts and the fraction of each core spot it lost.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn resolve<'a>(
+pub(crate) fn finish_frame<'a>(
     g: Gpu<'a>,
     tuning: &Tuning,
     ws: &mut Workspace,
@@ -206,133 +255,93 @@ pub(crate) fn resolve<'a>(
     patches: &[&'a Patch],
     host: &mut FrameHost,
     nsigma: f64,
+    queued: Vec<Queued<'a>>,
     sink: &mut Sink<'_>,
 ) -> Result<()> {
-    if host.live.is_empty() {
-        return Ok(());
-    }
-    let t0 = Instant::now();
+    let planned = host.waves.len();
     let frame = Frame::new(host, input.image);
     let total = host.box_total;
-    let mut rejected = vec![0u8; total];
     let b = &mut ws.reject;
-    g.dev
-        .copy_from(b.core_back.get(total), b.core.get(), 0, "tested pixels")?;
-    g.dev
-        .copy_from(b.fit_back.get(total), b.fit.get(), 0, "model boxes")?;
-    let before: Vec<Vec<f64>> = frame
-        .ci
-        .iter()
-        .map(|&ci| pixmask_of(sink.results, ci))
-        .collect();
+    // every first solve is queued: the waves queued from now on are solved again
+    b.pass = 1;
+    b.fit_back.get(total);
+    b.core_back.get(total);
+    b.rejected_host.get(total).fill(0);
+    let nlive = host.live.len();
+    b.changed.ensure(g.dev, nlive)?;
+    b.changed_host.get(nlive).fill(0);
     let mut done = vec![Done::default(); frame.ci.len()];
-    let mut active = on_device(&frame, sink.results, (0..frame.ci.len()).collect());
+    let mut fifo: VecDeque<InFlight<'a>> = queued
+        .into_iter()
+        .map(|q| {
+            let tested = host.waves[q.wave()].live.clone().collect();
+            InFlight {
+                queued: q,
+                pass: 0,
+                tested,
+            }
+        })
+        .collect();
     let limits = (nsigma, input.options.psferr);
-    let mut test_ms = 0.0;
-    // the model boxes solved again since the last copy
-    let mut stale: Vec<Range<usize>> = Vec::new();
-    for _ in 0..MAX_RESOLVES {
-        if active.is_empty() {
-            break;
+    let (mut test_ms, mut queue_ms) = (0.0, 0.0);
+    while let Some(f) = fifo.pop_front() {
+        let wi = f.queued.wave();
+        finish(g, ws, input, host, f.queued, sink, f.pass == 0)?;
+        if f.pass == 0 {
+            for li in f.tested.iter().copied() {
+                done[li].before = pixmask_of(sink.results, frame.ci[li]);
+            }
+        }
+        if f.pass == MAX_RESOLVES {
+            continue;
         }
         let t_test = Instant::now();
-        let b = &mut ws.reject;
-        let back = b.fit_back.current_mut(total);
-        for r in stale.drain(..) {
-            g.dev
-                .copy_from(&mut back[r.clone()], b.fit.get(), r.start, "model boxes")?;
-        }
-        g.dev.sync("model boxes of the outlier test")?;
-        let b = &ws.reject;
-        let arrays = (
-            b.fit_back.current(total),
-            b.core_back.current(total),
-            &rejected[..],
-        );
-        let found: Vec<(usize, Vec<usize>)> = active
-            .par_iter()
-            .map(|&li| (li, frame.outliers(li, arrays, limits)))
-            .filter(|(_, o)| !o.is_empty())
-            .collect();
-        for (li, outliers) in &found {
-            for &p in outliers {
-                rejected[frame.at[*li] + p] = 1;
-            }
-            done[*li].nrejected += outliers.len();
+        let tested = on_device(&frame, sink.results, f.tested);
+        let boxes = host.waves[wi].boxes.clone();
+        let changed = test_wave(g.dev, ws, &frame, &tested, boxes, f.pass == 0, limits)?;
+        for (li, n) in &changed {
+            done[*li].nrejected += n;
             done[*li].nresolves += 1;
         }
-        let changed: Vec<usize> = found.into_iter().map(|(li, _)| li).collect();
         test_ms += t_test.elapsed().as_secs_f64() * 1e3;
-        if changed.is_empty() {
-            break;
+        let changed: Vec<usize> = changed.into_iter().map(|(li, _)| li).collect();
+        let t_queue = Instant::now();
+        if let Some(again) = queue_again(g, tuning, ws, input, patches, host, wi, &changed)? {
+            fifo.push_back(InFlight {
+                queued: again,
+                pass: f.pass + 1,
+                tested: changed,
+            });
         }
-        g.dev
-            .copy_to(ws.reject.rejected.get(), &rejected, "rejected pixels")?;
-        ws.reject.pass += 1;
-        stale = solve_again(g, tuning, ws, input, patches, host, &changed, sink)?;
-        active = on_device(&frame, sink.results, changed);
+        queue_ms += t_queue.elapsed().as_secs_f64() * 1e3;
     }
+    host.waves.truncate(planned);
     for (li, d) in done.iter().enumerate() {
         let r = sink.results[frame.ci[li]].as_mut();
         if let Some(r) = r.filter(|r| r.rejected.is_empty()) {
-            r.rejected = lost(&r.pixmask_fraction, &before[li]);
+            r.rejected = lost(&r.pixmask_fraction, &d.before);
             (r.nrejected, r.nresolves) = (d.nrejected, d.nresolves);
         }
     }
     sink.timings.add("outlier test", test_ms);
-    let total_ms = t0.elapsed().as_secs_f64() * 1e3;
-    sink.timings.add("rejection", total_ms - test_ms);
+    sink.timings.add("rejection queue", queue_ms);
     Ok(())
 }
 
-/// Queues again the waves of the live patches `changed` (sorted), each from its first to its
-/// last changed patch, then finishes them: their results replace the ones before. Returns the
-/// ranges of model boxes solved again.
-#[allow(clippy::too_many_arguments)]
-fn solve_again<'a>(
-    g: Gpu<'a>,
-    tuning: &Tuning,
+/// Finishes a queued wave into `sink`; a wave solved again adds no progress (its patches were
+/// counted by their first solve).
+fn finish(
+    g: Gpu<'_>,
     ws: &mut Workspace,
     input: &FrameInput<'_>,
-    patches: &[&'a Patch],
-    host: &mut FrameHost,
-    changed: &[usize],
-    sink: &mut Sink<'_>,
-) -> Result<Vec<Range<usize>>> {
-    let planned = host.waves.len();
-    let npixels = |li: usize| {
-        let g = &host.live[li].1;
-        g.rows.len() * g.cols.len()
-    };
-    let trimmed: Vec<Wave> = host
-        .waves
-        .iter()
-        .filter_map(|w| trim(w, changed, npixels, &host.boxoff))
-        .collect();
-    let boxes = trimmed.iter().map(|w| w.boxes.clone()).collect();
-    host.waves.extend(trimmed);
-    let solved = queue_and_finish(g, tuning, ws, input, patches, host, planned, sink);
-    host.waves.truncate(planned);
-    solved.map(|()| boxes)
-}
-
-/// Queues the waves of `host` from `first` on, then finishes them.
-#[allow(clippy::too_many_arguments)]
-fn queue_and_finish<'a>(
-    g: Gpu<'a>,
-    tuning: &Tuning,
-    ws: &mut Workspace,
-    input: &FrameInput<'_>,
-    patches: &[&'a Patch],
     host: &FrameHost,
-    first: usize,
+    q: Queued<'_>,
     sink: &mut Sink<'_>,
+    first: bool,
 ) -> Result<()> {
-    let mut queued = Vec::with_capacity(host.waves.len() - first);
-    for wi in first..host.waves.len() {
-        queued.push(solve::queue_wave(g, tuning, ws, input, patches, host, wi)?);
+    if first {
+        return solve::finish_wave(g, ws, input, host, q, sink);
     }
-    // the call's progress counted these patches once already
     let silent = Progress::silent();
     let mut again = Sink {
         results: &mut *sink.results,
@@ -340,10 +349,101 @@ fn queue_and_finish<'a>(
         timings: &mut *sink.timings,
         progress: &silent,
     };
-    for q in queued {
-        solve::finish_wave(g, ws, input, host, q, &mut again)?;
+    solve::finish_wave(g, ws, input, host, q, &mut again)
+}
+
+/// Tests the live patches `tested` of a finished wave whose model boxes are `boxes`: copies
+/// the boxes back (and in the `first` pass the flags of the tested pixels) on the stream of
+/// the copies back, which the wave's finish has taken past its finalize; flags the outliers
+/// on the host and, on the compute stream, the wave's boxes on the device. Returns the patches
+/// with new outliers and how many, in the order of `tested`.
+fn test_wave(
+    dev: &Device,
+    ws: &mut Workspace,
+    frame: &Frame<'_>,
+    tested: &[usize],
+    boxes: Range<usize>,
+    first: bool,
+    limits: (f64, f64),
+) -> Result<Vec<(usize, usize)>> {
+    if tested.is_empty() {
+        return Ok(Vec::new());
     }
-    Ok(())
+    let (b, total) = (&mut ws.reject, frame.total);
+    let r = boxes.clone();
+    dev.copy_back(
+        &mut b.fit_back.current_mut(total)[r.clone()],
+        b.fit.get(),
+        r.start,
+        "model boxes",
+    )?;
+    if first {
+        let core = &mut b.core_back.current_mut(total)[r.clone()];
+        dev.copy_back(core, b.core.get(), r.start, "tested pixels")?;
+    }
+    dev.sync_back()?;
+    let arrays = (
+        b.fit_back.current(total),
+        b.core_back.current(total),
+        b.rejected_host.current(total),
+    );
+    let found: Vec<(usize, Vec<usize>)> = tested
+        .par_iter()
+        .map(|&li| (li, frame.outliers(li, arrays, limits)))
+        .filter(|(_, o)| !o.is_empty())
+        .collect();
+    if found.is_empty() {
+        return Ok(Vec::new());
+    }
+    let flags = b.rejected_host.current_mut(total);
+    for (li, outliers) in &found {
+        for &p in outliers {
+            flags[frame.at[*li] + p] = 1;
+        }
+    }
+    // the wave's next solve, queued after this copy, is the first to read its boxes' flags
+    htod_at(dev, b.rejected.get(), &flags[r.clone()], r.start)?;
+    Ok(found.into_iter().map(|(li, o)| (li, o.len())).collect())
+}
+
+/// Queues again wave `wi` of `host` over its live patches `changed` (sorted), from the first
+/// to the last (None if there are none): a wave of its own, appended to `host.waves`.
+#[allow(clippy::too_many_arguments)]
+fn queue_again<'a>(
+    g: Gpu<'a>,
+    tuning: &Tuning,
+    ws: &mut Workspace,
+    input: &FrameInput<'_>,
+    patches: &[&'a Patch],
+    host: &mut FrameHost,
+    wi: usize,
+    changed: &[usize],
+) -> Result<Option<Queued<'a>>> {
+    let npixels = |li: usize| {
+        let g = &host.live[li].1;
+        g.rows.len() * g.cols.len()
+    };
+    let Some(cut) = trim(&host.waves[wi], changed, npixels, &host.boxoff) else {
+        return Ok(None);
+    };
+    let b = &mut ws.reject;
+    // the model image (-m) projects each patch's decorrelated flux again
+    if !input.options.model {
+        let flags = b.changed_host.current_mut(host.live.len());
+        let live = cut.live.clone();
+        flags[live.clone()].fill(0);
+        for &li in changed {
+            flags[li] = 1;
+        }
+        // read by this re-solve only: the wave's next one is queued once this one is finished
+        htod_at(g.dev, b.changed.get(), &flags[live.clone()], live.start)?;
+        b.only = b.changed.get().at(live.start);
+    }
+    host.waves.push(cut);
+    let again = host.waves.len() - 1;
+    let queued = solve::queue_wave(g, tuning, ws, input, patches, host, again);
+    ws.reject.only = 0;
+    queued.map(Some)
 }
 
 /// Wave `w` cut down to its patches from the first to the last of `changed` (sorted), None if
@@ -406,6 +506,8 @@ struct Frame<'f> {
     ci: Vec<usize>,
     /// Start of each live patch's box in the frame-sized arrays.
     at: Vec<usize>,
+    /// Values in the frame-sized arrays.
+    total: usize,
     /// Each live patch's box: its rows and columns of the CCD.
     boxes: Vec<(Range<usize>, Range<usize>)>,
     image: &'f Image,
@@ -422,6 +524,7 @@ impl<'f> Frame<'f> {
         Frame {
             ci: host.live.iter().map(|l| l.0).collect(),
             at,
+            total: host.box_total,
             boxes: host
                 .live
                 .iter()

@@ -35,7 +35,7 @@ use super::launchers::{self, CoreIn, CoreOut, Gpu, TILE_MAX_ORDER};
 use super::results::{self, Back, FallbackReason};
 use super::schur;
 use super::shape::Shape;
-use super::tables::{FrameHost, Layout};
+use super::tables::{FrameHost, Layout, Live};
 use super::timings::{GpuTimings, PhaseClock};
 use super::tuning::{Solve, Tuning};
 use super::workspace::{Region, Workspace};
@@ -140,6 +140,7 @@ fn decorrelate_wave(
             count: nblocks,
             xflux: ws.x.get().ptr,
             nkeep: ws.view.nkeep,
+            only: ws.reject.decorrelate_only(),
         },
         kind,
         Scratch {
@@ -352,6 +353,13 @@ pub(crate) struct Queued<'a> {
     clock: PhaseClock<'a>,
 }
 
+impl Queued<'_> {
+    /// The wave it solves, in its frame's `waves`.
+    pub(crate) fn wave(&self) -> usize {
+        self.wave
+    }
+}
+
 /// The frame's image as the kernels index it: the whole CCD.
 fn region_of(input: &FrameInput<'_>) -> Region {
     Region {
@@ -471,7 +479,6 @@ pub(crate) fn finish_wave(
         } => {
             let coupling = ws.coupling_back.current(n);
             let (fact, c) = schur::outcome(&q.live, sweeps, coupling, capacity, coupling_max);
-            t.coupled += c.patches;
             t.max_coupling = t.max_coupling.max(c.largest);
             (fact, c.patches)
         }
@@ -481,7 +488,6 @@ pub(crate) fn finish_wave(
         }
     };
     t.retried += fact.retried;
-    t.cpu_fallback += fact.to_cpu.len();
     t.polar_blocks += counts.polar;
     t.polar_fallback += counts.fallback;
     t.max_polar_steps = t.max_polar_steps.max(counts.max_steps);
@@ -496,10 +502,16 @@ pub(crate) fn finish_wave(
     let solved = results::unpack(sh, &q.live, live, boxoff, &back, &fact, model, reg);
     // schur::outcome lists the coupled patches after the failed ones
     let (failed, coupled) = fact.to_cpu.split_at(fact.to_cpu.len() - coupled);
+    let (failed, coupled) = (
+        not_on_cpu_yet(failed, live, sink),
+        not_on_cpu_yet(coupled, live, sink),
+    );
+    sink.timings.cpu_fallback += failed.len() + coupled.len();
+    sink.timings.coupled += coupled.len();
     let fallback =
         |ids, why| results::cpu_fallback(input, sh, &q.live, live, &host.bundles, ids, why);
-    let failed = fallback(failed, FallbackReason::FailedTwice);
-    let coupled = fallback(coupled, FallbackReason::Coupled);
+    let failed = fallback(&failed, FallbackReason::FailedTwice);
+    let coupled = fallback(&coupled, FallbackReason::Coupled);
     for (ci, r) in solved.into_iter().chain(failed).chain(coupled) {
         sink.results[ci] = Some(r);
     }
@@ -507,6 +519,21 @@ pub(crate) fn finish_wave(
         .add("host results", t_res.elapsed().as_secs_f64() * 1e3);
     sink.progress.add(n);
     Ok(())
+}
+
+/// The patches of `ids` (in the wave's `live`) that the CPU reference has not solved yet in
+/// this call: a wave solved again for outliers holds patches it solved (and tested for
+/// outliers: their `rejected` is set) the first time, whose result stands and which the log
+/// counts once.
+fn not_on_cpu_yet(ids: &[usize], live: &[Live], sink: &Sink<'_>) -> Vec<usize> {
+    ids.iter()
+        .copied()
+        .filter(|&i| {
+            sink.results[live[i].0]
+                .as_ref()
+                .is_none_or(|r| r.rejected.is_empty())
+        })
+        .collect()
 }
 
 #[cfg(test)]
