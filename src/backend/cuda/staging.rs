@@ -23,7 +23,8 @@ use crate::error::Result;
 
 /// A host buffer for transfers that becomes pinned in the background.
 pub(crate) struct Staging<T: Copy + Default + Send + 'static> {
-    ctx: Arc<CudaContext>,
+    /// The context buffers are pinned in; without one (host-side tests) they stay pageable.
+    ctx: Option<Arc<CudaContext>>,
     pinned: Option<PinnedBuf<T>>,
     pageable: Vec<T>,
     /// A pinning under way.
@@ -48,6 +49,16 @@ struct Pinning<T: Copy + Default> {
 
 impl<T: Copy + Default + Send + 'static> Staging<T> {
     pub(crate) fn new(ctx: Arc<CudaContext>) -> Self {
+        Self::in_context(Some(ctx))
+    }
+
+    /// A buffer that stays pageable, for the host-side tests of what fills it.
+    #[cfg(test)]
+    pub(crate) fn pageable() -> Self {
+        Self::in_context(None)
+    }
+
+    fn in_context(ctx: Option<Arc<CudaContext>>) -> Self {
         Staging {
             ctx,
             pinned: None,
@@ -147,7 +158,9 @@ impl<T: Copy + Default + Send + 'static> Staging<T> {
     /// Starts pinning a buffer of `len` values on a thread of its own.
     fn pin_later(&mut self, len: usize, early: bool) {
         let len = len.max(self.pin_at_least);
-        let ctx = self.ctx.clone();
+        let Some(ctx) = self.ctx.clone() else {
+            return;
+        };
         let thread = std::thread::spawn(move || {
             ctx.bind_to_thread()
                 .map_err(error::driver("cannot bind the CUDA context"))?;

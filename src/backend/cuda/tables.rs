@@ -49,6 +49,17 @@ impl Uploads {
         }
     }
 
+    /// Buffers that stay pageable, for the host-side tests of the tables.
+    #[cfg(test)]
+    pub(crate) fn pageable() -> Self {
+        Uploads {
+            strips: [Staging::pageable(), Staging::pageable()],
+            in_flight: [None, None],
+            reals: Staging::pageable(),
+            ints: Staging::pageable(),
+        }
+    }
+
     /// Lets the buffers be pinned in the background from their next use on, each as large as
     /// the largest asked for so far.
     pub(crate) fn allow_pinning(&mut self) {
@@ -169,6 +180,8 @@ pub(crate) struct FrameHost {
     pub(crate) pageable: bool,
     /// Host time spent preparing the frame, milliseconds.
     pub(crate) prep_ms: f64,
+    /// The part of it spent on traces, milliseconds.
+    pub(crate) trace_ms: f64,
 }
 
 impl FrameHost {
@@ -217,6 +230,7 @@ impl FrameHost {
             buffers,
             pageable,
             prep_ms: 0.0,
+            trace_ms: 0.0,
         }
     }
 
@@ -247,6 +261,7 @@ impl FrameHost {
         let slots = slot(patches[range.start])..slot(patches[range.end - 1]) + 1;
         let traced = self.trace(input, sh, slots.clone());
         let t_traces = t0.elapsed().as_secs_f64() * 1e3;
+        self.trace_ms += t_traces;
         let live_start = self.live.len();
         self.lay_out(input, patches, sh, range);
         let live = live_start..self.live.len();
@@ -531,123 +546,5 @@ fn pack_columns(image: &ndarray::Array2<f32>, out: &mut [f32], cols: Range<usize
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn shape() -> Shape {
-        Shape {
-            nx: 3,
-            ny: 3,
-            nt: 4,
-            nws: 2,
-            wavepad: 1,
-            ncore: 2,
-            nblock: 3,
-            nfull: 10,
-            bundlesize: 4,
-            ndiag: 1,
-        }
-    }
-
-    /// Twelve live patches, four per bundle slot 0, 1 and 2, with boxes of 2 x (1 + i) pixels
-    /// at rows 10 + i.
-    fn live() -> Vec<Live> {
-        (0..12)
-            .map(|i| {
-                let g = PatchGeometry {
-                    rows: 10 + i..12 + i,
-                    cols: 0..1 + i,
-                    block_fibers: if i % 2 == 0 {
-                        vec![1, 2]
-                    } else {
-                        vec![0, 1, 2]
-                    },
-                    npad: 1,
-                    wave0: i,
-                    nwavetot: 4,
-                };
-                (20 + i, g, i / 4)
-            })
-            .collect()
-    }
-
-    #[test]
-    fn quarter_waves_first_and_last_equal_ones_between() {
-        // a full frame in waves of at most 800, and of what a 4 GB budget alone allows
-        assert_eq!(
-            wave_lengths(4700, 800),
-            [200, 717, 717, 717, 717, 716, 716, 200]
-        );
-        assert_eq!(wave_lengths(4700, 1567), [392, 1306, 1305, 1305, 392]);
-        // a call of at most a wave and a quarter: a quarter, then the rest
-        assert_eq!(wave_lengths(235, 1567), [59, 176]);
-        assert_eq!(wave_lengths(1000, 800), [200, 800]);
-        assert_eq!(wave_lengths(1, 1567), [1]);
-        assert!(wave_lengths(0, 10).is_empty());
-        for (n, size) in [
-            (4700, 1567),
-            (4700, 10_000),
-            (11, 10),
-            (1, 1),
-            (7, 3),
-            (2, 9),
-        ] {
-            let l = wave_lengths(n, size);
-            assert_eq!(l.iter().sum::<usize>(), n, "{n} in waves of {size}");
-            assert!(l.iter().all(|&x| x > 0 && x <= size), "{l:?}");
-            let quarter = n.min(size).div_ceil(4);
-            assert!(l[0] <= quarter);
-            let middle = &l[1..l.len() - usize::from(l.len() > 2)];
-            let spread = middle.iter().max().unwrap_or(&0) - middle.iter().min().unwrap_or(&0);
-            assert!(spread <= 1, "{l:?}");
-        }
-    }
-
-    #[test]
-    fn first_spots_count_from_the_waves_first_bundle() {
-        let (sh, live) = (shape(), live());
-        // the patches of slot 1 in a wave that starts at slot 1
-        let mut first = vec![0; 4 * sh.nblock];
-        fill_first_spots(&live[4..8], &sh, 1, &mut first);
-        // patch 4: two blocks, one leading -1; fiber f at f * nfull + wave0 within the wave
-        assert_eq!(first[..3], [-1, 10 + 4, 2 * 10 + 4]);
-        // patch 5: three blocks
-        assert_eq!(first[3..6], [5, 10 + 5, 2 * 10 + 5]);
-        // the same patches in a wave that starts at slot 0: one bundle further
-        fill_first_spots(&live[4..8], &sh, 0, &mut first);
-        assert_eq!(first[3..6], [40 + 5, 40 + 10 + 5, 40 + 2 * 10 + 5]);
-        let wave = Wave {
-            slots: 1..3,
-            ..Wave::default()
-        };
-        assert_eq!((wave.spot0(&sh), wave.nspots(&sh)), (4 * 10, 2 * 4 * 10));
-    }
-
-    #[test]
-    #[allow(clippy::single_range_in_vec_init)]
-    fn columns_are_uploaded_once_in_one_range() {
-        assert_eq!(new_columns(None, 10..20), (10..20, vec![10..20]));
-        // within: nothing new
-        assert_eq!(new_columns(Some(5..30), 10..20), (5..30, vec![]));
-        // to the right, overlapping, and beyond a gap (filled)
-        assert_eq!(new_columns(Some(10..20), 15..25), (10..25, vec![20..25]));
-        assert_eq!(new_columns(Some(10..20), 30..40), (10..40, vec![20..40]));
-        // on both sides
-        assert_eq!(
-            new_columns(Some(10..20), 5..25),
-            (5..25, vec![5..10, 20..25])
-        );
-    }
-
-    #[test]
-    fn packed_columns_follow_each_other_row_by_row() {
-        let image = ndarray::Array2::from_shape_fn((3, 5), |(r, c)| (10 * r + c) as f32);
-        let mut out = vec![-1.0; 10];
-        pack_columns(&image, &mut out[..6], 1..3);
-        pack_columns(&image, &mut out[6..9], 4..5);
-        assert_eq!(
-            out,
-            [1.0, 2.0, 11.0, 12.0, 21.0, 22.0, 4.0, 14.0, 24.0, -1.0]
-        );
-    }
-}
+#[path = "tables_tests.rs"]
+mod tests;
