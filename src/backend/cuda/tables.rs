@@ -297,7 +297,7 @@ impl FrameHost {
         if new.is_empty() {
             return new;
         }
-        let (psf, waves) = (input.psf, &input.plan.fullwave);
+        let psf = input.psf;
         let per_fiber = 2 * sh.nfull;
         let (spots, coefs) = self.table_lens(sh);
         let (xy, coef) = self
@@ -313,7 +313,7 @@ impl FrameHost {
             .zip(corners.par_chunks_mut(per_fiber))
             .enumerate()
             .filter(|(i, _)| wanted(i))
-            .for_each(|(i, (xy, c))| fiber_trace(psf, fiber_of(i), waves, xy, c));
+            .for_each(|(i, (xy, c))| fiber_trace(input, fiber_of(i), xy, c));
         for (i, c) in coef.chunks_exact_mut(self.coef_per_fiber).enumerate() {
             if wanted(&i) {
                 coefficients(psf, fiber_of(i), c);
@@ -464,24 +464,16 @@ impl FrameHost {
 }
 
 /// Trace positions of one fiber on the padded grid, `[wave][x, y]`, into `xy`, and its
-/// spots' corners, `[wave][column, row]`, into `corners`.
-fn fiber_trace(
-    psf: &GaussHermitePsf,
-    fiber: usize,
-    waves: &[f64],
-    xy: &mut [f64],
-    corners: &mut [i32],
-) {
-    let (xs, ys) = psf.trace(fiber, waves);
-    for (((&x, &y), p), c) in xs
-        .iter()
-        .zip(&ys)
-        .zip(xy.chunks_exact_mut(2))
-        .zip(corners.chunks_exact_mut(2))
-    {
-        let (cx, cy) = psf.corner_of(x, y);
-        p.copy_from_slice(&[x, y]);
-        c.copy_from_slice(&[cx, cy]);
+/// spots' corners, `[wave][column, row]`, into `corners`: copied from the traces evaluated
+/// ahead if they hold the fiber, else evaluated (the same function, so the same values).
+fn fiber_trace(input: &FrameInput<'_>, fiber: usize, xy: &mut [f64], corners: &mut [i32]) {
+    let waves = &input.plan.fullwave;
+    match input.traces.and_then(|t| t.fiber(fiber, waves)) {
+        Some((txy, tc)) => {
+            xy.copy_from_slice(txy);
+            corners.copy_from_slice(tc);
+        }
+        None => input.psf.trace_into(fiber, waves, xy, corners),
     }
 }
 

@@ -151,13 +151,22 @@ fn host_tables_of_a_full_frame() {
         model: false,
         reject_outliers: None,
     };
+    let traces = Instant::now();
+    let traces = (
+        crate::psf::TraceTable::new(&psf, plan.solved_fibers(), &plan.fullwave),
+        traces.elapsed().as_secs_f64() * 1e3,
+    );
+    println!("traces evaluated ahead, on one thread: {:.1} ms", traces.1);
     let input = FrameInput::new(&plan, &psf, &image, &options);
     let order = super::super::frame_order(&plan.patches);
     let ordered: Vec<&Patch> = order.iter().map(|&i| &plan.patches[i]).collect();
     let sh = Shape::new(&input, &plan.patches);
     // reused from frame to frame, as the backend's are
     let mut buffers = Some(Uploads::pageable());
-    for round in 0..3 {
+    for round in 0..6 {
+        // evaluated in place, then copied from the traces evaluated ahead
+        let ahead = round >= 3;
+        let input = input.with_traces(Some(&traces.0).filter(|_| ahead));
         let t0 = Instant::now();
         let uploads = buffers.take().expect("returned");
         let mut host = FrameHost::new(&input, &ordered, &sh, uploads, 1567);
@@ -174,7 +183,7 @@ fn host_tables_of_a_full_frame() {
         }
         let total = t0.elapsed().as_secs_f64() * 1e3;
         println!(
-            "round {round}: {} waves, traces {:.1} ms, layout and boxes {:.1} ms, image strips {pack_ms:.1} ms, all {total:.1} ms",
+            "round {round} (ahead: {ahead}): {} waves, traces {:.1} ms, layout and boxes {:.1} ms, image strips {pack_ms:.1} ms, all {total:.1} ms",
             host.waves.len(),
             host.trace_ms,
             host.prep_ms - host.trace_ms,
@@ -185,5 +194,63 @@ fn host_tables_of_a_full_frame() {
             "every bundle traced"
         );
         buffers = Some(host.buffers);
+    }
+}
+
+/// Every wave of `plan`'s frame prepared, with the traces evaluated ahead or not: the live
+/// patches and boxes, and the tables as uploaded (trace positions then Legendre coefficients
+/// as bits; corners then first spots).
+fn prepared(input: &FrameInput<'_>, wave_max: usize) -> (Vec<Live>, Vec<i32>, Vec<u64>, Vec<i32>) {
+    let patches = &input.plan.patches;
+    let order = super::super::frame_order(patches);
+    let ordered: Vec<&Patch> = order.iter().map(|&i| &patches[i]).collect();
+    let sh = Shape::new(input, patches);
+    let mut host = FrameHost::new(input, &ordered, &sh, Uploads::pageable(), wave_max);
+    for pi in 0..host.nplanned() {
+        host.prepare_wave(input, &ordered, &sh, pi);
+    }
+    let (spots, coefs) = host.table_lens(&sh);
+    let reals = host.buffers.reals.current(spots + coefs);
+    let ints = host.buffers.ints.current(spots + ordered.len() * sh.nblock);
+    let bits = reals.iter().map(|v| v.to_bits()).collect();
+    (host.live, host.boxes, bits, ints.to_vec())
+}
+
+#[test]
+fn tables_from_traces_evaluated_ahead_equal_those_evaluated_in_place() {
+    let (psf, _, image) = full_frame();
+    // fibers 30-69: the table holds their padded neighbours, not the rest of their bundles,
+    // which the tables evaluate in place
+    let options = crate::plan::PlanOptions::new(6000.0, 6400.0, 0.8, 30, 40);
+    let plan = crate::plan::Plan::new(options).expect("plan");
+    let solve = crate::extract::SolveOptions {
+        regularize: 0.0,
+        psferr: 0.01,
+        model: false,
+        reject_outliers: None,
+    };
+    let traces = crate::psf::TraceTable::new(&psf, plan.solved_fibers(), &plan.fullwave);
+    assert!(traces.fibers.len() < 75, "{:?}", traces.fibers);
+    let some = plan.solved_fibers().start;
+    assert!(
+        traces.fiber(some, &plan.fullwave).is_some(),
+        "the tables copy some"
+    );
+    let input = FrameInput::new(&plan, &psf, &image, &solve);
+    let ahead = input.with_traces(Some(&traces));
+    for wave_max in [7, 1000] {
+        let (live, boxes, reals, ints) = prepared(&input, wave_max);
+        let (live_a, boxes_a, reals_a, ints_a) = prepared(&ahead, wave_max);
+        assert!(!live.is_empty());
+        assert_eq!(live.len(), live_a.len());
+        for ((i, g, s), (ia, ga, sa)) in live.iter().zip(&live_a) {
+            assert_eq!(
+                (i, &g.rows, &g.cols, g.wave0, s),
+                (ia, &ga.rows, &ga.cols, ga.wave0, sa)
+            );
+        }
+        assert_eq!(boxes, boxes_a);
+        assert!(reals == reals_a, "trace positions or coefficients differ");
+        assert!(ints == ints_a, "corners or first spots differ");
     }
 }
