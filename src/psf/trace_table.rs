@@ -17,6 +17,8 @@ pub struct TraceTable {
     xy: Vec<f64>,
     /// `[fiber][wave][column, row]` of each spot's lower-left pixel.
     corners: Vec<i32>,
+    /// The least and greatest corner column of each fiber's spots.
+    columns: Vec<(i32, i32)>,
 }
 
 impl TraceTable {
@@ -32,11 +34,20 @@ impl TraceTable {
         {
             psf.trace_into(fiber, waves, xy, c);
         }
+        let columns = corners
+            .chunks_exact(per_fiber)
+            .map(|c| {
+                let xc = c.iter().step_by(2);
+                let lo = xc.clone().copied().min().unwrap_or(0);
+                (lo, xc.copied().max().unwrap_or(0))
+            })
+            .collect();
         TraceTable {
             fibers,
             waves: waves.to_vec(),
             xy,
             corners,
+            columns,
         }
     }
 
@@ -50,6 +61,19 @@ impl TraceTable {
         let at =
             (fiber - self.fibers.start) * per_fiber..(fiber - self.fibers.start + 1) * per_fiber;
         Some((&self.xy[at.clone()], &self.corners[at]))
+    }
+
+    /// The least and greatest corner column of the spots of `fibers` at `waves`, if the table
+    /// holds them all: what a GPU backend sizes its buffers of image columns from before it
+    /// lays out a frame's patches.
+    pub fn corner_columns(&self, fibers: Range<usize>, waves: &[f64]) -> Option<(i32, i32)> {
+        let held = self.fibers.start <= fibers.start && fibers.end <= self.fibers.end;
+        if !held || fibers.is_empty() || self.waves != waves {
+            return None;
+        }
+        let of = &self.columns[fibers.start - self.fibers.start..fibers.end - self.fibers.start];
+        let lo = of.iter().map(|c| c.0).min()?;
+        Some((lo, of.iter().map(|c| c.1).max()?))
     }
 
     /// The spot corners of every fiber of the table, for the layout of a frame's patches; the
@@ -122,5 +146,17 @@ mod tests {
         assert!(table.fiber(4, &waves).is_some());
         assert!(table.fiber(4, &waves[..2]).is_none());
         assert!(table.fiber(4, &[6000.0, 6001.0, 6002.5]).is_none());
+        let c = table.corners(&psf);
+        let c = &c;
+        let xc = |f: usize| (0..3).map(move |w| c.corner(f - 3, w).0);
+        let lo = xc(3).chain(xc(4)).min();
+        let hi = xc(3).chain(xc(4)).max();
+        assert_eq!(table.corner_columns(3..5, &waves), lo.zip(hi));
+        assert_eq!(
+            table.corner_columns(4..5, &waves),
+            xc(4).min().zip(xc(4).max())
+        );
+        assert!(table.corner_columns(2..5, &waves).is_none());
+        assert!(table.corner_columns(3..5, &waves[1..]).is_none());
     }
 }

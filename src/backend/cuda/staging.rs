@@ -8,9 +8,10 @@
 //! Small buffers whose size can be told in advance (the copies back) start pinning when the
 //! backend starts ([`Staging::pin_now`]), while it loads its kernels, and their first use
 //! waits for that pinning. The others (the uploads) are pinned once
-//! [`Staging::allow_pinning`] has been called, which the backend does after its first frame:
-//! pinning while a frame runs delays its launches, and pinning them all when the backend
-//! starts delayed its start by more than the first frame gained (workspace.rs, `EARLY_BACK`).
+//! [`Staging::allow_pinning`] has been called: pinning them all when the backend starts
+//! delayed its start by more than the first frame gained (workspace.rs, `EARLY_BACK`). The
+//! backend allows it when its first frame's sizes are known, if they can be told before the
+//! frame is laid out (tables.rs, `Uploads::pin_from_now`), else after its first frame.
 
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -79,6 +80,11 @@ impl<T: Copy + Default + Send + 'static> Staging<T> {
     pub(crate) fn allow_pinning(&mut self, len: usize) {
         self.pinning = true;
         self.pin_at_least = self.pin_at_least.max(len);
+    }
+
+    /// Whether [`Staging::allow_pinning`] was called.
+    pub(crate) fn pinning_allowed(&self) -> bool {
+        self.pinning
     }
 
     /// The largest length [`Staging::get`] was asked for so far.

@@ -22,7 +22,8 @@ use crate::plan::Patch;
 use crate::psf::{Corners, GaussHermitePsf};
 
 /// The host buffers a frame is uploaded from: its image and its larger tables. They
-/// become pinned once allowed (staging.rs), after a backend's first frame; from pageable
+/// become pinned once allowed (staging.rs), from a backend's first frame on where its sizes
+/// can be told ahead ([`Uploads::pin_from_now`]), else after it; from pageable
 /// memory the driver copies each upload through a buffer of its own before it returns, time
 /// in which the host queues nothing.
 pub(crate) struct Uploads {
@@ -58,6 +59,25 @@ impl Uploads {
             reals: Staging::pageable(),
             ints: Staging::pageable(),
         }
+    }
+
+    /// Starts pinning the buffers in the background now, at the sizes given (values of the
+    /// reals, the ints and a strip of the image), unless pinning was allowed before: a
+    /// backend's first frame uploads from those whose pinning is done by the time it asks for
+    /// them (the strips of its later waves), the others from pageable memory, without waiting.
+    pub(crate) fn pin_from_now(&mut self, reals: usize, ints: usize, strip: usize) {
+        if self.reals.pinning_allowed() {
+            return;
+        }
+        tracing::debug!("pinning uploads from the first frame: strip {strip}, reals {reals}, ints {ints} values");
+        for s in &mut self.strips {
+            s.allow_pinning(strip);
+            s.reserve(strip);
+        }
+        self.reals.allow_pinning(reals);
+        self.reals.reserve(reals);
+        self.ints.allow_pinning(ints);
+        self.ints.reserve(ints);
     }
 
     /// Lets the buffers be pinned in the background from their next use on, each as large as
@@ -201,17 +221,24 @@ impl FrameHost {
         let psf = input.psf;
         let coef_per_fiber = (2 + psf.ngh()) * psf.ghsigx.ncoef;
         let nfibers = bundles.len() * sh.bundlesize;
-        buffers.reals.get(2 * nspots + nfibers * coef_per_fiber);
-        buffers.ints.get(2 * nspots + patches.len() * sh.nblock);
-        let pageable = !(buffers.reals.is_pinned() && buffers.ints.is_pinned());
         let mut start = 0;
-        let planned = wave_lengths(patches.len(), wave_max)
+        let planned: Vec<Range<usize>> = wave_lengths(patches.len(), wave_max)
             .into_iter()
             .map(|len| {
                 start += len;
                 start - len..start
             })
             .collect();
+        let (reals, ints) = (
+            2 * nspots + nfibers * coef_per_fiber,
+            2 * nspots + patches.len() * sh.nblock,
+        );
+        if let Some(strip) = largest_strip(input, patches, &planned, sh) {
+            buffers.pin_from_now(reals, ints, strip);
+        }
+        buffers.reals.get(reals);
+        buffers.ints.get(ints);
+        let pageable = !(buffers.reals.is_pinned() && buffers.ints.is_pinned());
         FrameHost {
             live: Vec::with_capacity(patches.len()),
             off: Vec::new(),
@@ -475,6 +502,33 @@ fn fiber_trace(input: &FrameInput<'_>, fiber: usize, xy: &mut [f64], corners: &m
         }
         None => input.psf.trace_into(fiber, waves, xy, corners),
     }
+}
+
+/// Values of the largest strip of the image (pixels and inverse variances) that the waves
+/// `planned` of `patches` can ask for, from the traces evaluated ahead (None without them): the
+/// columns of a wave's patches' fibers' spots, which hold its strip as long as its columns
+/// meet those uploaded before (waves go bundle after bundle, across the CCD); a larger strip
+/// would go from pageable memory and pin a larger buffer for the next.
+fn largest_strip(
+    input: &FrameInput<'_>,
+    patches: &[&Patch],
+    planned: &[Range<usize>],
+    sh: &Shape,
+) -> Option<usize> {
+    let traces = input.traces?;
+    let waves = &input.plan.fullwave;
+    let mut spans = Vec::with_capacity(planned.len());
+    for wave in planned.iter().filter(|w| !w.is_empty()) {
+        let of = &patches[wave.clone()];
+        let first = of.iter().map(|p| p.padded_fibers.start).min()?;
+        let last = of.iter().map(|p| p.padded_fibers.end).max()?;
+        spans.push(traces.corner_columns(first..last, waves)?);
+    }
+    let widest = spans
+        .iter()
+        .map(|(lo, hi)| (hi - lo) as usize + sh.nx)
+        .max()?;
+    Some(2 * input.image.nrows * widest.min(input.image.ncols))
 }
 
 /// The Legendre coefficients of GHSIGX, GHSIGY and the GH-i-j of `fiber`, `[param][k]`.

@@ -122,8 +122,14 @@ fn packed_columns_follow_each_other_row_by_row() {
 
 /// A full r frame of a bundled PSF (500 fibers, 5760-7620 A in 0.8 A bins) on a blank CCD.
 fn full_frame() -> (GaussHermitePsf, crate::plan::Plan, crate::image::Image) {
-    let path =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/psf-r0-00067784.fits");
+    full_frame_of("psf-r0-00067784.fits")
+}
+
+/// [`full_frame`] of the bundled PSF `name`.
+fn full_frame_of(name: &str) -> (GaussHermitePsf, crate::plan::Plan, crate::image::Image) {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(name);
     let psf = GaussHermitePsf::read(&path).expect("test PSF");
     let options = crate::plan::PlanOptions::new(5760.0, 7620.0, 0.8, 0, 500);
     let plan = crate::plan::Plan::new(options).expect("plan");
@@ -252,5 +258,44 @@ fn tables_from_traces_evaluated_ahead_equal_those_evaluated_in_place() {
         assert_eq!(boxes, boxes_a);
         assert!(reals == reals_a, "trace positions or coefficients differ");
         assert!(ints == ints_a, "corners or first spots differ");
+    }
+}
+
+#[test]
+fn strips_pinned_ahead_hold_every_strip_of_the_frame() {
+    for name in ["psf-r0-00067784.fits", "psf-r0-00051060.fits"] {
+        strips_pinned_ahead_hold_every_strip(name);
+    }
+}
+
+fn strips_pinned_ahead_hold_every_strip(name: &str) {
+    let (psf, plan, image) = full_frame_of(name);
+    let solve = crate::extract::SolveOptions {
+        regularize: 0.0,
+        psferr: 0.01,
+        model: false,
+        reject_outliers: None,
+    };
+    let traces = crate::psf::TraceTable::new(&psf, plan.solved_fibers(), &plan.fullwave);
+    let input = FrameInput::new(&plan, &psf, &image, &solve);
+    let order = super::super::frame_order(&plan.patches);
+    let ordered: Vec<&Patch> = order.iter().map(|&i| &plan.patches[i]).collect();
+    let sh = Shape::new(&input, &plan.patches);
+    let ahead = input.with_traces(Some(&traces));
+    for wave_max in [300, 1567] {
+        let mut host = FrameHost::new(&ahead, &ordered, &sh, Uploads::pageable(), wave_max);
+        let bound = largest_strip(&ahead, &ordered, &host.planned, &sh).expect("traces held");
+        assert!(largest_strip(&input, &ordered, &host.planned, &sh).is_none());
+        let mut largest = 0;
+        for pi in 0..host.nplanned() {
+            let wi = host.prepare_wave(&ahead, &ordered, &sh, pi).expect("live");
+            for cols in &host.waves[wi].strips {
+                largest = largest.max(2 * image.nrows * cols.len());
+            }
+        }
+        assert!(largest > 0 && largest <= bound, "{largest} > {bound}");
+        // not the whole CCD: the columns of one wave
+        assert!(bound < 2 * image.nrows * image.ncols, "{bound}");
+        println!("{name}, waves of {wave_max}: largest strip {largest}, pinned {bound} values");
     }
 }
