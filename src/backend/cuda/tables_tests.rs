@@ -162,7 +162,13 @@ fn host_tables_of_a_full_frame() {
         crate::psf::TraceTable::new(&psf, plan.solved_fibers(), &plan.fullwave),
         traces.elapsed().as_secs_f64() * 1e3,
     );
-    println!("traces evaluated ahead, on one thread: {:.1} ms", traces.1);
+    let corners = Instant::now();
+    let _ = psf.corners(plan.solved_fibers(), &plan.fullwave);
+    println!(
+        "traces evaluated ahead, on one thread: {:.1} ms (their corners alone {:.1} ms)",
+        traces.1,
+        corners.elapsed().as_secs_f64() * 1e3
+    );
     let input = FrameInput::new(&plan, &psf, &image, &options);
     let order = super::super::frame_order(&plan.patches);
     let ordered: Vec<&Patch> = order.iter().map(|&i| &plan.patches[i]).collect();
@@ -236,7 +242,10 @@ fn tables_from_traces_evaluated_ahead_equal_those_evaluated_in_place() {
         reject_outliers: None,
     };
     let traces = crate::psf::TraceTable::new(&psf, plan.solved_fibers(), &plan.fullwave);
-    assert!(traces.fibers.len() < 75, "{:?}", traces.fibers);
+    // the two bundles 25-74 hold fibers the table does not
+    let bundles = plan.bundles();
+    assert_eq!(bundles.len(), 2);
+    assert!(traces.fibers.len() < 50, "{:?}", traces.fibers);
     let some = plan.solved_fibers().start;
     assert!(
         traces.fiber(some, &plan.fullwave).is_some(),
