@@ -233,8 +233,10 @@ impl FrameHost {
             2 * nspots + nfibers * coef_per_fiber,
             2 * nspots + patches.len() * sh.nblock,
         );
-        if let Some(strip) = largest_strip(input, patches, &planned, sh) {
-            buffers.pin_from_now(reals, ints, strip);
+        if !buffers.reals.pinning_allowed() {
+            if let Some(strip) = largest_strip(input, patches, &planned, sh) {
+                buffers.pin_from_now(reals, ints, strip);
+            }
         }
         buffers.reals.get(reals);
         buffers.ints.get(ints);
