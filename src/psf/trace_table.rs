@@ -51,13 +51,18 @@ impl TraceTable {
         }
     }
 
-    /// The trace positions `[wave][x, y]` and spot corners `[wave][column, row]` of `fiber` at
-    /// `waves`, if the table holds them.
-    pub fn fiber(&self, fiber: usize, waves: &[f64]) -> Option<(&[f64], &[i32])> {
-        if !self.fibers.contains(&fiber) || self.waves != waves {
+    /// Whether the table was evaluated at `waves`: [`TraceTable::fiber`] answers for that grid.
+    pub fn is_on(&self, waves: &[f64]) -> bool {
+        self.waves == waves
+    }
+
+    /// The trace positions `[wave][x, y]` and spot corners `[wave][column, row]` of `fiber` on
+    /// the table's grid ([`TraceTable::is_on`]), if the table holds the fiber.
+    pub fn fiber(&self, fiber: usize) -> Option<(&[f64], &[i32])> {
+        if !self.fibers.contains(&fiber) {
             return None;
         }
-        let per_fiber = 2 * waves.len();
+        let per_fiber = 2 * self.waves.len();
         let at =
             (fiber - self.fibers.start) * per_fiber..(fiber - self.fibers.start + 1) * per_fiber;
         Some((&self.xy[at.clone()], &self.corners[at]))
@@ -68,7 +73,7 @@ impl TraceTable {
     /// lays out a frame's patches.
     pub fn corner_columns(&self, fibers: Range<usize>, waves: &[f64]) -> Option<(i32, i32)> {
         let held = self.fibers.start <= fibers.start && fibers.end <= self.fibers.end;
-        if !held || fibers.is_empty() || self.waves != waves {
+        if !held || fibers.is_empty() || !self.is_on(waves) {
             return None;
         }
         let of = &self.columns[fibers.start - self.fibers.start..fibers.end - self.fibers.start];
@@ -127,7 +132,7 @@ mod tests {
         for fiber in [20, 25, 30] {
             let (mut xy, mut c) = (vec![0.0; 2 * waves.len()], vec![0; 2 * waves.len()]);
             psf.trace_into(fiber, &waves, &mut xy, &mut c);
-            let (txy, tc) = table.fiber(fiber, &waves).expect("held");
+            let (txy, tc) = table.fiber(fiber).expect("held");
             let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(txy), bits(&xy), "fiber {fiber}");
             assert_eq!(tc, c, "fiber {fiber}");
@@ -141,11 +146,12 @@ mod tests {
         let psf = psf();
         let waves = [6000.0, 6001.0, 6002.0];
         let table = TraceTable::new(&psf, 3..5, &waves);
-        assert!(table.fiber(2, &waves).is_none());
-        assert!(table.fiber(5, &waves).is_none());
-        assert!(table.fiber(4, &waves).is_some());
-        assert!(table.fiber(4, &waves[..2]).is_none());
-        assert!(table.fiber(4, &[6000.0, 6001.0, 6002.5]).is_none());
+        assert!(table.fiber(2).is_none());
+        assert!(table.fiber(5).is_none());
+        assert!(table.fiber(4).is_some());
+        assert!(table.is_on(&waves));
+        assert!(!table.is_on(&waves[..2]));
+        assert!(!table.is_on(&[6000.0, 6001.0, 6002.5]));
         let c = table.corners(&psf);
         let c = &c;
         let xc = |f: usize| (0..3).map(move |w| c.corner(f - 3, w).0);

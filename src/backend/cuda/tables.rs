@@ -19,7 +19,7 @@ use crate::backend::FrameInput;
 use crate::error::Result;
 use crate::extract::{PatchGeometry, PatchResult, PatchStatus};
 use crate::plan::Patch;
-use crate::psf::{Corners, GaussHermitePsf};
+use crate::psf::{Corners, GaussHermitePsf, TraceTable};
 
 /// The host buffers a frame is uploaded from: its image and its larger tables. They
 /// become pinned once allowed (staging.rs), from a backend's first frame on where its sizes
@@ -327,6 +327,7 @@ impl FrameHost {
             return new;
         }
         let psf = input.psf;
+        let ahead = input.traces.filter(|t| t.is_on(&input.plan.fullwave));
         let per_fiber = 2 * sh.nfull;
         let (spots, coefs) = self.table_lens(sh);
         let (xy, coef) = self
@@ -342,7 +343,7 @@ impl FrameHost {
             .zip(corners.par_chunks_mut(per_fiber))
             .enumerate()
             .filter(|(i, _)| wanted(i))
-            .for_each(|(i, (xy, c))| fiber_trace(input, fiber_of(i), xy, c));
+            .for_each(|(i, (xy, c))| fiber_trace(input, ahead, fiber_of(i), xy, c));
         for (i, c) in coef.chunks_exact_mut(self.coef_per_fiber).enumerate() {
             if wanted(&i) {
                 coefficients(psf, fiber_of(i), c);
@@ -494,10 +495,17 @@ impl FrameHost {
 
 /// Trace positions of one fiber on the padded grid, `[wave][x, y]`, into `xy`, and its
 /// spots' corners, `[wave][column, row]`, into `corners`: copied from the traces evaluated
-/// ahead if they hold the fiber, else evaluated (the same function, so the same values).
-fn fiber_trace(input: &FrameInput<'_>, fiber: usize, xy: &mut [f64], corners: &mut [i32]) {
+/// ahead on that grid if they hold the fiber, else evaluated (the same function, so the same
+/// values).
+fn fiber_trace(
+    input: &FrameInput<'_>,
+    ahead: Option<&TraceTable>,
+    fiber: usize,
+    xy: &mut [f64],
+    corners: &mut [i32],
+) {
     let waves = &input.plan.fullwave;
-    match input.traces.and_then(|t| t.fiber(fiber, waves)) {
+    match ahead.and_then(|t| t.fiber(fiber)) {
         Some((txy, tc)) => {
             xy.copy_from_slice(txy);
             corners.copy_from_slice(tc);
