@@ -20,7 +20,7 @@ use crate::frame::{self, ExtraHdu, Frame, FrameMeta, PatchCounts};
 use crate::image::{Image, MaskRule};
 use crate::output;
 use crate::plan::{PatchLayout, Plan, PlanOptions};
-use crate::psf::{GaussHermitePsf, DEFAULT_PSFERR};
+use crate::psf::{Corners, GaussHermitePsf, TraceTable, DEFAULT_PSFERR};
 use crate::scores::ScoresHdu;
 
 /// Set when the host process was interrupted (Ctrl-C in Python): frames not yet started fail
@@ -354,6 +354,9 @@ pub struct Inputs {
     /// The barycentric correction factor that divides the extraction grid (1 without
     /// `--barycentric-correction`).
     pub heliocor: f64,
+    /// The traces of the plan's fibers on its padded grid, evaluated where the frame was read
+    /// (None where it was received, or built otherwise): the GPU backend copies them.
+    pub traces: Option<TraceTable>,
 }
 
 /// Reads the PSF and the image of a request, and the barycentric correction factor of the
@@ -387,6 +390,7 @@ pub fn read_inputs(request: &ExtractRequest) -> Result<Inputs> {
         psf,
         image,
         heliocor,
+        traces: None,
     })
 }
 
@@ -437,18 +441,19 @@ pub fn read_frame(request: &ExtractRequest) -> Result<(Inputs, PixelBox)> {
         return Err(Error::Interrupted);
     }
     request.check_outputs()?;
-    let inputs = read_inputs(request)?;
+    let mut inputs = read_inputs(request)?;
     let plan = request.plan_for(&inputs)?;
     warn_unusable_fibers(&inputs.psf, &plan, &inputs.image);
-    let pixel_box = plan_box(&plan, &inputs);
+    let traces = TraceTable::new(&inputs.psf, plan.solved_fibers(), &plan.fullwave);
+    let pixel_box = plan_box(&traces.corners(&inputs.psf), &inputs);
+    inputs.traces = Some(traces);
     Ok((inputs, pixel_box))
 }
 
-/// The CCD box covered by every spot of every fiber of the plan on its padded wavelength grid,
-/// clipped to the image. Patch pixel boxes lie inside it, so workers need no other pixel: a
+/// The CCD box covered by every spot of `corners` (those of every fiber of the plan on its
+/// padded wavelength grid), clipped to the image. Patch pixel boxes lie inside it, so workers need no other pixel: a
 /// frame of a few bundles or a short wavelength range broadcasts a small part of the CCD.
-fn plan_box(plan: &Plan, inputs: &Inputs) -> PixelBox {
-    let corners = inputs.psf.corners(plan.solved_fibers(), &plan.fullwave);
+fn plan_box(corners: &Corners, inputs: &Inputs) -> PixelBox {
     let (ny, nx) = (corners.ny as i64, corners.nx as i64);
     let bounds = |v: &[i32], n: i64, limit: usize| -> Range<usize> {
         let lo = v.iter().copied().min().map_or(0, i64::from);
@@ -474,7 +479,8 @@ pub fn solve(
     let _range = nvtx::LocalRange::new(c"extract");
     let options = request.solve_options(&inputs.psf);
     let patches = &plan.patches[block];
-    let input = FrameInput::new(plan, &inputs.psf, &inputs.image, &options);
+    let input = FrameInput::new(plan, &inputs.psf, &inputs.image, &options)
+        .with_traces(inputs.traces.as_ref());
     progress.start(patches.len());
     backend.extract(input, patches, progress)
 }

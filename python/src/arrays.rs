@@ -104,6 +104,7 @@ pub fn extract_arrays<'py>(
                 psf: (*psf).clone(),
                 image,
                 heliocor: 1.0,
+                traces: None,
             };
             let mut backend = open_backend(options.gpu)?;
             pipeline::extract_in_memory_timed(&request, &inputs, backend.as_mut(), &mut timings)

@@ -8,7 +8,7 @@ use crate::error::Result;
 use crate::extract::{PatchResult, SolveOptions};
 use crate::image::Image;
 use crate::plan::{Patch, Plan};
-use crate::psf::GaussHermitePsf;
+use crate::psf::{GaussHermitePsf, TraceTable};
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -28,6 +28,9 @@ pub struct FrameInput<'a> {
     pub psf: &'a GaussHermitePsf,
     pub image: &'a Image,
     pub options: &'a SolveOptions,
+    /// The traces of the frame's fibers on the plan's padded grid, if evaluated ahead (where
+    /// the frame was read); a backend evaluates those it needs and does not find here.
+    pub traces: Option<&'a TraceTable>,
 }
 
 impl<'a> FrameInput<'a> {
@@ -42,7 +45,13 @@ impl<'a> FrameInput<'a> {
             psf,
             image,
             options,
+            traces: None,
         }
+    }
+
+    /// The same input with the traces evaluated ahead, if any.
+    pub fn with_traces(self, traces: Option<&'a TraceTable>) -> Self {
+        FrameInput { traces, ..self }
     }
 }
 

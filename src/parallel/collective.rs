@@ -383,5 +383,6 @@ fn distribute_pixels(
         psf: h.psf,
         image,
         heliocor: h.heliocor,
+        traces: None,
     })
 }

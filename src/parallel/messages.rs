@@ -412,6 +412,7 @@ mod tests {
             psf: psf.clone(),
             image: image.clone(),
             heliocor: 1.0 + 1e-5,
+            traces: None,
         }
     }
 

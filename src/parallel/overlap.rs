@@ -116,11 +116,24 @@ pub(super) fn run(
             let (read_rx, solved_tx) = (read_rx.clone(), solved_tx.clone());
             let shown = progress.take().unwrap_or_else(Progress::silent);
             scope.spawn(move || {
+                let mut idle_since = Instant::now();
                 while let Some(frame) = take(&read_rx) {
+                    let (k, taken) = (frame.k, Instant::now());
                     let solved = solve(frame, backend.as_mut(), rank, prefix, &shown);
+                    let done = Instant::now();
                     if solved_tx.send(solved).is_err() {
                         break;
                     }
+                    // Which lane bounds the rate: a solver that waits for readers, or for
+                    // writers, or neither.
+                    tracing::debug!(
+                        "frame {k}: its solver waited {:.1} ms for it, solved it in {:.1} ms \
+                         and handed it to a writer in {:.1} ms",
+                        ms(taken - idle_since),
+                        ms(done - taken),
+                        ms(done.elapsed())
+                    );
+                    idle_since = Instant::now();
                 }
                 let t0 = Instant::now();
                 drop(backend);
@@ -164,9 +177,15 @@ fn read_all<'a>(
             read,
             read_s: t0.elapsed().as_secs_f64(),
         };
+        let read_at = Instant::now();
         if read_tx.send(frame).is_err() {
             break;
         }
+        tracing::debug!(
+            "frame {k}: read in {:.1} ms, waited {:.1} ms for a solver",
+            ms(read_at - t0),
+            ms(read_at.elapsed())
+        );
     }
 }
 
@@ -188,9 +207,15 @@ fn write_all(
     check: Option<&FrameCheck<'_>>,
 ) -> Outcome {
     let mut outcome = Outcome::default();
+    let mut idle_since = Instant::now();
     while let Some(frame) = take(solved) {
+        tracing::debug!(
+            "a writer waited {:.1} ms for a solved frame",
+            ms(idle_since.elapsed())
+        );
         let Some((inputs, contribution)) = frame.solved else {
             outcome.failed += 1;
+            idle_since = Instant::now();
             continue;
         };
         let staged = write_frame(
@@ -202,8 +227,14 @@ fn write_all(
             check,
         );
         outcome.record(commit_now(staged), frame.request, prefix);
+        idle_since = Instant::now();
     }
     outcome
+}
+
+/// Milliseconds of a duration, for the log.
+fn ms(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1e3
 }
 
 /// Solves a whole frame on `backend`, reporting a failure to read or to solve it.

@@ -183,6 +183,7 @@ pub(super) fn write_frame(
                 psf: h.psf,
                 image: h.image,
                 heliocor: h.heliocor,
+                traces: None,
             };
             (inputs, h.read_s)
         }

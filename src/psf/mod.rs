@@ -13,6 +13,7 @@
 mod read;
 mod spot;
 mod trace;
+mod trace_table;
 
 #[cfg(test)]
 mod tests;
@@ -25,6 +26,7 @@ pub use spot::{
     exp_nonpositive, gauss_edge, hermite_values, pixel_gauss_hermite, GaussEdge, Spots,
 };
 pub use trace::{legendre_values, Corners, Legendre};
+pub use trace_table::TraceTable;
 
 /// Default fractional PSF error for chi2pix when the PSF does not give `PSFERR`.
 pub const DEFAULT_PSFERR: f64 = 0.01;

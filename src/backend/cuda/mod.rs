@@ -53,6 +53,7 @@ mod tuning;
 mod workspace;
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -88,6 +89,10 @@ pub struct CudaBackend {
     workspace: workspace::Workspace,
     /// Host buffers of the frames' uploads, kept between calls.
     uploads: Option<tables::Uploads>,
+    /// Its index among the backends of its device (0 for the first, then its siblings), and
+    /// the count of them, shared.
+    index: usize,
+    siblings: Arc<AtomicUsize>,
     /// Threads of the backend's host work (frame tables, results): a pool of its own, so
     /// that this work, which the device waits for, does not queue behind the long tasks
     /// (reading, writing, checksums) that other frames put on rayon's global pool.
@@ -165,8 +170,15 @@ impl CudaBackend {
             tuning,
             timings: GpuTimings::default(),
             uploads: None,
+            index: 0,
+            siblings: Arc::new(AtomicUsize::new(1)),
             host: host_pool()?,
         })
+    }
+
+    /// The backend's name in debug lines: `cuda:DEVICE.INDEX`.
+    fn label(&self) -> String {
+        format!("cuda:{}.{}", self.dev.ordinal, self.index)
     }
 
     /// A second backend on the same device: its own stream, library handles and buffers, the
@@ -183,6 +195,8 @@ impl CudaBackend {
             tuning: self.tuning,
             timings: GpuTimings::default(),
             uploads: None,
+            index: self.siblings.fetch_add(1, Ordering::Relaxed),
+            siblings: Arc::clone(&self.siblings),
             host: host_pool()?,
         })
     }
@@ -349,7 +363,11 @@ impl Backend for CudaBackend {
         progress: &Progress,
     ) -> Result<Vec<PatchResult>> {
         let pool = Arc::clone(&self.host);
-        pool.install(|| self.extract_on_device(input, patches, progress))
+        pool.install(|| {
+            // debug lines name the backend, which tells apart the frames in flight
+            let _backend = tracing::debug_span!("backend", id = %self.label()).entered();
+            self.extract_on_device(input, patches, progress)
+        })
     }
 }
 
@@ -368,10 +386,11 @@ impl CudaBackend {
     /// columns of the CCD it adds are prepared and uploaded, and its steps queued, while the
     /// device runs the waves before; then each wave is finished in turn (its results copied
     /// back and unpacked while the device runs the waves after). `results` by position in
-    /// `patches`.
+    /// `patches`; `started`: the call's start, for the host's milestones.
     #[allow(clippy::too_many_arguments)]
     fn solve_frame(
         &mut self,
+        started: Instant,
         input: &FrameInput<'_>,
         sh: &Shape,
         patches: &[&Patch],
@@ -425,8 +444,12 @@ impl CudaBackend {
                 host,
                 wi,
             )?);
+            if timings.waves == 0 {
+                timings.reached("first wave queued", started);
+            }
             timings.waves += 1;
         }
+        timings.reached("every wave queued", started);
         timings.add("host tables", host.prep_ms);
         let mut sink = solve::Sink {
             results,
@@ -443,6 +466,7 @@ impl CudaBackend {
         for q in queued {
             solve::finish_wave(gpu, ws, input, host, q, &mut sink)?;
         }
+        sink.timings.reached("every wave unpacked", started);
         Ok(())
     }
 
@@ -518,7 +542,9 @@ impl CudaBackend {
         }
         // by position in the frame's order
         let mut results: Vec<Option<PatchResult>> = vec![None; patches.len()];
+        timings.reached("frame set up", t0);
         let solved = self.solve_frame(
+            t0,
             &input,
             &sh,
             &ordered,
@@ -580,8 +606,18 @@ impl CudaBackend {
         ws.coupling_back.reserve(largest);
     }
 
-    /// The log line of a call: its time by phase, its routes and counters, its memory.
+    /// The log line of a call: its time by phase, its routes and counters, its memory; and at
+    /// debug level the host's milestones.
     fn log_call(&self, timings: &GpuTimings, sh: &Shape) {
+        tracing::debug!(
+            "host {}",
+            timings
+                .milestones
+                .iter()
+                .map(|(step, ms)| format!("{step} at {ms:.1} ms"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
         tracing::info!(
             "cuda: {} patches in {:.1} ms ({} waves, {} uploads; {}); {:?} route, {} patches coupled to second neighbours (largest coupling {:.1e}); {} patches solved on the CPU ({} coupled, {} after a failed retry; {} retried on the device); decorrelation: {} blocks polar (at most {} steps), {} by Jacobi after the polar route gave up; peak device memory {:.2} GB (process {:.2} GB)",
             timings.patches,

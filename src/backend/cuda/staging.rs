@@ -8,9 +8,10 @@
 //! Small buffers whose size can be told in advance (the copies back) start pinning when the
 //! backend starts ([`Staging::pin_now`]), while it loads its kernels, and their first use
 //! waits for that pinning. The others (the uploads) are pinned once
-//! [`Staging::allow_pinning`] has been called, which the backend does after its first frame:
-//! pinning while a frame runs delays its launches, and pinning them all when the backend
-//! starts delayed its start by more than the first frame gained (workspace.rs, `EARLY_BACK`).
+//! [`Staging::allow_pinning`] has been called: pinning them all when the backend starts
+//! delayed its start by more than the first frame gained (workspace.rs, `EARLY_BACK`). The
+//! backend allows it when its first frame's sizes are known, if they can be told before the
+//! frame is laid out (tables.rs, `Uploads::pin_from_now`), else after its first frame.
 
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -23,7 +24,8 @@ use crate::error::Result;
 
 /// A host buffer for transfers that becomes pinned in the background.
 pub(crate) struct Staging<T: Copy + Default + Send + 'static> {
-    ctx: Arc<CudaContext>,
+    /// The context buffers are pinned in; without one (host-side tests) they stay pageable.
+    ctx: Option<Arc<CudaContext>>,
     pinned: Option<PinnedBuf<T>>,
     pageable: Vec<T>,
     /// A pinning under way.
@@ -48,6 +50,16 @@ struct Pinning<T: Copy + Default> {
 
 impl<T: Copy + Default + Send + 'static> Staging<T> {
     pub(crate) fn new(ctx: Arc<CudaContext>) -> Self {
+        Self::in_context(Some(ctx))
+    }
+
+    /// A buffer that stays pageable, for the host-side tests of what fills it.
+    #[cfg(test)]
+    pub(crate) fn pageable() -> Self {
+        Self::in_context(None)
+    }
+
+    fn in_context(ctx: Option<Arc<CudaContext>>) -> Self {
         Staging {
             ctx,
             pinned: None,
@@ -68,6 +80,11 @@ impl<T: Copy + Default + Send + 'static> Staging<T> {
     pub(crate) fn allow_pinning(&mut self, len: usize) {
         self.pinning = true;
         self.pin_at_least = self.pin_at_least.max(len);
+    }
+
+    /// Whether [`Staging::allow_pinning`] was called.
+    pub(crate) fn pinning_allowed(&self) -> bool {
+        self.pinning
     }
 
     /// The largest length [`Staging::get`] was asked for so far.
@@ -147,7 +164,9 @@ impl<T: Copy + Default + Send + 'static> Staging<T> {
     /// Starts pinning a buffer of `len` values on a thread of its own.
     fn pin_later(&mut self, len: usize, early: bool) {
         let len = len.max(self.pin_at_least);
-        let ctx = self.ctx.clone();
+        let Some(ctx) = self.ctx.clone() else {
+            return;
+        };
         let thread = std::thread::spawn(move || {
             ctx.bind_to_thread()
                 .map_err(error::driver("cannot bind the CUDA context"))?;

@@ -19,10 +19,11 @@ use crate::backend::FrameInput;
 use crate::error::Result;
 use crate::extract::{PatchGeometry, PatchResult, PatchStatus};
 use crate::plan::Patch;
-use crate::psf::{Corners, GaussHermitePsf};
+use crate::psf::{Corners, GaussHermitePsf, TraceTable};
 
 /// The host buffers a frame is uploaded from: its image and its larger tables. They
-/// become pinned once allowed (staging.rs), after a backend's first frame; from pageable
+/// become pinned once allowed (staging.rs), from a backend's first frame on where its sizes
+/// can be told ahead ([`Uploads::pin_from_now`]), else after it; from pageable
 /// memory the driver copies each upload through a buffer of its own before it returns, time
 /// in which the host queues nothing.
 pub(crate) struct Uploads {
@@ -47,6 +48,36 @@ impl Uploads {
             reals: Staging::new(ctx.clone()),
             ints: Staging::new(ctx.clone()),
         }
+    }
+
+    /// Buffers that stay pageable, for the host-side tests of the tables.
+    #[cfg(test)]
+    pub(crate) fn pageable() -> Self {
+        Uploads {
+            strips: [Staging::pageable(), Staging::pageable()],
+            in_flight: [None, None],
+            reals: Staging::pageable(),
+            ints: Staging::pageable(),
+        }
+    }
+
+    /// Starts pinning the buffers in the background now, at the sizes given (values of the
+    /// reals, the ints and a strip of the image), unless pinning was allowed before: a
+    /// backend's first frame uploads from those whose pinning is done by the time it asks for
+    /// them (the strips of its later waves), the others from pageable memory, without waiting.
+    pub(crate) fn pin_from_now(&mut self, reals: usize, ints: usize, strip: usize) {
+        if self.reals.pinning_allowed() {
+            return;
+        }
+        tracing::debug!("pinning uploads from the first frame: strip {strip}, reals {reals}, ints {ints} values");
+        for s in &mut self.strips {
+            s.allow_pinning(strip);
+            s.reserve(strip);
+        }
+        self.reals.allow_pinning(reals);
+        self.reals.reserve(reals);
+        self.ints.allow_pinning(ints);
+        self.ints.reserve(ints);
     }
 
     /// Lets the buffers be pinned in the background from their next use on, each as large as
@@ -169,6 +200,8 @@ pub(crate) struct FrameHost {
     pub(crate) pageable: bool,
     /// Host time spent preparing the frame, milliseconds.
     pub(crate) prep_ms: f64,
+    /// The part of it spent on traces, milliseconds.
+    pub(crate) trace_ms: f64,
 }
 
 impl FrameHost {
@@ -188,17 +221,26 @@ impl FrameHost {
         let psf = input.psf;
         let coef_per_fiber = (2 + psf.ngh()) * psf.ghsigx.ncoef;
         let nfibers = bundles.len() * sh.bundlesize;
-        buffers.reals.get(2 * nspots + nfibers * coef_per_fiber);
-        buffers.ints.get(2 * nspots + patches.len() * sh.nblock);
-        let pageable = !(buffers.reals.is_pinned() && buffers.ints.is_pinned());
         let mut start = 0;
-        let planned = wave_lengths(patches.len(), wave_max)
+        let planned: Vec<Range<usize>> = wave_lengths(patches.len(), wave_max)
             .into_iter()
             .map(|len| {
                 start += len;
                 start - len..start
             })
             .collect();
+        let (reals, ints) = (
+            2 * nspots + nfibers * coef_per_fiber,
+            2 * nspots + patches.len() * sh.nblock,
+        );
+        if !buffers.reals.pinning_allowed() {
+            if let Some(strip) = largest_strip(input, patches, &planned, sh) {
+                buffers.pin_from_now(reals, ints, strip);
+            }
+        }
+        buffers.reals.get(reals);
+        buffers.ints.get(ints);
+        let pageable = !(buffers.reals.is_pinned() && buffers.ints.is_pinned());
         FrameHost {
             live: Vec::with_capacity(patches.len()),
             off: Vec::new(),
@@ -217,6 +259,7 @@ impl FrameHost {
             buffers,
             pageable,
             prep_ms: 0.0,
+            trace_ms: 0.0,
         }
     }
 
@@ -247,6 +290,7 @@ impl FrameHost {
         let slots = slot(patches[range.start])..slot(patches[range.end - 1]) + 1;
         let traced = self.trace(input, sh, slots.clone());
         let t_traces = t0.elapsed().as_secs_f64() * 1e3;
+        self.trace_ms += t_traces;
         let live_start = self.live.len();
         self.lay_out(input, patches, sh, range);
         let live = live_start..self.live.len();
@@ -282,7 +326,8 @@ impl FrameHost {
         if new.is_empty() {
             return new;
         }
-        let (psf, waves) = (input.psf, &input.plan.fullwave);
+        let psf = input.psf;
+        let ahead = input.traces.filter(|t| t.is_on(&input.plan.fullwave));
         let per_fiber = 2 * sh.nfull;
         let (spots, coefs) = self.table_lens(sh);
         let (xy, coef) = self
@@ -298,7 +343,7 @@ impl FrameHost {
             .zip(corners.par_chunks_mut(per_fiber))
             .enumerate()
             .filter(|(i, _)| wanted(i))
-            .for_each(|(i, (xy, c))| fiber_trace(psf, fiber_of(i), waves, xy, c));
+            .for_each(|(i, (xy, c))| fiber_trace(input, ahead, fiber_of(i), xy, c));
         for (i, c) in coef.chunks_exact_mut(self.coef_per_fiber).enumerate() {
             if wanted(&i) {
                 coefficients(psf, fiber_of(i), c);
@@ -449,25 +494,51 @@ impl FrameHost {
 }
 
 /// Trace positions of one fiber on the padded grid, `[wave][x, y]`, into `xy`, and its
-/// spots' corners, `[wave][column, row]`, into `corners`.
+/// spots' corners, `[wave][column, row]`, into `corners`: copied from the traces evaluated
+/// ahead on that grid if they hold the fiber, else evaluated (the same function, so the same
+/// values).
 fn fiber_trace(
-    psf: &GaussHermitePsf,
+    input: &FrameInput<'_>,
+    ahead: Option<&TraceTable>,
     fiber: usize,
-    waves: &[f64],
     xy: &mut [f64],
     corners: &mut [i32],
 ) {
-    let (xs, ys) = psf.trace(fiber, waves);
-    for (((&x, &y), p), c) in xs
-        .iter()
-        .zip(&ys)
-        .zip(xy.chunks_exact_mut(2))
-        .zip(corners.chunks_exact_mut(2))
-    {
-        let (cx, cy) = psf.corner_of(x, y);
-        p.copy_from_slice(&[x, y]);
-        c.copy_from_slice(&[cx, cy]);
+    let waves = &input.plan.fullwave;
+    match ahead.and_then(|t| t.fiber(fiber)) {
+        Some((txy, tc)) => {
+            xy.copy_from_slice(txy);
+            corners.copy_from_slice(tc);
+        }
+        None => input.psf.trace_into(fiber, waves, xy, corners),
     }
+}
+
+/// Values of the largest strip of the image (pixels and inverse variances) that the waves
+/// `planned` of `patches` can ask for, from the traces evaluated ahead (None without them): the
+/// columns of a wave's patches' fibers' spots, which hold its strip as long as its columns
+/// meet those uploaded before (waves go bundle after bundle, across the CCD); a larger strip
+/// would go from pageable memory and pin a larger buffer for the next.
+fn largest_strip(
+    input: &FrameInput<'_>,
+    patches: &[&Patch],
+    planned: &[Range<usize>],
+    sh: &Shape,
+) -> Option<usize> {
+    let traces = input.traces?;
+    let waves = &input.plan.fullwave;
+    let mut spans = Vec::with_capacity(planned.len());
+    for wave in planned.iter().filter(|w| !w.is_empty()) {
+        let of = &patches[wave.clone()];
+        let first = of.iter().map(|p| p.padded_fibers.start).min()?;
+        let last = of.iter().map(|p| p.padded_fibers.end).max()?;
+        spans.push(traces.corner_columns(first..last, waves)?);
+    }
+    let widest = spans
+        .iter()
+        .map(|(lo, hi)| (hi - lo) as usize + sh.nx)
+        .max()?;
+    Some(2 * input.image.nrows * widest.min(input.image.ncols))
 }
 
 /// The Legendre coefficients of GHSIGX, GHSIGY and the GH-i-j of `fiber`, `[param][k]`.
@@ -531,123 +602,5 @@ fn pack_columns(image: &ndarray::Array2<f32>, out: &mut [f32], cols: Range<usize
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn shape() -> Shape {
-        Shape {
-            nx: 3,
-            ny: 3,
-            nt: 4,
-            nws: 2,
-            wavepad: 1,
-            ncore: 2,
-            nblock: 3,
-            nfull: 10,
-            bundlesize: 4,
-            ndiag: 1,
-        }
-    }
-
-    /// Twelve live patches, four per bundle slot 0, 1 and 2, with boxes of 2 x (1 + i) pixels
-    /// at rows 10 + i.
-    fn live() -> Vec<Live> {
-        (0..12)
-            .map(|i| {
-                let g = PatchGeometry {
-                    rows: 10 + i..12 + i,
-                    cols: 0..1 + i,
-                    block_fibers: if i % 2 == 0 {
-                        vec![1, 2]
-                    } else {
-                        vec![0, 1, 2]
-                    },
-                    npad: 1,
-                    wave0: i,
-                    nwavetot: 4,
-                };
-                (20 + i, g, i / 4)
-            })
-            .collect()
-    }
-
-    #[test]
-    fn quarter_waves_first_and_last_equal_ones_between() {
-        // a full frame in waves of at most 800, and of what a 4 GB budget alone allows
-        assert_eq!(
-            wave_lengths(4700, 800),
-            [200, 717, 717, 717, 717, 716, 716, 200]
-        );
-        assert_eq!(wave_lengths(4700, 1567), [392, 1306, 1305, 1305, 392]);
-        // a call of at most a wave and a quarter: a quarter, then the rest
-        assert_eq!(wave_lengths(235, 1567), [59, 176]);
-        assert_eq!(wave_lengths(1000, 800), [200, 800]);
-        assert_eq!(wave_lengths(1, 1567), [1]);
-        assert!(wave_lengths(0, 10).is_empty());
-        for (n, size) in [
-            (4700, 1567),
-            (4700, 10_000),
-            (11, 10),
-            (1, 1),
-            (7, 3),
-            (2, 9),
-        ] {
-            let l = wave_lengths(n, size);
-            assert_eq!(l.iter().sum::<usize>(), n, "{n} in waves of {size}");
-            assert!(l.iter().all(|&x| x > 0 && x <= size), "{l:?}");
-            let quarter = n.min(size).div_ceil(4);
-            assert!(l[0] <= quarter);
-            let middle = &l[1..l.len() - usize::from(l.len() > 2)];
-            let spread = middle.iter().max().unwrap_or(&0) - middle.iter().min().unwrap_or(&0);
-            assert!(spread <= 1, "{l:?}");
-        }
-    }
-
-    #[test]
-    fn first_spots_count_from_the_waves_first_bundle() {
-        let (sh, live) = (shape(), live());
-        // the patches of slot 1 in a wave that starts at slot 1
-        let mut first = vec![0; 4 * sh.nblock];
-        fill_first_spots(&live[4..8], &sh, 1, &mut first);
-        // patch 4: two blocks, one leading -1; fiber f at f * nfull + wave0 within the wave
-        assert_eq!(first[..3], [-1, 10 + 4, 2 * 10 + 4]);
-        // patch 5: three blocks
-        assert_eq!(first[3..6], [5, 10 + 5, 2 * 10 + 5]);
-        // the same patches in a wave that starts at slot 0: one bundle further
-        fill_first_spots(&live[4..8], &sh, 0, &mut first);
-        assert_eq!(first[3..6], [40 + 5, 40 + 10 + 5, 40 + 2 * 10 + 5]);
-        let wave = Wave {
-            slots: 1..3,
-            ..Wave::default()
-        };
-        assert_eq!((wave.spot0(&sh), wave.nspots(&sh)), (4 * 10, 2 * 4 * 10));
-    }
-
-    #[test]
-    #[allow(clippy::single_range_in_vec_init)]
-    fn columns_are_uploaded_once_in_one_range() {
-        assert_eq!(new_columns(None, 10..20), (10..20, vec![10..20]));
-        // within: nothing new
-        assert_eq!(new_columns(Some(5..30), 10..20), (5..30, vec![]));
-        // to the right, overlapping, and beyond a gap (filled)
-        assert_eq!(new_columns(Some(10..20), 15..25), (10..25, vec![20..25]));
-        assert_eq!(new_columns(Some(10..20), 30..40), (10..40, vec![20..40]));
-        // on both sides
-        assert_eq!(
-            new_columns(Some(10..20), 5..25),
-            (5..25, vec![5..10, 20..25])
-        );
-    }
-
-    #[test]
-    fn packed_columns_follow_each_other_row_by_row() {
-        let image = ndarray::Array2::from_shape_fn((3, 5), |(r, c)| (10 * r + c) as f32);
-        let mut out = vec![-1.0; 10];
-        pack_columns(&image, &mut out[..6], 1..3);
-        pack_columns(&image, &mut out[6..9], 4..5);
-        assert_eq!(
-            out,
-            [1.0, 2.0, 11.0, 12.0, 21.0, 22.0, 4.0, 14.0, 24.0, -1.0]
-        );
-    }
-}
+#[path = "tables_tests.rs"]
+mod tests;

@@ -47,9 +47,19 @@ pub struct GpuTimings {
     /// Whether steps 2-3 took the dense route (asked for, or blocks too large for the Schur
     /// sweeps).
     pub dense_route: bool,
+    /// When the host reached each step of the call (`(step, milliseconds from the call's
+    /// start)`): how long the device waited for the host before the frame's first wave and
+    /// after its last.
+    pub milestones: Vec<(&'static str, f64)>,
 }
 
 impl GpuTimings {
+    /// Notes that the host reached `step` at `since.elapsed()` into the call.
+    pub(crate) fn reached(&mut self, step: &'static str, since: std::time::Instant) {
+        self.milestones
+            .push((step, since.elapsed().as_secs_f64() * 1e3));
+    }
+
     pub(crate) fn add(&mut self, phase: &'static str, ms: f64) {
         if let Some(p) = self.phases.iter_mut().find(|p| p.0 == phase) {
             p.1 += ms;
@@ -120,5 +130,30 @@ impl<'a> PhaseClock<'a> {
             t.add(w[1].0, ms as f64);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::GpuTimings;
+
+    #[test]
+    fn milestones_count_from_the_calls_start_in_order() {
+        let start = Instant::now();
+        let mut t = GpuTimings::default();
+        t.reached("frame set up", start);
+        std::thread::sleep(Duration::from_millis(5));
+        t.reached("first wave queued", start);
+        let steps: Vec<&str> = t.milestones.iter().map(|m| m.0).collect();
+        assert_eq!(steps, ["frame set up", "first wave queued"]);
+        // both from the same start: the second at least the sleep after the first
+        assert!(
+            t.milestones[1].1 - t.milestones[0].1 >= 5.0,
+            "{:?}",
+            t.milestones
+        );
+        assert!(t.milestones[0].1 >= 0.0);
     }
 }
