@@ -151,6 +151,7 @@ impl Frame {
     /// goodness of fit, saturates at float32's largest value instead of overflowing to
     /// infinity (a pixel of 1e25 with no PSF error gives 1e50); such a bin has BAD2DFIT.
     pub fn write(&self, path: &Path, meta: &FrameMeta) -> Result<()> {
+        let t0 = std::time::Instant::now();
         let flux = f32s(&self.flux);
         let ivar = f32s(&self.ivar);
         let resolution = f32s(&self.resolution);
@@ -160,6 +161,12 @@ impl Frame {
         });
         self.check_finite(path, &[&flux, &ivar, &chi2pix])?;
         self.check_finite_resolution(path, &resolution)?;
+        // With the lines of `fits`, these split a frame's write in the debug log.
+        tracing::debug!(
+            "{}: arrays converted in {:.3} s",
+            path.display(),
+            t0.elapsed().as_secs_f64()
+        );
         write_atomically(path, |tmp| {
             self.write_to(tmp, meta, [&flux, &ivar, &chi2pix], &resolution)
         })
@@ -219,6 +226,7 @@ impl Frame {
             .and_then(|(_, fibers)| fibers.iter().copied().min())
             .unwrap_or(self.specmin as i64);
 
+        let t0 = std::time::Instant::now();
         let mut fits = Fits::create(path)?;
         fits.reserve_checksums();
         let bunit = |unit: &'static str| move |f: &mut Fits| f.write_key_str("BUNIT", unit, "");
@@ -243,6 +251,11 @@ impl Frame {
             hdu.write(&mut fits, self)?;
         }
         fits.write_checksums()?;
+        tracing::debug!(
+            "{}: HDUs and checksums in memory in {:.3} s",
+            path.display(),
+            t0.elapsed().as_secs_f64()
+        );
         fits.close()
     }
 
