@@ -338,6 +338,22 @@ mod tests {
     }
 
     #[test]
+    fn a_file_replaces_its_temporary_with_the_mode_of_a_new_file() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        // a temporary as `output` makes them: private to its owner
+        let temp = tempfile::Builder::new().tempfile_in(dir.path()).unwrap();
+        let path = temp.into_temp_path().keep().unwrap();
+        let mut fits = Fits::create(&path).unwrap();
+        fits.write_image("A", &[3], &[1.0f32, 2.0, 3.0]).unwrap();
+        fits.close().unwrap();
+        let fresh = dir.path().join("fresh");
+        std::fs::File::create(&fresh).unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&path), mode(&fresh));
+    }
+
+    #[test]
     fn values_are_encoded_as_cfitsio_stores_them() {
         let mut out = [0u8; 4];
         1.0f32.to_fits(&mut out);
