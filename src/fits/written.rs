@@ -24,6 +24,9 @@ use crate::error::{Error, Result};
 /// one per 2880-byte record.
 const GROWTH: usize = 32 << 20;
 
+/// Bytes handed to the file system per write.
+const WRITE_PIECE: usize = 1 << 20;
+
 /// Values encoded per task.
 const VALUES_PER_TASK: usize = 1 << 16;
 
@@ -204,7 +207,9 @@ impl Fits {
             return super::gzip::write_compressed(&self.path, bytes, file);
         }
         let mut file = file;
-        file.write_all(bytes).map_err(io)?;
+        for piece in bytes.chunks(WRITE_PIECE) {
+            file.write_all(piece).map_err(io)?;
+        }
         tracing::debug!(
             "{}: wrote {:.1} MB in {:.3} s",
             self.path.display(),
