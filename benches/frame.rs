@@ -2,8 +2,9 @@
 //! times the device's pace: reading a full r-camera preproc image (IMAGE, IVAR, MASK of
 //! 4128 x 4114 pixels, uncompressed) with its mask rule, and writing a full r frame (500
 //! fibers x 2326 bins, 11 resolution diagonals) as desispec's `frame-*.fits`, checksums
-//! included. Each is repeated in one process, as a multi-frame run does, so that the
-//! allocator's reuse of frame-sized buffers counts.
+//! included, plain and gzip-compressed (desi_proc's `.fits.gz`). Each is repeated in one
+//! process, as a multi-frame run does, so that the allocator's reuse of frame-sized buffers
+//! counts.
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use ndarray::{Array2, Array3};
@@ -43,13 +44,15 @@ fn bench_write(c: &mut Criterion) {
     let mut k = 0;
     let mut group = c.benchmark_group("frame");
     group.sample_size(10);
-    group.bench_function("write full r frame", |b| {
-        b.iter(|| {
-            k += 1;
-            let path = dir.path().join(format!("frame-{}.fits", k % 4));
-            frame.write(&path, &meta).expect("frame written");
-        })
-    });
+    for suffix in ["fits", "fits.gz"] {
+        group.bench_function(format!("write full r frame .{suffix}"), |b| {
+            b.iter(|| {
+                k += 1;
+                let path = dir.path().join(format!("frame-{}.{suffix}", k % 4));
+                frame.write(&path, &meta).expect("frame written");
+            })
+        });
+    }
     group.finish();
 }
 

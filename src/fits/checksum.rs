@@ -1,7 +1,7 @@
 //! DATASUM and CHECKSUM of every HDU of a written file, as cfitsio's `fits_write_chksum`
-//! writes them, but with the data sums computed in parallel from one pass over the file:
-//! cfitsio reads each data unit back through its 2880-byte buffers, which takes half the
-//! time of writing a frame.
+//! writes them, but with the data sums computed in parallel from the file's bytes in memory
+//! (see `written`): cfitsio reads each data unit back through its 2880-byte buffers, which
+//! takes half the time of writing a frame.
 //!
 //! Both keywords follow the FITS checksum convention: the 32-bit ones' complement sum of the
 //! big-endian words of the data unit (DATASUM, in decimal), and CHECKSUM, the ASCII encoding
@@ -9,8 +9,9 @@
 //! DATASUM has a plain comment, so that a frame gives the same bytes whatever the run
 //! that wrote it (cfitsio stamps the time into the comments it writes).
 
+use std::borrow::Cow;
 use std::ffi::c_char;
-use std::fs::File;
+use std::ops::Range;
 use std::os::unix::fs::FileExt;
 
 use fitsio::sys;
@@ -49,27 +50,15 @@ fn sum_words(bytes: &[u8]) -> u32 {
     wide as u32
 }
 
-/// [`sum_words`] of the bytes `range` of `file`, read and summed a chunk at a time on many
-/// cores: no copy of the file is held (a frame is tens of MB, whose fresh pages cost more to
-/// map than to sum). Chunks are whole words, so their sums add up to the range's.
-fn sum_file_range(file: &File, range: std::ops::Range<usize>) -> std::io::Result<u32> {
-    let starts: Vec<usize> = range.clone().step_by(CHUNK).collect();
-    starts
-        .into_par_iter()
-        .map_init(
-            || vec![0u8; CHUNK],
-            |buf, start| {
-                let chunk = &mut buf[..CHUNK.min(range.end - start)];
-                file.read_exact_at(chunk, start as u64)?;
-                Ok(sum_words(chunk))
-            },
-        )
-        .try_reduce(|| 0, |a, b| Ok(add(a, b)))
+/// [`sum_words`] of `bytes`, summed a chunk at a time on many cores. Chunks are whole words,
+/// so their sums add up to the whole's.
+fn sum_bytes(bytes: &[u8]) -> u32 {
+    bytes.par_chunks(CHUNK).map(sum_words).reduce(|| 0, add)
 }
 
 impl Fits {
     /// Byte offsets of the current HDU: header start, data start, data end.
-    fn hdu_addresses(&mut self) -> Result<(usize, usize, usize)> {
+    pub(super) fn hdu_addresses(&mut self) -> Result<(usize, usize, usize)> {
         let (mut head, mut data, mut end) = (0, 0, 0);
         // SAFETY: a valid handle on an existing HDU; three out-parameters.
         self.call("cannot locate the HDU", |ptr, status| unsafe {
@@ -93,6 +82,28 @@ impl Fits {
         })
     }
 
+    /// The bytes `range` of the file: from memory for a file built there, else read from
+    /// the file on disk (after a flush).
+    fn file_bytes(&self, range: Range<usize>) -> Result<Cow<'_, [u8]>> {
+        let short = || {
+            self.error(
+                "cannot compute DATASUM",
+                "the file is shorter than its HDUs",
+            )
+        };
+        if self.written.is_some() {
+            return self.block().get(range).map(Cow::Borrowed).ok_or_else(short);
+        }
+        let file = std::fs::File::open(&self.path).map_err(|e| self.io_error(e))?;
+        let mut bytes = vec![0u8; range.len()];
+        file.read_exact_at(&mut bytes, range.start as u64)
+            .map_err(|e| match e.kind() {
+                std::io::ErrorKind::UnexpectedEof => short(),
+                _ => self.io_error(e),
+            })?;
+        Ok(Cow::Owned(bytes))
+    }
+
     /// Computes and writes DATASUM and CHECKSUM in every HDU of the file, replacing stale
     /// values such as those of a copied table. Call it last: any later change to an HDU
     /// invalidates its CHECKSUM.
@@ -105,29 +116,22 @@ impl Fits {
             self.write_checksum_places()?;
         }
         self.flush()?;
-        let file = File::open(&self.path).map_err(|e| self.io_error(e))?;
-        let len = file.metadata().map_err(|e| self.io_error(e))?.len() as usize;
-        let mut datasums = Vec::with_capacity(count);
+        let mut units = Vec::with_capacity(count);
         for index in 0..count {
             self.move_to_index(index)?;
             let (_, data, end) = self.hdu_addresses()?;
-            if end > len {
-                return Err(self.error(
-                    "cannot compute DATASUM",
-                    "the file is shorter than its HDUs",
-                ));
-            }
-            datasums.push(sum_file_range(&file, data..end).map_err(|e| self.io_error(e))?);
+            units.push(data..end);
         }
+        let datasums = units
+            .into_iter()
+            .map(|unit| Ok(sum_bytes(&self.file_bytes(unit)?)))
+            .collect::<Result<Vec<u32>>>()?;
         for (index, datasum) in datasums.into_iter().enumerate() {
             self.move_to_index(index)?;
             self.write_key_str("DATASUM", &datasum.to_string(), "data unit checksum")?;
             self.flush()?;
             let (head, data, _) = self.hdu_addresses()?;
-            let mut header = vec![0u8; data - head];
-            file.read_exact_at(&mut header, head as u64)
-                .map_err(|e| self.io_error(e))?;
-            let total = add(sum_words(&header), datasum);
+            let total = add(sum_words(&self.file_bytes(head..data)?), datasum);
             let mut ascii = [0 as c_char; 17];
             // SAFETY: cfitsio writes 16 characters and a NUL into `ascii`.
             unsafe { sys::ffesum(total as _, 1, ascii.as_mut_ptr()) };
@@ -159,14 +163,11 @@ mod tests {
     }
 
     #[test]
-    fn file_ranges_sum_as_their_bytes() {
+    fn sums_by_chunks_are_the_sums_of_the_bytes() {
         let bytes: Vec<u8> = (0..3 * CHUNK + 7).map(|i| (i * 7919 % 251) as u8).collect();
-        let mut file = tempfile::tempfile().expect("temporary file");
-        std::io::Write::write_all(&mut file, &bytes).expect("written");
         for range in [0..bytes.len(), 2880..2 * CHUNK + 5760, 8..8, 12..20] {
-            let sum = sum_file_range(&file, range.clone()).expect("read");
-            assert_eq!(sum, sum_words(&bytes[range.clone()]), "bytes {range:?}");
+            let part = &bytes[range.clone()];
+            assert_eq!(sum_bytes(part), sum_words(part), "bytes {range:?}");
         }
-        assert!(sum_file_range(&file, 0..bytes.len() + 1).is_err());
     }
 }

@@ -2,7 +2,7 @@
 //!
 //! desi_proc names its frames `.fits.gz`. cfitsio would compress such a file on one thread
 //! when it closes it, which takes longer than extracting the frame on a GPU; instead the
-//! plain file is compressed here by independent chunks on rayon's pool (the rank's cores),
+//! plain file, built in memory (see `written`), is compressed here by independent chunks on rayon's pool (the rank's cores),
 //! pigz's scheme: each chunk is deflated on its own, every chunk but the last ended by a sync
 //! flush (an empty stored block, so that the next chunk starts on a byte boundary), and the
 //! chunks are joined into one gzip member whose CRC-32 is combined from theirs. One member,
@@ -32,16 +32,15 @@ const CHUNK: usize = 1 << 20;
 /// gzip's header: magic, deflate, no flags, no time, fastest compression (XFL 4), Unix.
 const HEADER: [u8; 10] = [0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 4, 3];
 
-/// Replaces the plain file at `path` by its gzip compression.
-pub(super) fn compress_in_place(path: &Path) -> Result<()> {
+/// Writes `plain`, the bytes of the file `path`, gzip-compressed into `file` (just created
+/// at `path`).
+pub(super) fn write_compressed(path: &Path, plain: &[u8], file: std::fs::File) -> Result<()> {
     let io = |source: std::io::Error| Error::Io {
         path: path.into(),
         source,
     };
-    let plain = std::fs::read(path).map_err(io)?;
-    let file = crate::output::creating(|| std::fs::File::create(path)).map_err(io)?;
     let t0 = std::time::Instant::now();
-    let written = write_gzip(&plain, std::io::BufWriter::new(file)).map_err(|f| match f {
+    let written = write_gzip(plain, std::io::BufWriter::new(file)).map_err(|f| match f {
         Failure::Io(source) => io(source),
         Failure::Deflate(message) => Error::Fits {
             path: path.into(),
@@ -59,6 +58,14 @@ pub(super) fn compress_in_place(path: &Path) -> Result<()> {
         rayon::current_num_threads(),
     );
     Ok(())
+}
+
+/// Replaces the plain file at `path` by its gzip compression.
+#[cfg(test)]
+pub(super) fn compress_in_place(path: &Path) -> Result<()> {
+    let plain = std::fs::read(path).expect("a file to compress");
+    let file = std::fs::File::create(path).expect("the file replaced");
+    write_compressed(path, &plain, file)
 }
 
 /// Why a gzip file could not be written.

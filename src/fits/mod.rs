@@ -10,12 +10,12 @@
 //! is sound.
 //!
 //! Submodules: `pixels` (image reads, by row ranges in parallel), `memory` (gzip files
-//! inflated once and shared), `checksum` (CHECKSUM/DATASUM), `gzip` (compression of written
-//! files), `desi` (what desispec's files carry besides arrays), `table` (binary tables),
+//! inflated once and shared), `written` (new files built in memory, written once),
+//! `checksum` (CHECKSUM/DATASUM), `gzip` (compression of written files), `desi` (what desispec's files carry besides arrays), `table` (binary tables),
 //! `keywords` (header keywords and cards), `compressed` (tile-compression keywords checked
 //! before cfitsio trusts them).
 
-use std::ffi::{c_char, c_int, c_long, c_void, CString};
+use std::ffi::{c_char, c_int, c_long, CString};
 use std::path::{Path, PathBuf};
 
 use fitsio::sys;
@@ -32,6 +32,7 @@ mod keywords;
 mod memory;
 mod pixels;
 mod table;
+mod written;
 pub use desi::fits_float;
 pub use keywords::is_structural_card;
 pub use memory::{inflate_gzip, is_gzip, KeepAlive};
@@ -49,7 +50,7 @@ const ANY_STATUS: c_int = c_int::MIN;
 const OS_STATUSES: std::ops::RangeInclusive<c_int> = 104..=116;
 
 /// Element types that cfitsio converts to and from.
-pub trait Element: Copy + Default {
+pub trait Element: Copy + Default + Send + Sync + written::ToFits {
     /// cfitsio's `datatype` code (TFLOAT, TDOUBLE, TINT...).
     const DATATYPE: c_int;
     /// BITPIX of an image HDU written with this type.
@@ -100,6 +101,8 @@ pub struct Fits {
     /// The bytes of a file opened in memory, and the pointer and size cfitsio reads them
     /// through, kept as long as the handle (boxed: cfitsio keeps their addresses).
     memory: Option<Box<memory::Bytes>>,
+    /// The block of memory a new file is built in (see `written`).
+    written: Option<Box<written::Block>>,
 }
 
 // SAFETY: a cfitsio handle has no affinity to the thread that opened it (cfitsio is built
@@ -188,6 +191,7 @@ impl Fits {
             gzip: false,
             reserve_checksums: false,
             memory: None,
+            written: None,
         }
     }
 
@@ -225,34 +229,10 @@ impl Fits {
     }
 
     /// Creates a new file, replacing any file of that name (callers write to a temporary
-    /// name of their own, see [`crate::output`]). A name ending in `.gz` gets a
-    /// gzip-compressed file: cfitsio writes the plain file, which [`Fits::close`] compresses
-    /// in place on every core.
+    /// name of their own, see [`crate::output`]). The file is built in memory and written
+    /// by [`Fits::close`] (see `written`); a name ending in `.gz` gets a gzip-compressed file.
     pub fn create(path: &Path) -> Result<Self> {
-        let name = path_cstring(path);
-        let mut ptr = std::ptr::null_mut();
-        crate::output::creating(|| -> Result<()> {
-            match std::fs::remove_file(path) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                    return Err(Error::Io {
-                        path: path.into(),
-                        source: e,
-                    })
-                }
-                _ => {}
-            }
-            // SAFETY: `name` is NUL-terminated and outlives the call; cfitsio stores a handle
-            // in `ptr` (null on failure) and only reads the name.
-            run(|status| unsafe {
-                sys::ffdkinit(&mut ptr, name.as_ptr(), status);
-            })
-            .map_err(|(status, cause)| Error::Fits {
-                path: path.into(),
-                what: "cannot create".into(),
-                message: failure_message(status, cause),
-            })
-        })?;
-        let mut fits = Fits::new(ptr, path);
+        let mut fits = Fits::create_in_memory(path)?;
         fits.gzip = crate::output::is_gzip_name(path);
         Ok(fits)
     }
@@ -480,21 +460,7 @@ impl Fits {
         if self.reserve_checksums {
             self.write_checksum_places()?;
         }
-        if !data.is_empty() {
-            // SAFETY: `data` holds `data.len()` elements of the type DATATYPE names; cfitsio
-            // only reads them (its pointer is not const-qualified).
-            self.call("cannot write image", |ptr, status| unsafe {
-                sys::ffppr(
-                    ptr,
-                    T::DATATYPE,
-                    1,
-                    data.len() as i64,
-                    data.as_ptr() as *mut c_void,
-                    status,
-                );
-            })?;
-        }
-        Ok(())
+        self.write_data(data)
     }
 
     /// Closes the handle once; later calls do nothing.
@@ -510,14 +476,13 @@ impl Fits {
         closed
     }
 
-    /// Closes the file, reporting any error of the final flush, and compresses a new `.gz`
-    /// file.
+    /// Closes the file, reporting any error of the final flush; a new file is written to
+    /// disk then (compressed if its name ends in `.gz`).
     pub fn close(mut self) -> Result<()> {
-        self.close_handle()?;
-        if self.gzip {
-            gzip::compress_in_place(&self.path)?;
+        match self.written {
+            Some(_) => self.close_in_memory(),
+            None => self.close_handle(),
         }
-        Ok(())
     }
 }
 
