@@ -93,7 +93,7 @@ impl PatchLayout {
                 "bundlesize, nsubbundles and nwavestep must be positive",
             ));
         }
-        if !self.bundlesize.is_multiple_of(self.nsubbundles) {
+        if self.bundlesize % self.nsubbundles != 0 {
             return Err(Error::config(format!(
                 "bundlesize ({}) must be divisible by nsubbundles ({})",
                 self.bundlesize, self.nsubbundles

@@ -1,6 +1,5 @@
 //! FITS files read from memory: a gzip-compressed file (desi_proc's `preproc-*.fits.gz`) is
-//! inflated once, by libdeflate (or, one large member on a rank with many threads, in
-//! parallel by [`super::inflate`]), and then opened by as many read-only handles as there are
+//! inflated once, by libdeflate, and then opened by as many read-only handles as there are
 //! threads reading it. cfitsio, given the file itself, would inflate all of it again for every
 //! handle, on one thread each: a frame's preproc is opened for its pixels, its header, its
 //! fibermap and the copy of the fibermap into the frame.
@@ -16,7 +15,7 @@ use std::time::SystemTime;
 
 use fitsio::sys;
 
-use super::{cstring, failure_message, inflate, run, Fits, READONLY};
+use super::{cstring, failure_message, run, Fits, READONLY};
 use crate::error::{Error, Result};
 
 /// A file's bytes and the pointer and size through which cfitsio reads them.
@@ -115,17 +114,13 @@ fn inflate_file(path: &Path) -> Result<Option<Vec<u8>>> {
     if compressed.len() < MIN_MEMBER {
         return Err(damaged("truncated"));
     }
-    let compressed_len = compressed.len();
     let read_s = t0.elapsed().as_secs_f64();
-    let threads = rayon::current_num_threads();
-    let (_inflating, others) = inflate::Inflating::start();
-    let parallel = inflate::pays(compressed.len(), threads, others).then_some(threads);
-    let inflated = inflate_bytes(compressed, parallel).map_err(damaged)?;
+    let inflated = inflate_members(&compressed, size_hint(&compressed)).map_err(damaged)?;
     // The benchmarks (scripts/bench-desi-proc) split a frame's read with this line.
     tracing::debug!(
         "{}: read {:.1} MB in {read_s:.3} s, inflated to {:.1} MB in {:.3} s",
         path.display(),
-        compressed_len as f64 / 1e6,
+        compressed.len() as f64 / 1e6,
         inflated.len() as f64 / 1e6,
         t0.elapsed().as_secs_f64() - read_s,
     );
@@ -134,48 +129,27 @@ fn inflate_file(path: &Path) -> Result<Option<Vec<u8>>> {
 
 /// The size of the inflated file if it is one member: the last trailer's ISIZE (the size
 /// modulo 2^32), unless deflate's largest ratio (1032:1) says that it cannot be.
-fn trailer_size(compressed: &[u8]) -> Option<usize> {
+fn size_hint(compressed: &[u8]) -> usize {
     let trailer = &compressed[compressed.len() - 4..];
     let size = u32::from_le_bytes([trailer[0], trailer[1], trailer[2], trailer[3]]) as usize;
-    (size != 0 && size / 1032 <= compressed.len()).then_some(size)
-}
-
-/// The gzip stream `compressed` (at least [`MIN_MEMBER`] bytes) inflated into a buffer
-/// allocated once at the size its trailer gives. With `parallel` threads the stream is first
-/// tried as one member inflated on them ([`inflate::inflate_one_member`], verified against
-/// the trailer); if that gives up, or without `parallel`, libdeflate inflates every member
-/// on this thread and says why a damaged stream is.
-fn inflate_bytes(
-    compressed: Vec<u8>,
-    parallel: Option<usize>,
-) -> std::result::Result<Vec<u8>, &'static str> {
-    let size = trailer_size(&compressed);
-    let mut out = zeroed(size.unwrap_or(4 * compressed.len()).max(1))
-        .ok_or("cannot allocate its inflated size")?;
-    populate(&mut out);
-    let compressed = Arc::new(compressed);
-    if let (Some(threads), Some(_)) = (parallel, size) {
-        let sequential = inflate::Sequential::GiveUp;
-        if inflate::inflate_one_member(&compressed, &mut out, threads, sequential).is_some() {
-            return Ok(out);
-        }
+    if size == 0 || size / 1032 > compressed.len() {
+        4 * compressed.len()
+    } else {
+        size
     }
-    inflate_members(&compressed, out)
 }
 
-/// Inflates every gzip member of `compressed` one after the other into `out` (its pages
-/// mapped), first as long as the trailer says (exact for one member, so that the usual file
-/// is inflated in one call into memory allocated once) and doubled whenever a member needs
-/// more room.
-fn inflate_members(
-    compressed: &[u8],
-    mut out: Vec<u8>,
-) -> std::result::Result<Vec<u8>, &'static str> {
+/// Inflates every gzip member of `compressed` one after the other into one buffer, first
+/// `hint` bytes long (exact for one member, so that the usual file is inflated in one call
+/// into memory allocated once) and doubled whenever a member needs more room.
+fn inflate_members(compressed: &[u8], hint: usize) -> std::result::Result<Vec<u8>, &'static str> {
     use libdeflate_sys::{
         libdeflate_alloc_decompressor, libdeflate_free_decompressor, libdeflate_gzip_decompress_ex,
         libdeflate_result_LIBDEFLATE_INSUFFICIENT_SPACE as NO_ROOM,
         libdeflate_result_LIBDEFLATE_SUCCESS as SUCCESS,
     };
+    let mut out = zeroed(hint.max(1)).ok_or("cannot allocate its inflated size")?;
+    populate(&mut out);
     let (mut read, mut written) = (0usize, 0usize);
     // SAFETY: allocates a decompressor (null on failure), freed below.
     let decompressor = unsafe { libdeflate_alloc_decompressor() };
@@ -321,36 +295,6 @@ mod tests {
         let copy = written.clone();
         populate(&mut written);
         assert_eq!(written, copy);
-    }
-
-    /// What [`inflate_bytes`] makes of `compressed`, tried in parallel on 2 threads or not.
-    fn both_ways(compressed: &[u8]) -> [std::result::Result<Vec<u8>, &'static str>; 2] {
-        [None, Some(2)].map(|parallel| inflate_bytes(compressed.to_vec(), parallel))
-    }
-
-    #[test]
-    fn trying_in_parallel_first_changes_no_byte_and_no_error() {
-        use std::io::Write;
-        let data: Vec<u8> = (0..3_000_000u32)
-            .flat_map(|i| (1000.0 + (i % 977) as f32 * 0.37 + (i / 977) as f32).to_be_bytes())
-            .collect();
-        let gzip = |data: &[u8]| {
-            let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
-            e.write_all(data).unwrap();
-            e.finish().unwrap()
-        };
-        let member = gzip(&data);
-        let [serial, parallel] = both_ways(&member);
-        assert!(serial.as_deref() == Ok(&data[..]) && parallel == serial);
-        let two = [member.as_slice(), &gzip(b"SIMPLE")].concat();
-        let [serial, parallel] = both_ways(&two);
-        assert!(serial.as_ref().is_ok_and(|b| b.ends_with(b"SIMPLE")) && parallel == serial);
-        let mut flipped = member.clone();
-        flipped[member.len() / 2] ^= 0x10;
-        let [serial, parallel] = both_ways(&flipped);
-        assert!(serial.is_err() && parallel == serial, "{serial:?}");
-        let [serial, parallel] = both_ways(&member[..member.len() - 1000]);
-        assert!(serial.is_err() && parallel == serial, "{serial:?}");
     }
 
     #[test]

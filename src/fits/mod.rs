@@ -27,7 +27,6 @@ mod checksum;
 mod compressed;
 mod desi;
 mod gzip;
-mod inflate;
 mod keywords;
 mod memory;
 mod pixels;
