@@ -2,6 +2,7 @@
 //! compute stream (created when first needed), the allocation of device buffers
 //! (`buffers` owns them) and the copies between host and device.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use cudarc::cublas::sys as cublas_sys;
@@ -293,16 +294,21 @@ impl Device {
 
     /// Sets every byte of the first `len` values of `b` to `byte`.
     pub(crate) fn fill_prefix<T>(&self, b: &DevBuf<T>, len: usize, byte: u8) -> Result<()> {
-        assert!(len <= b.len);
-        if len == 0 {
+        self.fill_range(b, 0..len, byte)
+    }
+
+    /// Sets every byte of the values `range` of `b` to `byte`.
+    pub(crate) fn fill_range<T>(&self, b: &DevBuf<T>, range: Range<usize>, byte: u8) -> Result<()> {
+        assert!(range.end <= b.len);
+        if range.is_empty() {
             return Ok(());
         }
         // SAFETY: the range lies inside the allocation.
         unsafe {
             drv::memset_d8_async(
-                b.ptr,
+                b.at(range.start),
                 byte,
-                len * std::mem::size_of::<T>(),
+                range.len() * std::mem::size_of::<T>(),
                 self.cu_stream(),
             )
         }
@@ -319,7 +325,18 @@ impl Device {
 
     /// Copies host data into the start of a device buffer.
     pub(crate) fn copy_to<T: Copy>(&self, b: &DevBuf<T>, host: &[T], what: &str) -> Result<()> {
-        htod(b, 0, host, self.cu_stream(), what)
+        self.copy_to_at(b, 0, host, what)
+    }
+
+    /// [`Device::copy_to`] from index `offset` of `b` on, on the compute stream.
+    pub(crate) fn copy_to_at<T: Copy>(
+        &self,
+        b: &DevBuf<T>,
+        offset: usize,
+        host: &[T],
+        what: &str,
+    ) -> Result<()> {
+        htod(b, offset, host, self.cu_stream(), what)
     }
 
     /// [`Device::copy_to`] from index `offset` of `b` on, on the copy stream: it runs while
@@ -345,7 +362,7 @@ impl Device {
         scratch: &DevBuf<f32>,
         strip: &[f32],
         ncols: usize,
-        cols: std::ops::Range<usize>,
+        cols: Range<usize>,
         what: &str,
     ) -> Result<()> {
         let width = cols.len();

@@ -25,9 +25,7 @@ use cudarc::driver::CudaContext;
 
 use rayon::prelude::*;
 
-use super::buffers::DevBuf;
 use super::device::Device;
-use super::error;
 use super::kernels;
 use super::launchers::Gpu;
 use super::solve::{self, Queued, Sink};
@@ -147,36 +145,10 @@ pub(crate) fn prepare_wave(
         b.core.grow_keeping(dev, total, boxes.start)?;
         b.rejected.grow_keeping(dev, total, boxes.start)?;
         for s in [b.core.get(), b.rejected.get()] {
-            zero_range(dev, s, boxes.clone())?;
+            dev.fill_range(s, boxes.clone(), 0)?;
         }
     }
     Ok(())
-}
-
-/// Sets the flags `range` of `b` to zero, on the compute stream.
-fn zero_range(dev: &Device, b: &DevBuf<u8>, range: std::ops::Range<usize>) -> Result<()> {
-    assert!(range.end <= b.len);
-    if range.is_empty() {
-        return Ok(());
-    }
-    // SAFETY: the range lies inside the allocation.
-    unsafe {
-        cudarc::driver::result::memset_d8_async(b.at(range.start), 0, range.len(), dev.cu_stream())
-    }
-    .map_err(error::driver("cuMemsetD8Async"))
-}
-
-/// Copies the flags `host` into `b` from index `at` on, on the compute stream. The host
-/// buffer (pinned from the second frame on) keeps these values until the stream has passed
-/// the copy: the wave's flags change only once its next solve is finished.
-fn htod_at(dev: &Device, b: &DevBuf<u8>, host: &[u8], at: usize) -> Result<()> {
-    assert!(at + host.len() <= b.len);
-    if host.is_empty() {
-        return Ok(());
-    }
-    // SAFETY: the range lies inside the allocation; see above for the host buffer.
-    unsafe { cudarc::driver::result::memcpy_htod_async(b.at(at), host, dev.cu_stream()) }
-        .map_err(error::driver("copy of the rejected pixels to the device"))
 }
 
 /// After chi2pix: keeps the wave's model values (`A xflux`, in `ws.model`) for the test, those
@@ -402,7 +374,12 @@ fn test_wave(
         }
     }
     // the wave's next solve, queued after this copy, is the first to read its boxes' flags
-    htod_at(dev, b.rejected.get(), &flags[r.clone()], r.start)?;
+    dev.copy_to_at(
+        b.rejected.get(),
+        r.start,
+        &flags[r.clone()],
+        "rejected pixels",
+    )?;
     Ok(found.into_iter().map(|(li, o)| (li, o.len())).collect())
 }
 
@@ -436,7 +413,12 @@ fn queue_again<'a>(
             flags[li] = 1;
         }
         // read by this re-solve only: the wave's next one is queued once this one is finished
-        htod_at(g.dev, b.changed.get(), &flags[live.clone()], live.start)?;
+        g.dev.copy_to_at(
+            b.changed.get(),
+            live.start,
+            &flags[live.clone()],
+            "changed patches",
+        )?;
         b.only = b.changed.get().at(live.start);
     }
     host.waves.push(cut);
