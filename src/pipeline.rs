@@ -451,8 +451,9 @@ pub fn read_frame(request: &ExtractRequest) -> Result<(Inputs, PixelBox)> {
 }
 
 /// The CCD box covered by every spot of `corners` (those of every fiber of the plan on its
-/// padded wavelength grid), clipped to the image. Patch pixel boxes lie inside it, so workers need no other pixel: a
-/// frame of a few bundles or a short wavelength range broadcasts a small part of the CCD.
+/// padded wavelength grid), clipped to the image. Patch pixel boxes lie inside it, so workers
+/// need no other pixel: a frame of a few bundles or a short wavelength range broadcasts a
+/// small part of the CCD.
 fn plan_box(corners: &Corners, inputs: &Inputs) -> PixelBox {
     let (ny, nx) = (corners.ny as i64, corners.nx as i64);
     let bounds = |v: &[i32], n: i64, limit: usize| -> Range<usize> {

@@ -11,9 +11,10 @@
 //!
 //! Submodules: `pixels` (image reads, by row ranges in parallel), `memory` (gzip files
 //! inflated once and shared), `written` (new files built in memory, written once),
-//! `checksum` (CHECKSUM/DATASUM), `gzip` (compression of written files), `desi` (what desispec's files carry besides arrays), `table` (binary tables),
-//! `keywords` (header keywords and cards), `compressed` (tile-compression keywords checked
-//! before cfitsio trusts them).
+//! `checksum` (CHECKSUM/DATASUM), `gzip` (compression of written files), `desi` (what
+//! desispec's files carry besides arrays), `table` (binary tables), `keywords` (header
+//! keywords and cards), `compressed` (tile-compression keywords checked before cfitsio
+//! trusts them).
 
 use std::ffi::{c_char, c_int, c_long, CString};
 use std::path::{Path, PathBuf};

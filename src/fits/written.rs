@@ -7,8 +7,8 @@
 //! at, the headers and tables; the data unit of an image is laid out by cfitsio (the last
 //! value written through it, the rest zero-filled) and then encoded straight into that
 //! memory on the rank's cores. The checksums are summed from the same memory, and the closed
-//! file goes to disk in one write (plain) or deflated from memory ([`super::gzip`]). The
-//! bytes are those cfitsio would have written to disk.
+//! file goes to disk in pieces of [`WRITE_PIECE`] (plain) or deflated from memory
+//! ([`super::gzip`]). The bytes are those cfitsio would have written to disk.
 
 use std::ffi::c_void;
 use std::io::Write;
@@ -24,7 +24,8 @@ use crate::error::{Error, Result};
 /// one per 2880-byte record.
 const GROWTH: usize = 32 << 20;
 
-/// Bytes handed to the file system per write.
+/// Bytes handed to the file system per write: one `write` of a whole frame (70 MB) took, at
+/// random, 0.2-0.6 s of CPU in the kernel, pieces of this size 0.02 s every time.
 const WRITE_PIECE: usize = 1 << 20;
 
 /// Values encoded per task.

@@ -69,7 +69,9 @@ impl Uploads {
         if self.reals.pinning_allowed() {
             return;
         }
-        tracing::debug!("pinning uploads from the first frame: strip {strip}, reals {reals}, ints {ints} values");
+        tracing::debug!(
+            "pinning uploads from the first frame: strip {strip}, reals {reals}, ints {ints} values"
+        );
         for s in &mut self.strips {
             s.allow_pinning(strip);
             s.reserve(strip);
