@@ -131,8 +131,29 @@ fn buffer_to_string(buf: &[c_char]) -> String {
 
 /// Forgets cfitsio's stack of error messages (after an expected failure).
 fn clear_messages() {
+    init_cfitsio();
     // SAFETY: ffcmsg takes no argument and only empties cfitsio's message stack.
     unsafe { sys::ffcmsg() };
+}
+
+/// Creates cfitsio's global lock before spex takes it for the first time.
+///
+/// cfitsio makes that lock a recursive mutex on the first open of a file; until then it is
+/// zeroed memory, which glibc takes as a plain mutex. The message stack's functions
+/// (`ffcmsg`, `ffgmsg`) take the lock without creating it, and [`run`] empties the stack
+/// before every call. If one thread held the plain lock there while another thread's first
+/// open turned it into a recursive one, the lock was left held by the first thread with a
+/// count below zero, and every later open in the process waited forever.
+fn init_cfitsio() {
+    static INIT: std::sync::Once = std::sync::Once::new();
+    INIT.call_once(|| {
+        // SAFETY: fits_init_cfitsio takes no argument; it creates the lock under a mutex of
+        // its own, so a concurrent first open of a file through the `fitsio` crate is safe.
+        let status = unsafe { sys::fits_init_cfitsio() };
+        if status != 0 {
+            tracing::warn!("cfitsio's initialisation returned status {status}");
+        }
+    });
 }
 
 /// cfitsio's text for a status code, plus the first message of its error stack, which is
@@ -495,6 +516,42 @@ impl Drop for Fits {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    extern "C" {
+        /// cfitsio's own flag, 1 until its first initialisation (cfileio.c).
+        static need_to_initialize: c_int;
+    }
+
+    /// Run alone in a fresh process by the test below, so that nothing else has touched
+    /// cfitsio: by the time `run` makes its call, cfitsio's lock must exist, though the
+    /// message stack was emptied under it before any file was opened.
+    #[test]
+    #[ignore = "run in a process of its own by cfitsio_lock_exists_before_spex_first_takes_it"]
+    fn fresh_process_first_call() {
+        let mut initialised = false;
+        // SAFETY: a plain read of an int that cfitsio writes once, under its lock, on this
+        // thread (nothing else runs cfitsio in this process).
+        run(|_| initialised = unsafe { need_to_initialize } == 0).unwrap();
+        assert!(
+            initialised,
+            "spex took cfitsio's lock before cfitsio created it"
+        );
+    }
+
+    #[test]
+    fn cfitsio_lock_exists_before_spex_first_takes_it() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "fits::tests::fresh_process_first_call"])
+            .args(["--ignored", "--test-threads=1"])
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("1 passed"),
+            "{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 
     #[test]
     fn images_read_by_row_ranges_equal_whole_reads() {
