@@ -49,6 +49,10 @@ pub struct JobConfig {
     pub io_threads: Option<usize>,
     /// `--test`: the reference frame that every output is compared with.
     pub test_reference: Option<PathBuf>,
+    /// Whether a rank may show the CUDA driver only its own GPUs (`CUDA_VISIBLE_DEVICES`)
+    /// before the driver starts. The program may; a library call may not, since the process
+    /// that calls it may use CUDA itself.
+    pub narrow_devices: bool,
 }
 
 /// Why a configuration could not be built.
@@ -115,6 +119,7 @@ impl JobConfig {
             frames_in_flight: args.frames_in_flight,
             io_threads: args.io_threads,
             test_reference: args.test.clone(),
+            narrow_devices: true,
         };
         for request in requests {
             if args.skip_existing && request.output.exists() {

@@ -14,7 +14,7 @@ use spex::cli::{
     with_default_subcommand, Cli, Command, CompareArgs, ExtractArgs, QaArgs, SimulateArgs,
 };
 use spex::compare::{self, ParityLimits, PullLimits, Truth};
-use spex::config::{BackendChoice, JobConfig};
+use spex::config::JobConfig;
 use spex::frame::Frame;
 use spex::parallel::startup::{self, Refusal};
 use spex::parallel::{job, print_line, FrameCheck, Hooks, JobOutcome, Layout, Roles, Universe};
@@ -131,13 +131,9 @@ fn extract(args: &ExtractArgs) -> ExitCode {
         Ok(agreed) => agreed,
         Err(code) => return ExitCode::from(code),
     };
+    // The CUDA driver starts with the backends, beside the first frame's read, once the rank
+    // knows its GPUs: started with only those, it starts sooner (parallel::visible).
     let is_worker = roles.is_worker(world.rank());
-    // Loading the CUDA libraries and initialising the driver take a few tenths of a second
-    // that need nothing from the other ranks: an extracting rank starts them now, while the
-    // ranks agree on the work. Errors are reported by the backend's own start.
-    if config.backend != BackendChoice::Cpu && is_worker {
-        std::thread::spawn(|| spex::backend::cuda::device_count().ok());
-    }
     let layout = Layout::discover(&world, universe.is_mpi(), config.threads, is_worker);
     universe.abort_on_panic(layout.rank);
     // Data-parallel host work (PSF traces, pixel copies, assembly) runs on rayon's global pool:

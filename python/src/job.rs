@@ -94,7 +94,9 @@ fn configure(argvs: &[Vec<String>]) -> Result<JobConfig, Failure> {
             }
         }
     }
-    let config = config.ok_or_else(|| Failure::Usage("no job line to run".into()))?;
+    let mut config = config.ok_or_else(|| Failure::Usage("no job line to run".into()))?;
+    // The interpreter may use CUDA itself (CuPy) before or after this call.
+    config.narrow_devices = false;
     spex::pipeline::check_job_paths(&config.frames, config.test_reference.as_deref())
         .map_err(Failure::Spex)?;
     Ok(config)

@@ -10,6 +10,11 @@ pub fn device_count() -> Result<usize> {
     Ok(0)
 }
 
+/// Without the `cuda` feature there is no driver to start.
+pub fn driver_unstarted() -> bool {
+    false
+}
+
 /// Never constructed: [`CudaBackend::new`] always fails.
 pub struct CudaBackend(());
 

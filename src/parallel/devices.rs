@@ -3,6 +3,7 @@
 //! required, and the log of the job's layout once every rank has started.
 
 use super::layout::{device_for, devices_for, Layout, Roles};
+use super::visible;
 use super::Comm;
 use crate::backend::{self, Backend, BackendKind};
 use crate::config::BackendChoice;
@@ -17,6 +18,10 @@ pub(super) struct DeviceRequest {
     pub per_device: usize,
     /// Whether the rank solves whole frames, and may so take a block of the node's GPUs.
     pub whole_frames: bool,
+    /// The frames of the rank's group: a rank that solves whole frames takes no more GPUs.
+    pub frames: usize,
+    /// Whether the rank may show the driver only its own GPUs ([`visible`]).
+    pub narrow: bool,
 }
 
 /// The CUDA devices of the `node_worker`-th of the node's `node_workers` extracting ranks
@@ -34,14 +39,30 @@ pub(super) fn devices_of(
     if let Some(d) = request.device {
         return Ok(vec![d]);
     }
-    let found = backend::cuda::device_count().and_then(|n| {
-        let devices: Vec<usize> = if request.whole_frames {
-            devices_for(node_worker, node_workers, n).collect()
+    let choose = |n: usize| -> Vec<usize> {
+        if request.whole_frames {
+            let block = devices_for(node_worker, node_workers, n);
+            block.take(request.frames.max(1)).collect()
         } else {
             device_for(node_worker, node_workers, n)
                 .into_iter()
                 .collect()
-        };
+        }
+    };
+    // Counted without the driver where that is sure, so that it starts with the rank's own.
+    let unstarted = request.narrow && backend::cuda::driver_unstarted();
+    let listed = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+    let gpus = unstarted
+        .then(|| visible::node_gpus(listed.as_deref(), visible::proc_gpus()))
+        .flatten();
+    let found = match gpus {
+        Some(gpus) => match choose(gpus.len()) {
+            d if !d.is_empty() && d.len() < gpus.len() => Ok(visible::narrow(&gpus, &d)),
+            d => Ok(d),
+        },
+        None => backend::cuda::device_count().map(choose),
+    }
+    .and_then(|devices| {
         if devices.is_empty() {
             return Err(Error::Gpu("no CUDA device is visible to this rank".into()));
         }
@@ -144,6 +165,7 @@ pub(super) fn log_layout(
     let mask = backends
         .iter()
         .filter_map(|b| b.device())
+        .map(visible::node_index)
         .filter(|&d| d < 64)
         .fold(0u64, |m, d| m | 1 << d);
     let devices = world.all_gather(mask);

@@ -75,6 +75,8 @@ pub fn run(
             1
         },
         whole_frames: group.overlapped,
+        frames: mine.len(),
+        narrow: config.narrow_devices,
     };
     let devices = node_workers
         .as_ref()

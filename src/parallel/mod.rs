@@ -10,6 +10,7 @@
 //!   the writer's assembly, check, write and count);
 //! - [`layout`] and `devices`: ranks, nodes, threads, frame groups and roles, the split of a
 //!   frame's patches, the rank-to-GPU mapping, starting backends, and their logging;
+//! - `visible`: which GPUs the CUDA driver shows a rank (only its own, when it can);
 //! - `messages`: what ranks send each other, through serde;
 //! - [`startup`]: the ranks' agreement on their configuration before any other collective;
 //! - `Comm`/`Universe`: the communication primitives, through MPI when a launcher started
@@ -31,6 +32,7 @@ pub mod messages;
 mod overlap;
 mod phases;
 pub mod startup;
+mod visible;
 
 #[cfg(feature = "mpi")]
 #[path = "comm_mpi.rs"]

@@ -679,3 +679,14 @@ pub fn device_count() -> Result<usize> {
         .map_err(error::driver("cannot count CUDA devices"))?;
     Ok(n.max(0) as usize)
 }
+
+/// Whether this process has not started the CUDA driver yet, so that `CUDA_VISIBLE_DEVICES`
+/// still decides which devices it will show. False when the driver cannot be loaded.
+pub fn driver_unstarted() -> bool {
+    use cudarc::driver::sys::cudaError_enum::CUDA_ERROR_NOT_INITIALIZED;
+    device::check_libraries().is_ok()
+        && matches!(
+            cudarc::driver::result::device::get_count(),
+            Err(e) if e.0 == CUDA_ERROR_NOT_INITIALIZED
+        )
+}
