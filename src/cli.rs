@@ -216,10 +216,10 @@ pub struct ExtractArgs {
     pub frame_groups: usize,
     /// Frames a rank that forms a frame group alone solves at the same time on each of its
     /// devices under --async-io, each on a backend of its own (on the CPU they share the
-    /// rank's threads): 2 gain a few percent on a lone GPU, whose kernels then overlap the
-    /// host-side work of the other frame.
-    #[arg(long, value_name = "N", default_value_t = 1, value_parser = parse_count)]
-    pub frames_in_flight: usize,
+    /// rank's threads). Default: 2 on GPUs when the rank has more frames than GPUs (a GPU's
+    /// kernels then overlap the host-side work of its other frame), else 1.
+    #[arg(long, value_name = "N", value_parser = parse_count)]
+    pub frames_in_flight: Option<usize>,
     /// Reader threads, and as many writer threads, per device of a rank that forms a frame
     /// group alone under --async-io (default: half the rank's cores, at least 3 per GPU, whose
     /// frames are solved faster than one thread reads or writes them; 1 on the CPU).

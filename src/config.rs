@@ -43,7 +43,8 @@ pub struct JobConfig {
     pub threads: usize,
     pub async_io: bool,
     pub frame_groups: usize,
-    pub frames_in_flight: usize,
+    /// `--frames-in-flight` (`None`: the default of the backend).
+    pub frames_in_flight: Option<usize>,
     /// `--io-threads`: reader and writer threads per device of an overlapped rank (`None`:
     /// the default of the backend).
     pub io_threads: Option<usize>,

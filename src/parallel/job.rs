@@ -72,7 +72,7 @@ pub fn run(
         per_device: if group.overlapped {
             config.frames_in_flight
         } else {
-            1
+            Some(1)
         },
         whole_frames: group.overlapped,
         frames: mine.len(),
@@ -100,7 +100,7 @@ pub fn run(
         if world.all_max((worker.is_some() && backends.is_empty()) as u64) > 0 {
             return None;
         }
-        log_layout(world, layout, roles, &backends, request.per_device);
+        log_layout(world, layout, roles, &backends);
         if me == 0 {
             tracing::info!(
                 "backends ready in {:.2} s ({})",
