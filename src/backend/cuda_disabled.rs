@@ -19,7 +19,11 @@ pub fn driver_unstarted() -> bool {
 pub struct CudaBackend(());
 
 impl CudaBackend {
-    pub fn new(_device: usize) -> Result<Self> {
+    pub fn new(device: usize) -> Result<Self> {
+        Self::with_host_threads(device, 1)
+    }
+
+    pub fn with_host_threads(_device: usize, _threads: usize) -> Result<Self> {
         Err(Error::Gpu(
             "this spex was built without the `cuda` feature".into(),
         ))

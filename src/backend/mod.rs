@@ -126,10 +126,13 @@ pub enum BackendKind {
     Cuda,
 }
 
-/// Builds a backend: `threads` CPU threads, or the CUDA device `device`.
+/// Builds a backend: `threads` CPU threads, or the CUDA device `device` with `threads`
+/// threads for its host work.
 pub fn create(kind: BackendKind, threads: usize, device: usize) -> Result<Box<dyn Backend>> {
     match kind {
         BackendKind::Cpu => Ok(Box::new(cpu::CpuBackend::new(threads)?)),
-        BackendKind::Cuda => Ok(Box::new(cuda::CudaBackend::new(device)?)),
+        BackendKind::Cuda => Ok(Box::new(cuda::CudaBackend::with_host_threads(
+            device, threads,
+        )?)),
     }
 }

@@ -110,7 +110,9 @@ pub(super) fn start_backends(
     if devices.is_empty() {
         return cpu();
     }
-    match open_devices(&devices, threads, per_device) {
+    // So do a rank's GPU backends, for their host work.
+    let host_threads = (threads / (devices.len() * per_device)).max(1);
+    match open_devices(&devices, host_threads, per_device) {
         Err(e) if request.choice == (BackendChoice::Gpu { required: false }) => {
             tracing::warn!("the GPU did not start ({e}); extracting on the CPU");
             cpu()
