@@ -8,13 +8,14 @@
 //! tests its patches with [`find_outliers`] against the frame's image and gives the outliers
 //! weight zero in a flag per box pixel on the device (`rejected`), which the assembly and
 //! chi2pix read: in that patch only, since boxes overlap and the image is shared. The wave is
-//! then queued again behind the others, from its first to its last patch with new outliers
-//! (an unchanged patch between them gets the same solution, so only the patches with new
-//! outliers are decorrelated again, unless `-m` projects each patch's decorrelated flux: the
-//! others' results stay in the frame's arrays); its re-solve is tested in turn
-//! once finished, and so on until a test finds no outlier or [`MAX_RESOLVES`] solves have
-//! been added, as on the CPU. Only patches with new outliers are tested after a re-solve; a
-//! patch the CPU reference solved (a failed or coupled one) was tested there already.
+//! then solved again behind the others by a wave of its patches with new outliers alone: their
+//! tables, gathered on the host, and their results take the first places of the finished
+//! wave's (`Wave::picked`), while its spots and model boxes stay where they were, so that the
+//! kernels find each patch's box and rejected pixels where the first pass left them. Its
+//! re-solve is tested in turn once finished, and so on until a test finds no outlier or
+//! [`MAX_RESOLVES`] solves have been added, as on the CPU. Only patches with new outliers are
+//! tested after a re-solve; a patch the CPU reference solved (a failed or coupled one) was
+//! tested there already.
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -60,12 +61,6 @@ pub(crate) struct Boxes {
     core_back: Staging<u8>,
     /// The host's `rejected`, which the test reads and writes.
     rejected_host: Staging<u8>,
-    /// Per live patch, 1 where a wave solved again has new outliers: the patches it
-    /// decorrelates, and the host's copy.
-    changed: Slot<u8>,
-    changed_host: Staging<u8>,
-    /// The device address of the flags of the wave being queued, 0 when it decorrelates all.
-    only: u64,
 }
 
 impl Boxes {
@@ -80,9 +75,6 @@ impl Boxes {
             fit_back: pinned_later(&ctx),
             core_back: pinned_later(&ctx),
             rejected_host: pinned_later(&ctx),
-            changed: Slot::new("patches with new outliers"),
-            changed_host: pinned_later(&ctx),
-            only: 0,
         }
     }
 
@@ -90,13 +82,6 @@ impl Boxes {
     pub(crate) fn start(&mut self, on: bool) {
         self.on = on;
         self.pass = 0;
-    }
-
-    /// The patches the wave being queued decorrelates, 0 for all: a wave solved again for
-    /// outliers decorrelates only its patches with new outliers, since the others between
-    /// them get the same solution, whose results stay in the frame's arrays.
-    pub(crate) fn decorrelate_only(&self) -> u64 {
-        self.only
     }
 
     /// The device address of the wave's rejected-pixel flags, 0 (none) when rejection is off:
@@ -152,8 +137,9 @@ pub(crate) fn prepare_wave(
 }
 
 /// After chi2pix: keeps the wave's model values (`A xflux`, in `ws.model`) for the test, those
-/// from `skip` to `len` (a wave solved again may start after its boxes' first patch) and, in
-/// the first pass, flags the pixels the test looks at.
+/// from `skip` to `len` (a wave solved again may start after its boxes' first patch; the boxes
+/// of the patches between its own get zeros, which no later test reads) and, in the first
+/// pass, flags the pixels the test looks at.
 pub(crate) fn keep_fit(
     g: Gpu<'_>,
     ws: &Workspace,
@@ -239,9 +225,6 @@ pub(crate) fn finish_frame<'a>(
     b.fit_back.get(total);
     b.core_back.get(total);
     b.rejected_host.get(total).fill(0);
-    let nlive = host.live.len();
-    b.changed.ensure(g.dev, nlive)?;
-    b.changed_host.get(nlive).fill(0);
     let mut done = vec![Done::default(); frame.ci.len()];
     let mut fifo: VecDeque<InFlight<'a>> = queued
         .into_iter()
@@ -383,8 +366,9 @@ fn test_wave(
     Ok(found.into_iter().map(|(li, o)| (li, o.len())).collect())
 }
 
-/// Queues again wave `wi` of `host` over its live patches `changed` (sorted), from the first
-/// to the last (None if there are none): a wave of its own, appended to `host.waves`.
+/// Queues again the live patches `changed` (sorted) of wave `wi` of `host`, a wave of their
+/// own appended to `host.waves` whose tables take the first places of `wi`'s (None if there
+/// are none).
 #[allow(clippy::too_many_arguments)]
 fn queue_again<'a>(
     g: Gpu<'a>,
@@ -400,57 +384,43 @@ fn queue_again<'a>(
         let g = &host.live[li].1;
         g.rows.len() * g.cols.len()
     };
-    let Some(cut) = trim(&host.waves[wi], changed, npixels, &host.boxoff) else {
+    let Some(again) = pick(&host.waves[wi], changed, npixels, &host.boxoff) else {
         return Ok(None);
     };
-    let b = &mut ws.reject;
-    // the model image (-m) projects each patch's decorrelated flux again
-    if !input.options.model {
-        let flags = b.changed_host.current_mut(host.live.len());
-        let live = cut.live.clone();
-        flags[live.clone()].fill(0);
-        for &li in changed {
-            flags[li] = 1;
-        }
-        // read by this re-solve only: the wave's next one is queued once this one is finished
-        g.dev.copy_to_at(
-            b.changed.get(),
-            live.start,
-            &flags[live.clone()],
-            "changed patches",
-        )?;
-        b.only = b.changed.get().at(live.start);
-    }
-    host.waves.push(cut);
+    // wave wi is finished: the device has read its tables, which these replace
+    let tables = host.picked_tables(g.sh, &again.picked);
+    ws.input
+        .upload_picked(g.dev, g.sh, again.live.start, &tables)?;
+    host.waves.push(again);
     let again = host.waves.len() - 1;
-    let queued = solve::queue_wave(g, tuning, ws, input, patches, host, again);
-    ws.reject.only = 0;
-    queued.map(Some)
+    solve::queue_wave(g, tuning, ws, input, patches, host, again).map(Some)
 }
 
-/// Wave `w` cut down to its patches from the first to the last of `changed` (sorted), None if
-/// it holds none. Its tables still start at the wave's first bundle and first model box (the
-/// kernels count spots and box offsets `boxoff` from there); its boxes end with its last
-/// patch's, of `npixels` pixels.
-fn trim(
+/// The wave that solves again the patches of `changed` (sorted) that wave `w` solved, None if
+/// it holds none: their tables and results at the first places of `w`'s, its bundle slots and
+/// the start of its model boxes `w`'s (the kernels count spots and box offsets `boxoff` from
+/// there), its boxes ending with its last patch's, of `npixels` pixels.
+fn pick(
     w: &Wave,
     changed: &[usize],
     npixels: impl Fn(usize) -> usize,
     boxoff: &[i64],
 ) -> Option<Wave> {
-    let i = changed.partition_point(|&li| li < w.live.start);
-    let j = changed.partition_point(|&li| li < w.live.end);
-    if i == j {
-        return None;
-    }
-    let (first, last) = (changed[i], changed[j - 1]);
+    let solved = w.patches();
+    let picked: Vec<usize> = changed
+        .iter()
+        .copied()
+        .filter(|li| solved.binary_search(li).is_ok())
+        .collect();
+    let &last = picked.last()?;
     let end = w.boxes.start + boxoff[last] as usize + npixels(last);
     Some(Wave {
-        live: first..last + 1,
+        live: w.live.start..w.live.start + picked.len(),
         slots: w.slots.clone(),
         boxes: w.boxes.start..end,
         traced: Vec::new(),
         strips: Vec::new(),
+        picked,
     })
 }
 
@@ -553,10 +523,11 @@ impl<'f> Frame<'f> {
 mod tests {
     use super::*;
 
-    /// A wave is solved again from its first to its last changed patch, its tables still from
-    /// its first bundle and model box; a wave without changed patches is not.
+    /// A wave is solved again over its changed patches alone, in the first places of the wave
+    /// before, its tables still from that wave's first bundle and model box; a wave without
+    /// changed patches is not.
     #[test]
-    fn a_wave_is_solved_again_over_its_changed_patches() {
+    fn a_wave_is_solved_again_over_its_changed_patches_alone() {
         // patches of 10 pixels; the wave holds patches 4-7, its boxes from 100 on
         let w = Wave {
             live: 4..8,
@@ -565,12 +536,20 @@ mod tests {
             ..Wave::default()
         };
         let boxoff = [0, 10, 20, 30, 0, 10, 20, 30];
-        let cut = trim(&w, &[1, 5, 6, 9], |_| 10, &boxoff).expect("holds 5 and 6");
-        assert_eq!((cut.live, cut.slots, cut.boxes), (5..7, 1..3, 100..130));
-        let cut = trim(&w, &[7], |_| 10, &boxoff).expect("holds 7");
-        assert_eq!((cut.live, cut.boxes), (7..8, 100..140));
-        assert!(trim(&w, &[0, 3, 8], |_| 10, &boxoff).is_none());
-        assert!(trim(&w, &[], |_| 10, &boxoff).is_none());
+        let cut = pick(&w, &[1, 5, 7, 9], |_| 10, &boxoff).expect("holds 5 and 7");
+        assert_eq!(cut.patches(), [5, 7]);
+        assert_eq!((cut.live.clone(), cut.slots.clone()), (4..6, 1..3));
+        assert_eq!((cut.boxes.clone(), cut.first_patch()), (100..140, 5));
+        // solved again from that wave: only its patches count
+        let again = pick(&cut, &[6, 7], |_| 10, &boxoff).expect("holds 7");
+        assert_eq!(
+            (again.patches(), again.live, again.boxes),
+            (vec![7], 4..5, 100..140)
+        );
+        let cut = pick(&w, &[5], |_| 10, &boxoff).expect("holds 5");
+        assert_eq!((cut.live, cut.boxes), (4..5, 100..120));
+        assert!(pick(&w, &[0, 3, 8], |_| 10, &boxoff).is_none());
+        assert!(pick(&w, &[], |_| 10, &boxoff).is_none());
     }
 
     /// The fraction lost is the growth of the masked fraction, none for a patch without one

@@ -140,7 +140,7 @@ fn decorrelate_wave(
             count: nblocks,
             xflux: ws.x.get().ptr,
             nkeep: ws.view.nkeep,
-            only: ws.reject.decorrelate_only(),
+            only: 0,
         },
         kind,
         Scratch {
@@ -213,7 +213,7 @@ fn gather(
     if model && !w.boxes.is_empty() {
         let (m0, len) = (w.boxes.start, w.boxes.len());
         // a wave solved again for outliers may start after its boxes' first patch
-        let skip = host.boxoff[w.live.start] as usize;
+        let skip = host.boxoff[w.first_patch()] as usize;
         dev.dtod_at(out.model.get(), m0 + skip, ws.model.get(), skip, len - skip)?;
     }
     Ok(())
@@ -383,9 +383,10 @@ pub(crate) fn queue_wave<'a>(
     let w = &host.waves[wi];
     let n = w.len();
     let region = region_of(input);
-    let live: Vec<&Patch> = host.live[w.live.clone()]
-        .iter()
-        .map(|(ci, _, _)| patches[*ci])
+    let live: Vec<&Patch> = w
+        .patches()
+        .into_iter()
+        .map(|li| patches[host.live[li].0])
         .collect();
     let solve = route(tuning.solve, g.sh);
     let mut clock = PhaseClock::new(g.dev);
@@ -426,7 +427,7 @@ pub(crate) fn queue_wave<'a>(
     decorrelate_wave(g, tuning, ws, &w.layout(g.sh), kind)?;
     clock.mark("decorrelate")?;
     // a wave solved again for outliers may start after its boxes' first patch
-    let skip = host.boxoff[w.live.start] as usize;
+    let skip = host.boxoff[w.first_patch()] as usize;
     finalize(g, ws, (n, skip, w.boxes.len()), region, input)?;
     clock.mark("finalize")?;
     gather(g, ws, host, wi, input.options.model, solve)?;
@@ -496,10 +497,10 @@ pub(crate) fn finish_wave(
     let t_res = Instant::now();
     let nback = Back::len(per, sh.nd(), if model { w.boxes.len() } else { 0 });
     let back = Back::split(ws.back.current(nback), per, sh.nd());
-    let live = &host.live[w.live.clone()];
-    let boxoff = &host.boxoff[w.live.clone()];
+    let (live, boxoff) = host.wave_patches(q.wave);
+    let live = &live[..];
     let reg = input.options.regularize;
-    let solved = results::unpack(sh, &q.live, live, boxoff, &back, &fact, model, reg);
+    let solved = results::unpack(sh, &q.live, live, &boxoff, &back, &fact, model, reg);
     // schur::outcome lists the coupled patches after the failed ones
     let (failed, coupled) = fact.to_cpu.split_at(fact.to_cpu.len() - coupled);
     let (failed, coupled) = (

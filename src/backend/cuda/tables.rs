@@ -5,6 +5,7 @@
 //! uploaded from (which become pinned), so that the host prepares a wave while the device
 //! solves the one before.
 
+use std::borrow::Cow;
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
@@ -112,11 +113,30 @@ pub(crate) struct Wave {
     pub(crate) traced: Vec<usize>,
     /// The columns of the CCD uploaded for it; emptied by its upload.
     pub(crate) strips: Vec<Range<usize>>,
+    /// For a wave that solves again some patches of another (outlier rejection): those live
+    /// patches, in order, whose tables and results take the first places of the other's
+    /// (`live` starts where the other's does, `slots` and `boxes` too), which the other no
+    /// longer needs once finished. Empty for a wave of the consecutive patches `live`.
+    pub(crate) picked: Vec<usize>,
 }
 
 impl Wave {
     pub(crate) fn len(&self) -> usize {
         self.live.len()
+    }
+
+    /// The live patches it solves, in the order of its batch.
+    pub(crate) fn patches(&self) -> Vec<usize> {
+        if self.picked.is_empty() {
+            self.live.clone().collect()
+        } else {
+            self.picked.clone()
+        }
+    }
+
+    /// Its first live patch, whose model box is the first it writes.
+    pub(crate) fn first_patch(&self) -> usize {
+        self.picked.first().copied().unwrap_or(self.live.start)
     }
 
     /// Index of its first spot in the frame's tables (trace positions, corners).
@@ -138,6 +158,16 @@ impl Wave {
             blocks,
         }
     }
+}
+
+/// The per-patch tables of a wave of picked patches ([`FrameHost::picked_tables`]), as the
+/// device reads them.
+#[derive(Debug, Default, PartialEq)]
+pub(crate) struct PickedTables {
+    pub(crate) first_spots: Vec<i32>,
+    pub(crate) boxes: Vec<i32>,
+    pub(crate) nkeep: Vec<i32>,
+    pub(crate) boxoff: Vec<i64>,
 }
 
 /// A wave's place in the frame's results: its patches (the Schur sweeps' verdicts), their
@@ -317,6 +347,7 @@ impl FrameHost {
             boxes,
             traced,
             strips,
+            picked: Vec::new(),
         });
         Some(self.waves.len() - 1)
     }
@@ -455,6 +486,38 @@ impl FrameHost {
         let at = 2 * self.nspots;
         let ints = self.buffers.ints.current(at + live.end * sh.nblock);
         &ints[at + live.start * sh.nblock..]
+    }
+
+    /// The tables of wave `wi`'s patches, in the order of its batch: their live entries and
+    /// model box offsets (within the boxes of the wave whose places it takes).
+    pub(crate) fn wave_patches(&self, wi: usize) -> (Cow<'_, [Live]>, Cow<'_, [i64]>) {
+        let w = &self.waves[wi];
+        if w.picked.is_empty() {
+            let live = w.live.clone();
+            return (
+                Cow::Borrowed(&self.live[live.clone()]),
+                Cow::Borrowed(&self.boxoff[live]),
+            );
+        }
+        let live = w.picked.iter().map(|&li| self.live[li].clone()).collect();
+        let boxoff = w.picked.iter().map(|&li| self.boxoff[li]).collect();
+        (Cow::Owned(live), Cow::Owned(boxoff))
+    }
+
+    /// The device tables of the live patches `picked`, gathered in that order for a wave that
+    /// solves them again: their first spots (counted from their wave's first spot), pixel
+    /// boxes, kept bins and model box offsets.
+    pub(crate) fn picked_tables(&self, sh: &Shape, picked: &[usize]) -> PickedTables {
+        let nb = sh.nblock;
+        let mut t = PickedTables::default();
+        for &li in picked {
+            t.first_spots
+                .extend_from_slice(&self.first_spots(sh, li..li + 1)[..nb]);
+            t.boxes.extend_from_slice(&self.boxes[4 * li..4 * li + 4]);
+            t.nkeep.push(self.nkeep[li]);
+            t.boxoff.push(self.boxoff[li]);
+        }
+        t
     }
 
     /// Values of the frame's table of trace positions (or corners), and of its table of

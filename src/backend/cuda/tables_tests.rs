@@ -308,3 +308,51 @@ fn strips_pinned_ahead_hold_every_strip(name: &str) {
         println!("{name}, waves of {wave_max}: largest strip {largest}, pinned {bound} values");
     }
 }
+
+/// A wave that solves again some patches of another gathers their tables in its order: each
+/// patch's first spots, pixel box, kept bins and model box offset as the frame's tables hold
+/// them, and its live entries and offsets for the results.
+#[test]
+fn a_wave_of_picked_patches_gathers_their_tables() {
+    let (psf, _, image) = full_frame();
+    let options = crate::plan::PlanOptions::new(6000.0, 6400.0, 0.8, 0, 25);
+    let plan = crate::plan::Plan::new(options).expect("plan");
+    let solve = crate::extract::SolveOptions {
+        regularize: 0.0,
+        psferr: 0.01,
+        model: false,
+        reject_outliers: Some(5.0),
+    };
+    let input = FrameInput::new(&plan, &psf, &image, &solve);
+    let order = super::super::frame_order(&plan.patches);
+    let ordered: Vec<&Patch> = order.iter().map(|&i| &plan.patches[i]).collect();
+    let sh = Shape::new(&input, &plan.patches);
+    let mut host = FrameHost::new(&input, &ordered, &sh, Uploads::pageable(), 20);
+    for pi in 0..host.nplanned() {
+        host.prepare_wave(&input, &ordered, &sh, pi);
+    }
+    let w = host.waves[1].clone();
+    assert!(w.len() >= 4, "{w:?}");
+    let picked = vec![w.live.start + 1, w.live.start + 3];
+    let t = host.picked_tables(&sh, &picked);
+    let nb = sh.nblock;
+    for (k, &li) in picked.iter().enumerate() {
+        assert_eq!(
+            t.first_spots[k * nb..(k + 1) * nb],
+            host.first_spots(&sh, li..li + 1)[..nb]
+        );
+        assert_eq!(t.boxes[4 * k..4 * k + 4], host.boxes[4 * li..4 * li + 4]);
+        assert_eq!((t.nkeep[k], t.boxoff[k]), (host.nkeep[li], host.boxoff[li]));
+    }
+    assert_eq!(t.nkeep.len(), 2);
+    host.waves.push(Wave {
+        live: w.live.start..w.live.start + 2,
+        picked: picked.clone(),
+        ..w.clone()
+    });
+    let (live, boxoff) = host.wave_patches(host.waves.len() - 1);
+    assert_eq!(live[1].0, host.live[picked[1]].0);
+    assert_eq!(boxoff[..], [host.boxoff[picked[0]], host.boxoff[picked[1]]]);
+    let (live, _) = host.wave_patches(1);
+    assert_eq!(live.len(), w.len());
+}

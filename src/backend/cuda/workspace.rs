@@ -10,7 +10,7 @@ use super::buffers::DevBuf;
 use super::device::Device;
 use super::shape::Shape;
 use super::staging::Staging;
-use super::tables::FrameHost;
+use super::tables::{FrameHost, PickedTables};
 use crate::backend::FrameInput;
 use crate::error::Result;
 
@@ -236,6 +236,23 @@ impl Inputs {
             host.uploaded(dev.copies_event()?);
         }
         Ok(())
+    }
+
+    /// Queues the upload of the tables of a wave of picked patches (`tables`) at live patch
+    /// `p0` on, on the copy stream, over those of the finished wave whose places it takes.
+    pub(crate) fn upload_picked(
+        &mut self,
+        dev: &Device,
+        sh: &Shape,
+        p0: usize,
+        tables: &PickedTables,
+    ) -> Result<()> {
+        let t = tables;
+        let at = p0 * sh.nblock;
+        dev.upload_at(self.first_spots.get(), at, &t.first_spots, "first spots")?;
+        dev.upload_at(self.boxes.get(), 4 * p0, &t.boxes, "pixel boxes")?;
+        dev.upload_at(self.nkeep.get(), p0, &t.nkeep, "kept bins")?;
+        dev.upload_at(self.boxoff.get(), p0, &t.boxoff, "box offsets")
     }
 
     /// Where the tables of wave `wi` of `host` start.

@@ -8,6 +8,7 @@ use spex::outliers;
 use super::{assert_agree, backend, say};
 use crate::science::{cosmic_preproc, solve_on};
 use spex::backend::cpu::CpuBackend;
+use spex::backend::cuda::Solve;
 use spex::compare::{self, Truth};
 
 /// Bins flagged as having lost pixels to rejection.
@@ -68,6 +69,21 @@ fn gpu_rejects_the_pixels_the_cpu_rejects() {
     }
     assert_eq!(g_frame.mask, c_frame.mask, "MASK of the two backends");
     assert_agree(&g, &c);
+    // In waves of at most four (8 waves of the 25 patches), on both routes of the solve: a
+    // re-solve is a wave of the patches with new outliers alone, whose tables and results
+    // take the places of the finished wave's, its spots and boxes where that wave left them.
+    gpu.set_max_wave(Some(4));
+    for solve in [Solve::Schur, Solve::Dense] {
+        gpu.set_solve(solve);
+        let (frame, w) = solve_on(&mut gpu, &hit, Some(5.0), true);
+        say(&format!("{solve:?} route in small waves: {:?}", count(&w)));
+        assert!(gpu.timings().waves > 2, "{} waves", gpu.timings().waves);
+        assert_eq!(count(&w), count(&c), "{solve:?} route in small waves");
+        assert_eq!(frame.mask, c_frame.mask, "{solve:?} route in small waves");
+        assert_agree(&w, &c);
+    }
+    gpu.set_solve(Solve::Schur);
+    gpu.set_max_wave(None);
 
     let before = compare::pulls(&plain, &truth).unwrap();
     let after = compare::pulls(&g_frame, &truth).unwrap();
