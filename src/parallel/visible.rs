@@ -9,7 +9,10 @@ use std::sync::OnceLock;
 /// driver: the entries of `CUDA_VISIBLE_DEVICES` when it is set, else the driver's list of
 /// GPUs (`/proc/driver/nvidia/gpus`, one folder per GPU). `None` when that is not known for
 /// sure (an entry the driver would not take, no such list): the driver then counts.
-pub(super) fn node_gpus(cuda_visible: Option<&str>, proc_gpus: Option<usize>) -> Option<Vec<String>> {
+pub(super) fn node_gpus(
+    cuda_visible: Option<&str>,
+    proc_gpus: Option<usize>,
+) -> Option<Vec<String>> {
     let Some(list) = cuda_visible else {
         return proc_gpus
             .filter(|&n| n > 0)
