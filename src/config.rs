@@ -319,6 +319,23 @@ mod tests {
     }
 
     #[test]
+    fn overlapping_gpu_ranks_take_at_most_32_threads_unless_told() {
+        use crate::parallel::layout::{Layout, GPU_OVERLAP_THREADS};
+        let threads = |extra: &[&str], cores: usize| {
+            let mut w = vec!["-i", "a", "-p", "b", "-o", "c"];
+            w.extend_from_slice(extra);
+            let config = JobConfig::from_args(&args(&w), false).unwrap();
+            Layout::single(cores).with_overlap_cap(&config).threads
+        };
+        assert_eq!(threads(&["--async-io"], 64), GPU_OVERLAP_THREADS);
+        assert_eq!(threads(&["--async-io"], 16), 16);
+        // A choice of the user stays (this machine may have few cores: 4 per core are allowed).
+        assert_eq!(threads(&["--async-io", "--threads", "1"], 64), 64);
+        assert_eq!(threads(&["--async-io", "--no-gpu"], 64), 64);
+        assert_eq!(threads(&[], 64), 64);
+    }
+
+    #[test]
     fn the_gpu_is_the_default_unless_ruled_out() {
         let base = ["-i", "a", "-p", "b", "-o", "c"];
         let with = |extra: &[&str], env: bool| {

@@ -134,7 +134,8 @@ fn extract(args: &ExtractArgs) -> ExitCode {
     // The CUDA driver starts with the backends, beside the first frame's read, once the rank
     // knows its GPUs: started with only those, it starts sooner (parallel::visible).
     let is_worker = roles.is_worker(world.rank());
-    let layout = Layout::discover(&world, universe.is_mpi(), config.threads, is_worker);
+    let layout = Layout::discover(&world, universe.is_mpi(), config.threads, is_worker)
+        .with_overlap_cap(&config);
     universe.abort_on_panic(layout.rank);
     // Data-parallel host work (PSF traces, pixel copies, assembly) runs on rayon's global pool:
     // size it to this rank's share of the node rather than to every core of it.
