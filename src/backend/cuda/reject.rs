@@ -46,6 +46,9 @@ use crate::plan::Patch;
 pub(crate) struct Boxes {
     /// Whether the frame being solved rejects outliers.
     on: bool,
+    /// Whether the frame's spots stay on the device for its re-solves, each bundle's at a
+    /// place of its own in `Workspace::spots` (`spots_place`).
+    keep_spots: bool,
     /// Passes done before the one being queued (0: the first solve).
     pass: usize,
     /// Where the wave being queued starts in the arrays.
@@ -67,6 +70,7 @@ impl Boxes {
     pub(crate) fn new(ctx: Arc<CudaContext>) -> Self {
         Boxes {
             on: false,
+            keep_spots: false,
             pass: 0,
             wave_at: 0,
             fit: Slot::new("model boxes of the outlier test"),
@@ -78,9 +82,11 @@ impl Boxes {
         }
     }
 
-    /// Starts a frame: rejection on or off, first pass.
-    pub(crate) fn start(&mut self, on: bool) {
+    /// Starts a frame: rejection on or off, first pass; its spots kept for the re-solves
+    /// where `keep_spots` (see [`keeps_spots`]).
+    pub(crate) fn start(&mut self, on: bool, keep_spots: bool) {
         self.on = on;
+        self.keep_spots = on && keep_spots;
         self.pass = 0;
     }
 
@@ -102,6 +108,26 @@ pub(crate) fn box_bytes(on: bool, model_box: usize) -> usize {
         model_box + 2 * model_box / 8
     } else {
         0
+    }
+}
+
+/// Whether a frame that rejects outliers (`on`) keeps the spots of all its bundles,
+/// `frame_spots` bytes, on the device for its re-solves rather than evaluating a wave's again
+/// for each (3.6 ms of the full-width frame's 60 on an H100): where they take at most half of
+/// the device memory `budget`, so that the waves keep most of the rest.
+pub(crate) fn keeps_spots(on: bool, frame_spots: usize, budget: usize) -> bool {
+    on && frame_spots <= budget / 2
+}
+
+/// Where a wave whose first spot is `spot0` values into the frame's spots puts them in
+/// `Workspace::spots`, and whether they are there already: each bundle's at a place of its
+/// own in a frame that keeps them, whose re-solves find them there; at the start otherwise.
+pub(crate) fn spots_place(ws: &Workspace, spot0: usize) -> (usize, bool) {
+    let b = &ws.reject;
+    if b.keep_spots {
+        (spot0, b.pass > 0)
+    } else {
+        (0, false)
     }
 }
 
@@ -165,7 +191,7 @@ pub(crate) fn keep_fit(
         64,
         0,
         kernels::Args::new()
-            .ptr(ws.spots.get().ptr)
+            .ptr(ws.spots_ptr())
             .ptr(ws.view.corners)
             .ptr(ws.colspot.get().ptr)
             .ptr(ws.view.boxes)
@@ -241,7 +267,9 @@ pub(crate) fn finish_frame<'a>(
     let (mut test_ms, mut queue_ms) = (0.0, 0.0);
     while let Some(f) = fifo.pop_front() {
         let wi = f.queued.wave();
+        let t_finish = Instant::now();
         finish(g, ws, input, host, f.queued, sink, f.pass == 0)?;
+        let finish_ms = t_finish.elapsed().as_secs_f64() * 1e3;
         if f.pass == 0 {
             for li in f.tested.iter().copied() {
                 done[li].before = pixmask_of(sink.results, frame.ci[li]);
@@ -253,14 +281,16 @@ pub(crate) fn finish_frame<'a>(
         let t_test = Instant::now();
         let tested = on_device(&frame, sink.results, f.tested);
         let boxes = host.waves[wi].boxes.clone();
-        let changed = test_wave(g.dev, ws, &frame, &tested, boxes, f.pass == 0, limits)?;
+        let (changed, copy_ms) = test_wave(g.dev, ws, &frame, &tested, boxes, f.pass == 0, limits)?;
         for (li, n) in &changed {
             done[*li].nrejected += n;
             done[*li].nresolves += 1;
         }
-        test_ms += t_test.elapsed().as_secs_f64() * 1e3;
+        let round_test_ms = t_test.elapsed().as_secs_f64() * 1e3;
+        test_ms += round_test_ms;
         let changed: Vec<usize> = changed.into_iter().map(|(li, _)| li).collect();
         let t_queue = Instant::now();
+        let nchanged = changed.len();
         if let Some(again) = queue_again(g, tuning, ws, input, patches, host, wi, &changed)? {
             fifo.push_back(InFlight {
                 queued: again,
@@ -268,7 +298,14 @@ pub(crate) fn finish_frame<'a>(
                 tested: changed,
             });
         }
-        queue_ms += t_queue.elapsed().as_secs_f64() * 1e3;
+        let round_queue_ms = t_queue.elapsed().as_secs_f64() * 1e3;
+        queue_ms += round_queue_ms;
+        tracing::debug!(
+            "outliers of wave {wi}, pass {}: {} patches tested, {nchanged} with new outliers; finished in {finish_ms:.2} ms, copies back {copy_ms:.2} ms, test {:.2} ms, next pass queued in {round_queue_ms:.2} ms",
+            f.pass,
+            tested.len(),
+            round_test_ms - copy_ms,
+        );
     }
     host.waves.truncate(planned);
     for (li, d) in done.iter().enumerate() {
@@ -311,7 +348,8 @@ fn finish(
 /// the boxes back (and in the `first` pass the flags of the tested pixels) on the stream of
 /// the copies back, which the wave's finish has taken past its finalize; flags the outliers
 /// on the host and, on the compute stream, the wave's boxes on the device. Returns the patches
-/// with new outliers and how many, in the order of `tested`.
+/// with new outliers and how many, in the order of `tested`, and the milliseconds the host
+/// waited for the copies back.
 fn test_wave(
     dev: &Device,
     ws: &mut Workspace,
@@ -320,10 +358,11 @@ fn test_wave(
     boxes: Range<usize>,
     first: bool,
     limits: (f64, f64),
-) -> Result<Vec<(usize, usize)>> {
+) -> Result<(Vec<(usize, usize)>, f64)> {
     if tested.is_empty() {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), 0.0));
     }
+    let t_copy = Instant::now();
     let (b, total) = (&mut ws.reject, frame.total);
     let r = boxes.clone();
     dev.copy_back(
@@ -337,6 +376,7 @@ fn test_wave(
         dev.copy_back(core, b.core.get(), r.start, "tested pixels")?;
     }
     dev.sync_back()?;
+    let copy_ms = t_copy.elapsed().as_secs_f64() * 1e3;
     let arrays = (
         b.fit_back.current(total),
         b.core_back.current(total),
@@ -348,7 +388,7 @@ fn test_wave(
         .filter(|(_, o)| !o.is_empty())
         .collect();
     if found.is_empty() {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), copy_ms));
     }
     let flags = b.rejected_host.current_mut(total);
     for (li, outliers) in &found {
@@ -363,7 +403,10 @@ fn test_wave(
         &flags[r.clone()],
         "rejected pixels",
     )?;
-    Ok(found.into_iter().map(|(li, o)| (li, o.len())).collect())
+    Ok((
+        found.into_iter().map(|(li, o)| (li, o.len())).collect(),
+        copy_ms,
+    ))
 }
 
 /// Queues again the live patches `changed` (sorted) of wave `wi` of `host`, a wave of their
