@@ -462,11 +462,9 @@ impl CudaBackend {
             timings,
             progress,
         };
-        if let Some(nsigma) = input.options.reject_outliers {
+        if input.options.reject_outliers.is_some() {
             let tuning = &self.tuning;
-            return reject::finish_frame(
-                gpu, tuning, ws, input, patches, host, nsigma, queued, &mut sink,
-            );
+            return reject::finish_frame(gpu, tuning, ws, input, patches, host, queued, &mut sink);
         }
         for q in queued {
             solve::finish_wave(gpu, ws, input, host, q, &mut sink)?;
@@ -535,7 +533,8 @@ impl CudaBackend {
         let rejecting = input.options.reject_outliers.is_some();
         let frame_spots = nbundles * sh.bundle_spot_bytes();
         let keep_spots = reject::keeps_spots(rejecting, frame_spots, self.budget);
-        self.workspace.reject.start(rejecting, keep_spots);
+        let (nsigma, psferr) = (input.options.reject_outliers, input.options.psferr);
+        self.workspace.reject.start(nsigma, psferr, keep_spots);
         let kept = if keep_spots { frame_spots } else { 0 };
         let size = self.wave_size(&sh, image_bytes + tables + kept + patches.len() * out_bytes);
         let buffers = self

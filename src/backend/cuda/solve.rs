@@ -181,7 +181,7 @@ fn finalize(
     g.dev.zero_prefix(ws.model.get(), boxes)?;
     launchers::project(g, n, ws, ws.x.get())?;
     launchers::chi2pix(g, n, ws, region, input.options.psferr)?;
-    super::reject::keep_fit(g, ws, n, (skip, boxes))?;
+    super::reject::keep_fit(g, ws, n, (skip, boxes), region)?;
     if input.options.model {
         g.dev.zero_prefix(ws.model.get(), boxes)?;
         launchers::project(g, n, ws, ws.fluxcol.get())?;
@@ -408,7 +408,7 @@ pub(crate) fn queue_wave<'a>(
         g.dev.fill_prefix(ws.icov.get(), len, 0xff)?;
     }
     let reg = input.options.regularize;
-    super::reject::prepare_wave(g.dev, ws, w.boxes.clone(), host.box_total)?;
+    super::reject::prepare_wave(g.dev, ws, w, host)?;
     launchers::assemble(g, n, None, ws, region, reg, solve)?;
     clock.mark("assemble")?;
     let mut keep = Keep::new();
