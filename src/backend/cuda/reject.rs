@@ -534,6 +534,17 @@ mod tests {
         assert!(pick(&w, &[], |_| 10, &boxoff).is_none());
     }
 
+    /// A frame keeps its spots for the re-solves only when it rejects outliers and they take
+    /// at most half of the memory budget (a full-width frame of 801 bins: 0.65 GB of 4).
+    #[test]
+    fn spots_are_kept_where_half_the_budget_holds_them() {
+        let gb = 1_000_000_000;
+        assert!(keeps_spots(true, 654_000_000, 4 * gb));
+        assert!(keeps_spots(true, 2 * gb, 4 * gb));
+        assert!(!keeps_spots(true, 2 * gb + 1, 4 * gb));
+        assert!(!keeps_spots(false, 654_000_000, 4 * gb));
+    }
+
     /// The fraction lost is the growth of the masked fraction, none for a patch without one
     /// before.
     #[test]
