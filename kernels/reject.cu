@@ -1,6 +1,6 @@
 // Outlier rejection (`--reject-outliers`, src/backend/cuda/reject.rs): the pixels of each
-// patch's box that the outlier test looks at. The test itself runs on the host, on the model
-// boxes the finalize step projects (kernels/finalize.cu).
+// patch's box that the outlier test looks at, and the test itself, on the model boxes the
+// finalize step projects (kernels/finalize.cu).
 
 #include "common.cuh"
 
@@ -31,4 +31,166 @@ extern "C" __global__ void core_pixels(const double* __restrict__ spots,
         if (a[s] > 0.0 && rr >= r0 && rr < r1 && cc >= c0 && cc < c1)
             out[(size_t)(rr - r0) * width + (cc - c0)] = 1;
     }
+}
+
+// Threads of a block of outlier_test.
+#define SPEX_TEST_THREADS 256
+
+// A flag of `rejected` during a test: a pixel rejected by this pass (1 is a pixel rejected
+// before it, which has weight zero).
+#define SPEX_NEW_OUTLIER 2
+
+// The key of a double in the total order of Rust's f64::total_cmp, as an unsigned integer.
+__device__ __forceinline__ unsigned long long total_order_key(double v) {
+    unsigned long long b = (unsigned long long)__double_as_longlong(v);
+    return (b >> 63) ? ~b : (b | 0x8000000000000000ull);
+}
+
+__device__ __forceinline__ double from_total_order_key(unsigned long long k) {
+    unsigned long long b = (k >> 63) ? (k & 0x7fffffffffffffffull) : ~k;
+    return __longlong_as_double((long long)b);
+}
+
+// What the test of one patch reads: its box on the CCD and in the box arrays, the image.
+struct TestedBox {
+    const double* model;
+    const unsigned char* core;
+    unsigned char* rejected;
+    const float* pix;
+    const float* ivar;
+    int r0, c0, width, len, sub_row0, sub_col0, sub_w;
+
+    __device__ size_t image_index(int q) const {
+        return (size_t)(r0 + q / width - sub_row0) * sub_w + (c0 + q % width - sub_col0);
+    }
+    // The pixel's weight at the start of the pass: 0 where rejected before.
+    __device__ double weight(int q) const {
+        return rejected[q] == 1 ? 0.0 : (double)ivar[image_index(q)];
+    }
+    // outliers::find_outliers' pull, with its operations in its order (no fused multiply-add).
+    __device__ double pull(int q, double rn2, double psferr) const {
+        double m = model[q], pm = __dmul_rn(psferr, m);
+        double var = __dadd_rn(__dadd_rn(rn2, fmax(m, 0.0)), __dmul_rn(pm, pm));
+        return ((double)pix[image_index(q)] - m) / sqrt(var);
+    }
+    __device__ bool tested(int q) const { return core[q] && weight(q) > 0.0; }
+    // Whether a pixel of the 8 around q (within the box) is an outlier of this pass.
+    __device__ bool touches_new(int q) const {
+        int r = q / width, c = q % width;
+        for (int dr = -1; dr <= 1; dr++)
+            for (int dc = -1; dc <= 1; dc++) {
+                int rr = r + dr, cc = c + dc;
+                if ((dr || dc) && rr >= 0 && cc >= 0 && cc < width && rr * width + cc < len &&
+                    rejected[rr * width + cc] == SPEX_NEW_OUTLIER)
+                    return true;
+            }
+        return false;
+    }
+};
+
+// The median of 1/ivar - max(model, 0) over the box's pixels with weight (the element of rank
+// n/2 in the total order, as select_nth_unstable_by), by radix selection on its key, 8 bits a
+// round from the top, into `median`; false (in every thread) for a box without weight.
+__device__ bool read_noise_median(const TestedBox& t, unsigned int* hist, double* median) {
+    __shared__ unsigned int s_n, s_digit, s_rank;
+    if (threadIdx.x == 0) s_n = 0;
+    __syncthreads();
+    unsigned int mine = 0;
+    for (int q = threadIdx.x; q < t.len; q += blockDim.x) mine += t.weight(q) > 0.0;
+    atomicAdd(&s_n, mine);
+    __syncthreads();
+    unsigned int n = s_n, rank = n / 2;
+    if (n == 0) return false;
+    unsigned long long prefix = 0, mask = 0;
+    for (int shift = 56; shift >= 0; shift -= 8) {
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        for (int q = threadIdx.x; q < t.len; q += blockDim.x) {
+            double iv = t.weight(q);
+            if (!(iv > 0.0)) continue;
+            unsigned long long key = total_order_key(1.0 / iv - fmax(t.model[q], 0.0));
+            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned int d = 0, r = rank;
+            while (r >= hist[d]) r -= hist[d++];
+            s_digit = d;
+            s_rank = r;
+        }
+        __syncthreads();
+        prefix |= (unsigned long long)s_digit << shift;
+        mask |= 0xffull << shift;
+        rank = s_rank;
+        __syncthreads();
+    }
+    *median = from_total_order_key(prefix);
+    return true;
+}
+
+// Sum of `v` over the block through the shared `total`, which every thread reads after.
+__device__ unsigned int block_count(unsigned int v, unsigned int* total) {
+    if (threadIdx.x == 0) *total = 0;
+    __syncthreads();
+    atomicAdd(total, v);
+    __syncthreads();
+    unsigned int all = *total;
+    __syncthreads();
+    return all;
+}
+
+// One block per tested patch: outliers::find_outliers on its box (the same pixels), the
+// outliers flagged in `rejected` for its next solve and counted in `counts[p]`. The positive
+// outliers grow into the 8-connected pixels beyond `grow_nsigma`, round by round over the box
+// until none joins; without one, the pixels below -nsigma are the outliers.
+extern "C" __global__ void __launch_bounds__(SPEX_TEST_THREADS) outlier_test(
+    const double* __restrict__ model, const unsigned char* __restrict__ core,
+    unsigned char* rejected, const int* __restrict__ boxes,
+    const long long* __restrict__ boxoff, const float* __restrict__ pix,
+    const float* __restrict__ ivar, int sub_row0, int sub_col0, int sub_w, double nsigma,
+    double psferr, double grow_nsigma, int* __restrict__ counts) {
+    __shared__ unsigned int hist[256];
+    __shared__ unsigned int s_total;
+    int p = blockIdx.x;
+    int r0 = boxes[4 * p], r1 = boxes[4 * p + 1], c0 = boxes[4 * p + 2], c1 = boxes[4 * p + 3];
+    size_t at = boxoff[p];
+    TestedBox t{model + at, core + at, rejected + at, pix, ivar, r0, c0, c1 - c0,
+                (r1 - r0) * (c1 - c0), sub_row0, sub_col0, sub_w};
+    double median;
+    if (!read_noise_median(t, hist, &median)) {
+        if (threadIdx.x == 0) counts[p] = 0;
+        return;
+    }
+    double rn2 = fmax(median, 0.0);
+    unsigned int mine = 0;
+    for (int q = threadIdx.x; q < t.len; q += blockDim.x)
+        if (t.tested(q) && t.pull(q, rn2, psferr) > nsigma) {
+            t.rejected[q] = SPEX_NEW_OUTLIER;
+            mine++;
+        }
+    bool seeds = block_count(mine, &s_total) > 0;
+    if (seeds) {
+        int joined;
+        do {
+            joined = 0;
+            for (int q = threadIdx.x; q < t.len; q += blockDim.x)
+                if (t.rejected[q] == 0 && t.tested(q) && t.touches_new(q) &&
+                    t.pull(q, rn2, psferr) > grow_nsigma) {
+                    t.rejected[q] = SPEX_NEW_OUTLIER;
+                    joined = 1;
+                }
+        } while (__syncthreads_or(joined));
+    } else {
+        for (int q = threadIdx.x; q < t.len; q += blockDim.x)
+            if (t.tested(q) && t.pull(q, rn2, psferr) < -nsigma) t.rejected[q] = SPEX_NEW_OUTLIER;
+        __syncthreads();
+    }
+    mine = 0;
+    for (int q = threadIdx.x; q < t.len; q += blockDim.x)
+        if (t.rejected[q] == SPEX_NEW_OUTLIER) {
+            t.rejected[q] = 1;
+            mine++;
+        }
+    unsigned int found = block_count(mine, &s_total);
+    if (threadIdx.x == 0) counts[p] = (int)found;
 }

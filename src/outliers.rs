@@ -47,6 +47,9 @@ pub const REJECTED: u32 = 1 << 2;
 /// `width` pixels wide; only the pixels that `core` marks are tested: those of the core
 /// fibers' spots away from the box's edges, which also see light of bins and fibers that the
 /// patch does not solve.
+///
+/// The GPU backend runs the same test on the device (`outlier_test` in kernels/reject.cu),
+/// operation for operation, so that both reject the same pixels: a change here goes there too.
 pub fn find_outliers(
     pix: &[f64],
     ivar: &[f64],

@@ -66,7 +66,7 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
     (
         "reject.cu",
         include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/reject.cu")),
-        &["core_pixels"],
+        &["core_pixels", "outlier_test"],
     ),
 ];
 

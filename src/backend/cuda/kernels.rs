@@ -258,6 +258,7 @@ pub(crate) struct Kernels {
     pub project: CudaFunction,
     pub chi2pix: CudaFunction,
     pub core_pixels: CudaFunction,
+    pub outlier_test: CudaFunction,
 }
 
 impl Kernels {
@@ -316,6 +317,7 @@ impl Kernels {
             project: take("project_f64"),
             chi2pix: take("chi2pix_f64"),
             core_pixels: take("core_pixels"),
+            outlier_test: take("outlier_test"),
             _modules: modules,
         })
     }

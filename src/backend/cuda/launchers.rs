@@ -90,7 +90,7 @@ pub(crate) fn spots(
             .i32(psf.ghdegy as i32)
             .i32(sh.nx as i32)
             .i32(sh.ny as i32)
-            .ptr(ws.spots.get().ptr),
+            .ptr(ws.spots_ptr()),
     )
 }
 
@@ -126,7 +126,7 @@ pub(crate) fn assemble(
         // a weighted spot per warp
         ASSEMBLY_COLUMNS * size * 8,
         Args::new()
-            .ptr(ws.spots.get().ptr)
+            .ptr(ws.spots_ptr())
             .ptr(ws.view.corners)
             .ptr(ws.colspot.get().ptr)
             .ptr(ws.view.boxes)
@@ -340,7 +340,7 @@ pub(crate) fn project(g: Gpu<'_>, n: usize, ws: &Workspace, x: &DevBuf<f64>) -> 
         64,
         0,
         Args::new()
-            .ptr(ws.spots.get().ptr)
+            .ptr(ws.spots_ptr())
             .ptr(ws.view.corners)
             .ptr(ws.colspot.get().ptr)
             .ptr(ws.view.boxes)
@@ -373,7 +373,7 @@ pub(crate) fn chi2pix(
         (CHI2_BINS * 32) as u32,
         0,
         Args::new()
-            .ptr(ws.spots.get().ptr)
+            .ptr(ws.spots_ptr())
             .ptr(ws.view.corners)
             .ptr(ws.colspot.get().ptr)
             .ptr(ws.view.boxes)

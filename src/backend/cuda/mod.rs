@@ -412,7 +412,6 @@ impl CudaBackend {
         // another frame, maybe another PSF: no spots carry over from the call before
         self.workspace.last_spots = None;
         let ws = &mut self.workspace;
-        ws.reject.start(input.options.reject_outliers.is_some());
         ws.input
             .ensure_frame(&self.dev, input, sh, host, patches.len())?;
         let n = patches.len();
@@ -463,11 +462,9 @@ impl CudaBackend {
             timings,
             progress,
         };
-        if let Some(nsigma) = input.options.reject_outliers {
+        if input.options.reject_outliers.is_some() {
             let tuning = &self.tuning;
-            return reject::finish_frame(
-                gpu, tuning, ws, input, patches, host, nsigma, queued, &mut sink,
-            );
+            return reject::finish_frame(gpu, tuning, ws, input, patches, host, queued, &mut sink);
         }
         for q in queued {
             solve::finish_wave(gpu, ws, input, host, q, &mut sink)?;
@@ -533,7 +530,13 @@ impl CudaBackend {
         // trace positions (two f64) and spot corners (two i32) of every spot of the bundles
         let nbundles = bundles_per_wave(&ordered, ordered.len());
         let tables = 24 * nbundles * sh.bundlesize * sh.nfull;
-        let size = self.wave_size(&sh, image_bytes + tables + patches.len() * out_bytes);
+        let rejecting = input.options.reject_outliers.is_some();
+        let frame_spots = nbundles * sh.bundle_spot_bytes();
+        let keep_spots = reject::keeps_spots(rejecting, frame_spots, self.budget);
+        let (nsigma, psferr) = (input.options.reject_outliers, input.options.psferr);
+        self.workspace.reject.start(nsigma, psferr, keep_spots);
+        let kept = if keep_spots { frame_spots } else { 0 };
+        let size = self.wave_size(&sh, image_bytes + tables + kept + patches.len() * out_bytes);
         let buffers = self
             .uploads
             .take()
@@ -542,7 +545,11 @@ impl CudaBackend {
         self.reserve_waves(&sh, host.largest_wave());
         // The spots of the most bundles a wave can touch, allocated once: a buffer that grew
         // from wave to wave would hold its outgrown sizes until the frame's end.
-        let spots = bundles_per_wave(&ordered, host.largest_wave()) * sh.bundle_spot_bytes() / 8;
+        let spots = if keep_spots {
+            frame_spots / 8
+        } else {
+            bundles_per_wave(&ordered, host.largest_wave()) * sh.bundle_spot_bytes() / 8
+        };
         if self.workspace.spots.ensure(&self.dev, spots)? {
             self.workspace.last_spots = None;
         }

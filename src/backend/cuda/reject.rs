@@ -3,28 +3,26 @@
 //!
 //! Each wave keeps, beside its results, the model `A xflux` of each patch over its box (the
 //! finalize step projects it for chi2pix) and, in the first pass, a flag per box pixel that
-//! the test looks at (`core_pixels` in kernels/reject.cu). As soon as a wave is finished
-//! (while the device runs the waves queued after it) the host copies its model boxes back,
-//! tests its patches with [`find_outliers`] against the frame's image and gives the outliers
-//! weight zero in a flag per box pixel on the device (`rejected`), which the assembly and
-//! chi2pix read: in that patch only, since boxes overlap and the image is shared. The wave is
-//! then solved again behind the others by a wave of its patches with new outliers alone: their
-//! tables, gathered on the host, and their results take the first places of the finished
-//! wave's (`Wave::picked`), while its spots and model boxes stay where they were, so that the
-//! kernels find each patch's box and rejected pixels where the first pass left them. Its
-//! re-solve is tested in turn once finished, and so on until a test finds no outlier or
+//! the test looks at (`core_pixels` in kernels/reject.cu). Right after, in the wave's own
+//! queue, the device tests its patches (`outlier_test`: the CPU's
+//! [`crate::outliers::find_outliers`], pixel for pixel) and gives the outliers weight zero in
+//! a flag per box pixel (`rejected`), which the assembly and chi2pix read: in that patch only,
+//! since boxes overlap and the image is shared. The host reads back only how many outliers
+//! each patch had, once the wave is finished (while the device runs the waves queued after
+//! it), and solves the wave again behind the others by a wave of its patches with new
+//! outliers alone: their tables, gathered on the host, and their results take the first
+//! places of the finished wave's (`Wave::picked`), while its spots and model boxes stay where
+//! they were, so that the kernels find each patch's box and rejected pixels where the first
+//! pass left them. Its re-solve is tested in turn, and so on until a test finds no outlier or
 //! [`MAX_RESOLVES`] solves have been added, as on the CPU. Only patches with new outliers are
 //! tested after a re-solve; a patch the CPU reference solved (a failed or coupled one) was
 //! tested there already.
 
 use std::collections::VecDeque;
-use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
 use cudarc::driver::CudaContext;
-
-use rayon::prelude::*;
 
 use super::device::Device;
 use super::kernels;
@@ -33,12 +31,11 @@ use super::solve::{self, Queued, Sink};
 use super::staging::Staging;
 use super::tables::{FrameHost, Wave};
 use super::tuning::Tuning;
-use super::workspace::{Slot, Workspace};
+use super::workspace::{Region, Slot, Workspace};
 use crate::backend::{FrameInput, Progress};
 use crate::error::Result;
 use crate::extract::PatchResult;
-use crate::image::Image;
-use crate::outliers::{find_outliers, MAX_RESOLVES};
+use crate::outliers::{GROW_NSIGMA, MAX_RESOLVES};
 use crate::plan::Patch;
 
 /// The device's share of rejection: frame-sized arrays over every patch's box, in the order
@@ -46,41 +43,53 @@ use crate::plan::Patch;
 pub(crate) struct Boxes {
     /// Whether the frame being solved rejects outliers.
     on: bool,
+    /// Whether the frame's spots stay on the device for its re-solves, each bundle's at a
+    /// place of its own in `Workspace::spots` (`spots_place`).
+    keep_spots: bool,
     /// Passes done before the one being queued (0: the first solve).
     pass: usize,
+    /// The test's NSIGMA and the PSF error of its noise.
+    limits: (f64, f64),
     /// Where the wave being queued starts in the arrays.
     wave_at: usize,
+    /// Where the wave being queued starts among the frame's live patches (in `counts`).
+    live_at: usize,
     /// `A xflux` of each patch's last solution.
     fit: Slot<f64>,
     /// 1 where the test looks (pixels of the tested columns' spots).
     core: Slot<u8>,
     /// 1 where a pixel has weight zero in its patch.
     rejected: Slot<u8>,
-    /// Host copies of `fit` and `core` (pinned from the second frame on).
-    fit_back: Staging<f64>,
-    core_back: Staging<u8>,
-    /// The host's `rejected`, which the test reads and writes.
-    rejected_host: Staging<u8>,
+    /// The outliers the last test of each live patch found.
+    counts: Slot<i32>,
+    /// Their host copy (pinned from the second frame on).
+    counts_back: Staging<i32>,
 }
 
 impl Boxes {
     pub(crate) fn new(ctx: Arc<CudaContext>) -> Self {
         Boxes {
             on: false,
+            keep_spots: false,
             pass: 0,
+            limits: (0.0, 0.0),
             wave_at: 0,
+            live_at: 0,
             fit: Slot::new("model boxes of the outlier test"),
             core: Slot::new("tested pixels"),
             rejected: Slot::new("rejected pixels"),
-            fit_back: pinned_later(&ctx),
-            core_back: pinned_later(&ctx),
-            rejected_host: pinned_later(&ctx),
+            counts: Slot::new("outlier counts"),
+            counts_back: pinned_later(&ctx),
         }
     }
 
-    /// Starts a frame: rejection on or off, first pass.
-    pub(crate) fn start(&mut self, on: bool) {
-        self.on = on;
+    /// Starts a frame: rejection at `nsigma` (None: off) with the noise's PSF error
+    /// `psferr`, first pass; its spots kept for the re-solves where `keep_spots` (see
+    /// [`keeps_spots`]).
+    pub(crate) fn start(&mut self, nsigma: Option<f64>, psferr: f64, keep_spots: bool) {
+        self.on = nsigma.is_some();
+        self.limits = (nsigma.unwrap_or(0.0), psferr);
+        self.keep_spots = self.on && keep_spots;
         self.pass = 0;
     }
 
@@ -105,6 +114,26 @@ pub(crate) fn box_bytes(on: bool, model_box: usize) -> usize {
     }
 }
 
+/// Whether a frame that rejects outliers (`on`) keeps the spots of all its bundles,
+/// `frame_spots` bytes, on the device for its re-solves rather than evaluating a wave's again
+/// for each (3.6 ms of the full-width frame's 60 on an H100): where they take at most half of
+/// the device memory `budget`, so that the waves keep most of the rest.
+pub(crate) fn keeps_spots(on: bool, frame_spots: usize, budget: usize) -> bool {
+    on && frame_spots <= budget / 2
+}
+
+/// Where a wave whose first spot is `spot0` values into the frame's spots puts them in
+/// `Workspace::spots`, and whether they are there already: each bundle's at a place of its
+/// own in a frame that keeps them, whose re-solves find them there; at the start otherwise.
+pub(crate) fn spots_place(ws: &Workspace, spot0: usize) -> (usize, bool) {
+    let b = &ws.reject;
+    if b.keep_spots {
+        (spot0, b.pass > 0)
+    } else {
+        (0, false)
+    }
+}
+
 /// A host buffer of copies back, pinned in the background once a frame has used it.
 fn pinned_later<T: Copy + Default + Send + 'static>(ctx: &Arc<CudaContext>) -> Staging<T> {
     let mut s = Staging::new(ctx.clone());
@@ -112,23 +141,26 @@ fn pinned_later<T: Copy + Default + Send + 'static>(ctx: &Arc<CudaContext>) -> S
     s
 }
 
-/// Before a wave's assembly: points the flags at the wave's boxes (`boxes` within the frame's,
-/// `total` values so far); in the first pass, sizes the arrays and clears the wave's flags.
+/// Before a wave's assembly: points the flags and counts at wave `w` of `host` (its boxes
+/// within the frame's); in the first pass, sizes the arrays and clears the wave's flags.
 pub(crate) fn prepare_wave(
     dev: &Device,
     ws: &mut Workspace,
-    boxes: std::ops::Range<usize>,
-    total: usize,
+    w: &Wave,
+    host: &FrameHost,
 ) -> Result<()> {
     let b = &mut ws.reject;
     if !b.on {
         return Ok(());
     }
-    b.wave_at = boxes.start;
+    let boxes = w.boxes.clone();
+    (b.wave_at, b.live_at) = (boxes.start, w.live.start);
     if b.pass == 0 {
+        let total = host.box_total;
         b.fit.grow_keeping(dev, total, boxes.start)?;
         b.core.grow_keeping(dev, total, boxes.start)?;
         b.rejected.grow_keeping(dev, total, boxes.start)?;
+        b.counts.grow_keeping(dev, host.live.len(), w.live.start)?;
         for s in [b.core.get(), b.rejected.get()] {
             dev.fill_range(s, boxes.clone(), 0)?;
         }
@@ -138,13 +170,14 @@ pub(crate) fn prepare_wave(
 
 /// After chi2pix: keeps the wave's model values (`A xflux`, in `ws.model`) for the test, those
 /// from `skip` to `len` (a wave solved again may start after its boxes' first patch; the boxes
-/// of the patches between its own get zeros, which no later test reads) and, in the first
-/// pass, flags the pixels the test looks at.
+/// of the patches between its own get zeros, which no test reads), in the first pass flags
+/// the pixels the test looks at, and tests the wave's `n` patches but after the last pass.
 pub(crate) fn keep_fit(
     g: Gpu<'_>,
     ws: &Workspace,
     n: usize,
     (skip, len): (usize, usize),
+    region: Region,
 ) -> Result<()> {
     let b = &ws.reject;
     if !b.on || len <= skip {
@@ -153,9 +186,51 @@ pub(crate) fn keep_fit(
     let at = b.wave_at + skip;
     g.dev
         .dtod_at(b.fit.get(), at, ws.model.get(), skip, len - skip)?;
-    if b.pass > 0 {
-        return Ok(());
+    if b.pass == 0 {
+        flag_tested_pixels(g, ws, n)?;
     }
+    if b.pass < MAX_RESOLVES {
+        test(g, ws, n, region)?;
+    }
+    Ok(())
+}
+
+/// Threads of a block of `outlier_test` (`SPEX_TEST_THREADS` in kernels/reject.cu).
+const TEST_THREADS: u32 = 256;
+
+/// The outlier test of the wave's `n` patches on their model boxes, a block each: outliers
+/// flagged in `rejected`, how many in `counts`.
+fn test(g: Gpu<'_>, ws: &Workspace, n: usize, region: Region) -> Result<()> {
+    let b = &ws.reject;
+    let (nsigma, psferr) = b.limits;
+    kernels::launch(
+        g.dev,
+        &g.k.outlier_test,
+        "outlier_test",
+        (n as u32, 1, 1),
+        TEST_THREADS,
+        0,
+        kernels::Args::new()
+            .ptr(b.fit.get().at(b.wave_at))
+            .ptr(b.core.get().at(b.wave_at))
+            .ptr(b.rejected.get().at(b.wave_at))
+            .ptr(ws.view.boxes)
+            .ptr(ws.view.boxoff)
+            .ptr(ws.view.pix)
+            .ptr(ws.view.ivar)
+            .i32(region.row0 as i32)
+            .i32(region.col0 as i32)
+            .i32(region.width as i32)
+            .f64(nsigma)
+            .f64(psferr)
+            .f64(GROW_NSIGMA)
+            .ptr(b.counts.get().at(b.live_at)),
+    )
+}
+
+/// Flags the pixels of the wave's `n` boxes that the test looks at.
+fn flag_tested_pixels(g: Gpu<'_>, ws: &Workspace, n: usize) -> Result<()> {
+    let b = &ws.reject;
     let sh = g.sh;
     kernels::launch(
         g.dev,
@@ -165,7 +240,7 @@ pub(crate) fn keep_fit(
         64,
         0,
         kernels::Args::new()
-            .ptr(ws.spots.get().ptr)
+            .ptr(ws.spots_ptr())
             .ptr(ws.view.corners)
             .ptr(ws.colspot.get().ptr)
             .ptr(ws.view.boxes)
@@ -199,11 +274,12 @@ struct InFlight<'a> {
 }
 
 /// Finishes the frame's `queued` waves (the first solve of each) and solves again, as soon as
-/// a wave is finished, its patches with new outliers: the host tests a wave's model boxes
-/// while the device runs the waves queued after it, and queues its re-solve behind them, so
-/// that the device never waits for the test of the whole frame. A patch is tested after each
-/// of its solves but the last of [`MAX_RESOLVES`] re-solves, as on the CPU; then each
-/// device-solved patch gets its rejection counts and the fraction of each core spot it lost.
+/// a wave is finished, its patches with new outliers: the device has tested them in the
+/// wave's queue, the host reads how many outliers each had while the device runs the waves
+/// queued after it, and queues their re-solve behind them, so that the device never waits
+/// for the test of the whole frame. A patch is tested after each of its solves but the last
+/// of [`MAX_RESOLVES`] re-solves, as on the CPU; then each device-solved patch gets its
+/// rejection counts and the fraction of each core spot it lost.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn finish_frame<'a>(
     g: Gpu<'a>,
@@ -212,20 +288,14 @@ pub(crate) fn finish_frame<'a>(
     input: &FrameInput<'_>,
     patches: &[&'a Patch],
     host: &mut FrameHost,
-    nsigma: f64,
     queued: Vec<Queued<'a>>,
     sink: &mut Sink<'_>,
 ) -> Result<()> {
     let planned = host.waves.len();
-    let frame = Frame::new(host, input.image);
-    let total = host.box_total;
-    let b = &mut ws.reject;
-    // every first solve is queued: the waves queued from now on are solved again
-    b.pass = 1;
-    b.fit_back.get(total);
-    b.core_back.get(total);
-    b.rejected_host.get(total).fill(0);
-    let mut done = vec![Done::default(); frame.ci.len()];
+    let ci: Vec<usize> = host.live.iter().map(|l| l.0).collect();
+    let largest = host.waves.iter().map(Wave::len).max().unwrap_or(0);
+    ws.reject.counts_back.get(largest);
+    let mut done = vec![Done::default(); ci.len()];
     let mut fifo: VecDeque<InFlight<'a>> = queued
         .into_iter()
         .map(|q| {
@@ -237,30 +307,34 @@ pub(crate) fn finish_frame<'a>(
             }
         })
         .collect();
-    let limits = (nsigma, input.options.psferr);
     let (mut test_ms, mut queue_ms) = (0.0, 0.0);
     while let Some(f) = fifo.pop_front() {
         let wi = f.queued.wave();
+        let t_finish = Instant::now();
         finish(g, ws, input, host, f.queued, sink, f.pass == 0)?;
+        let finish_ms = t_finish.elapsed().as_secs_f64() * 1e3;
         if f.pass == 0 {
             for li in f.tested.iter().copied() {
-                done[li].before = pixmask_of(sink.results, frame.ci[li]);
+                done[li].before = pixmask_of(sink.results, ci[li]);
             }
         }
         if f.pass == MAX_RESOLVES {
             continue;
         }
         let t_test = Instant::now();
-        let tested = on_device(&frame, sink.results, f.tested);
-        let boxes = host.waves[wi].boxes.clone();
-        let changed = test_wave(g.dev, ws, &frame, &tested, boxes, f.pass == 0, limits)?;
+        let tested = on_device(&ci, sink.results, f.tested);
+        let changed = read_counts(g.dev, ws, &host.waves[wi], &tested)?;
         for (li, n) in &changed {
             done[*li].nrejected += n;
             done[*li].nresolves += 1;
         }
-        test_ms += t_test.elapsed().as_secs_f64() * 1e3;
+        let round_test_ms = t_test.elapsed().as_secs_f64() * 1e3;
+        test_ms += round_test_ms;
         let changed: Vec<usize> = changed.into_iter().map(|(li, _)| li).collect();
         let t_queue = Instant::now();
+        let nchanged = changed.len();
+        // the waves queued from now on are solved again
+        ws.reject.pass = f.pass + 1;
         if let Some(again) = queue_again(g, tuning, ws, input, patches, host, wi, &changed)? {
             fifo.push_back(InFlight {
                 queued: again,
@@ -268,17 +342,23 @@ pub(crate) fn finish_frame<'a>(
                 tested: changed,
             });
         }
-        queue_ms += t_queue.elapsed().as_secs_f64() * 1e3;
+        let round_queue_ms = t_queue.elapsed().as_secs_f64() * 1e3;
+        queue_ms += round_queue_ms;
+        tracing::debug!(
+            "outliers of wave {wi}, pass {}: {} patches tested, {nchanged} with new outliers; finished in {finish_ms:.2} ms, counts read in {round_test_ms:.2} ms, next pass queued in {round_queue_ms:.2} ms",
+            f.pass,
+            tested.len(),
+        );
     }
     host.waves.truncate(planned);
     for (li, d) in done.iter().enumerate() {
-        let r = sink.results[frame.ci[li]].as_mut();
+        let r = sink.results[ci[li]].as_mut();
         if let Some(r) = r.filter(|r| r.rejected.is_empty()) {
             r.rejected = lost(&r.pixmask_fraction, &d.before);
             (r.nrejected, r.nresolves) = (d.nrejected, d.nresolves);
         }
     }
-    sink.timings.add("outlier test", test_ms);
+    sink.timings.add("outlier counts", test_ms);
     sink.timings.add("rejection queue", queue_ms);
     Ok(())
 }
@@ -307,63 +387,32 @@ fn finish(
     solve::finish_wave(g, ws, input, host, q, &mut again)
 }
 
-/// Tests the live patches `tested` of a finished wave whose model boxes are `boxes`: copies
-/// the boxes back (and in the `first` pass the flags of the tested pixels) on the stream of
-/// the copies back, which the wave's finish has taken past its finalize; flags the outliers
-/// on the host and, on the compute stream, the wave's boxes on the device. Returns the patches
-/// with new outliers and how many, in the order of `tested`.
-fn test_wave(
+/// The patches of `tested` (live patches of the finished wave `w`) whose test on the device
+/// found outliers, and how many, in the order of the wave's batch: the wave's counts copied
+/// back on the stream of the copies back, which the wave's finish has taken past its test.
+fn read_counts(
     dev: &Device,
     ws: &mut Workspace,
-    frame: &Frame<'_>,
+    w: &Wave,
     tested: &[usize],
-    boxes: Range<usize>,
-    first: bool,
-    limits: (f64, f64),
 ) -> Result<Vec<(usize, usize)>> {
     if tested.is_empty() {
         return Ok(Vec::new());
     }
-    let (b, total) = (&mut ws.reject, frame.total);
-    let r = boxes.clone();
-    dev.copy_back(
-        &mut b.fit_back.current_mut(total)[r.clone()],
-        b.fit.get(),
-        r.start,
-        "model boxes",
-    )?;
-    if first {
-        let core = &mut b.core_back.current_mut(total)[r.clone()];
-        dev.copy_back(core, b.core.get(), r.start, "tested pixels")?;
-    }
+    let b = &mut ws.reject;
+    let n = w.len();
+    let back = b.counts_back.current_mut(n);
+    dev.copy_back(back, b.counts.get(), w.live.start, "outlier counts")?;
     dev.sync_back()?;
-    let arrays = (
-        b.fit_back.current(total),
-        b.core_back.current(total),
-        b.rejected_host.current(total),
-    );
-    let found: Vec<(usize, Vec<usize>)> = tested
-        .par_iter()
-        .map(|&li| (li, frame.outliers(li, arrays, limits)))
-        .filter(|(_, o)| !o.is_empty())
-        .collect();
-    if found.is_empty() {
-        return Ok(Vec::new());
-    }
-    let flags = b.rejected_host.current_mut(total);
-    for (li, outliers) in &found {
-        for &p in outliers {
-            flags[frame.at[*li] + p] = 1;
-        }
-    }
-    // the wave's next solve, queued after this copy, is the first to read its boxes' flags
-    dev.copy_to_at(
-        b.rejected.get(),
-        r.start,
-        &flags[r.clone()],
-        "rejected pixels",
-    )?;
-    Ok(found.into_iter().map(|(li, o)| (li, o.len())).collect())
+    let mut sorted = tested.to_vec();
+    sorted.sort_unstable();
+    let counts = b.counts_back.current(n);
+    Ok(w.patches()
+        .into_iter()
+        .zip(counts)
+        .filter(|&(li, &c)| c > 0 && sorted.binary_search(&li).is_ok())
+        .map(|(li, &c)| (li, c as usize))
+        .collect())
 }
 
 /// Queues again the live patches `changed` (sorted) of wave `wi` of `host`, a wave of their
@@ -426,11 +475,11 @@ fn pick(
 
 /// The live patches of `candidates` that the device solved: the CPU reference tested those
 /// it solved itself (their `rejected` is set).
-fn on_device(frame: &Frame, results: &[Option<PatchResult>], candidates: Vec<usize>) -> Vec<usize> {
+fn on_device(ci: &[usize], results: &[Option<PatchResult>], candidates: Vec<usize>) -> Vec<usize> {
     candidates
         .into_iter()
         .filter(|&li| {
-            results[frame.ci[li]]
+            results[ci[li]]
                 .as_ref()
                 .is_some_and(|r| r.rejected.is_empty())
         })
@@ -450,73 +499,6 @@ fn lost(now: &[f64], before: &[f64]) -> Vec<f64> {
         .enumerate()
         .map(|(i, a)| before.get(i).map_or(0.0, |b| (a - b).max(0.0)))
         .collect()
-}
-
-/// The live patches of a frame as the test sees them.
-struct Frame<'f> {
-    /// Position in the frame's results, per live patch.
-    ci: Vec<usize>,
-    /// Start of each live patch's box in the frame-sized arrays.
-    at: Vec<usize>,
-    /// Values in the frame-sized arrays.
-    total: usize,
-    /// Each live patch's box: its rows and columns of the CCD.
-    boxes: Vec<(Range<usize>, Range<usize>)>,
-    image: &'f Image,
-}
-
-impl<'f> Frame<'f> {
-    fn new(host: &FrameHost, image: &'f Image) -> Self {
-        let mut at = vec![0; host.live.len()];
-        for w in &host.waves {
-            for li in w.live.clone() {
-                at[li] = w.boxes.start + host.boxoff[li] as usize;
-            }
-        }
-        Frame {
-            ci: host.live.iter().map(|l| l.0).collect(),
-            at,
-            total: host.box_total,
-            boxes: host
-                .live
-                .iter()
-                .map(|l| (l.1.rows.clone(), l.1.cols.clone()))
-                .collect(),
-            image,
-        }
-    }
-
-    /// The outliers of live patch `li` (box pixel indices) against the model boxes `fit`,
-    /// testing the pixels `core` flags and not those `rejected` already.
-    fn outliers(
-        &self,
-        li: usize,
-        arrays: (&[f64], &[u8], &[u8]),
-        limits: (f64, f64),
-    ) -> Vec<usize> {
-        let (fit, core, rejected) = arrays;
-        let (rows, cols) = self.boxes[li].clone();
-        let (len, width) = (rows.len() * cols.len(), cols.len());
-        let at = self.at[li];
-        let window = ndarray::s![rows, cols];
-        let pix: Vec<f64> = self
-            .image
-            .pix
-            .slice(window)
-            .iter()
-            .map(|&v| v as f64)
-            .collect();
-        let ivar: Vec<f64> = self
-            .image
-            .ivar
-            .slice(window)
-            .iter()
-            .zip(&rejected[at..at + len])
-            .map(|(&v, &r)| if r != 0 { 0.0 } else { v as f64 })
-            .collect();
-        let tested: Vec<bool> = core[at..at + len].iter().map(|&c| c != 0).collect();
-        find_outliers(&pix, &ivar, &fit[at..at + len], &tested, width, limits)
-    }
 }
 
 #[cfg(test)]
@@ -550,6 +532,17 @@ mod tests {
         assert_eq!((cut.live, cut.boxes), (4..5, 100..120));
         assert!(pick(&w, &[0, 3, 8], |_| 10, &boxoff).is_none());
         assert!(pick(&w, &[], |_| 10, &boxoff).is_none());
+    }
+
+    /// A frame keeps its spots for the re-solves only when it rejects outliers and they take
+    /// at most half of the memory budget (a full-width frame of 801 bins: 0.65 GB of 4).
+    #[test]
+    fn spots_are_kept_where_half_the_budget_holds_them() {
+        let gb = 1_000_000_000;
+        assert!(keeps_spots(true, 654_000_000, 4 * gb));
+        assert!(keeps_spots(true, 2 * gb, 4 * gb));
+        assert!(!keeps_spots(true, 2 * gb + 1, 4 * gb));
+        assert!(!keeps_spots(false, 654_000_000, 4 * gb));
     }
 
     /// The fraction lost is the growth of the masked fraction, none for a patch without one

@@ -78,7 +78,9 @@ fn copy_in(
 
 /// Step 2: the spots of the wave's bundles. A bundle split between this wave and the one
 /// before, which evaluated its spots last, has them copied rather than evaluated again (a
-/// wave need not end with a bundle: a full frame's bundles have 235 patches each).
+/// wave need not end with a bundle: a full frame's bundles have 235 patches each); where the
+/// frame keeps its spots for outlier rejection they are in place already, and a wave solved
+/// again finds all of its own there.
 fn spots(
     g: Gpu<'_>,
     ws: &mut Workspace,
@@ -91,19 +93,24 @@ fn spots(
     let bundles = &host.bundles[w.slots.clone()];
     let per_bundle = sh.bundlesize * sh.nfull;
     let size = sh.nx * sh.ny;
+    let (at, evaluated) = super::reject::spots_place(ws, w.spot0(sh) * size);
+    ws.spots_at = at;
+    if evaluated {
+        return Ok(());
+    }
     let mut first = 0;
-    if let Some((bundle, at)) = ws.last_spots.take() {
+    if let Some((bundle, from)) = ws.last_spots.take() {
         if bundles.first() == Some(&bundle) {
-            if at != 0 {
+            if from != at {
                 let spots = ws.spots.get();
-                g.dev.dtod_at(spots, 0, spots, at, per_bundle * size)?;
+                g.dev.dtod_at(spots, at, spots, from, per_bundle * size)?;
             }
             first = per_bundle;
         }
     }
     launchers::spots(g, input.psf, ws, first, w.nspots(sh))?;
     if let Some(&last) = bundles.last() {
-        ws.last_spots = Some((last, (bundles.len() - 1) * per_bundle * size));
+        ws.last_spots = Some((last, at + (bundles.len() - 1) * per_bundle * size));
     }
     Ok(())
 }
@@ -174,7 +181,7 @@ fn finalize(
     g.dev.zero_prefix(ws.model.get(), boxes)?;
     launchers::project(g, n, ws, ws.x.get())?;
     launchers::chi2pix(g, n, ws, region, input.options.psferr)?;
-    super::reject::keep_fit(g, ws, n, (skip, boxes))?;
+    super::reject::keep_fit(g, ws, n, (skip, boxes), region)?;
     if input.options.model {
         g.dev.zero_prefix(ws.model.get(), boxes)?;
         launchers::project(g, n, ws, ws.fluxcol.get())?;
@@ -401,7 +408,7 @@ pub(crate) fn queue_wave<'a>(
         g.dev.fill_prefix(ws.icov.get(), len, 0xff)?;
     }
     let reg = input.options.regularize;
-    super::reject::prepare_wave(g.dev, ws, w.boxes.clone(), host.box_total)?;
+    super::reject::prepare_wave(g.dev, ws, w, host)?;
     launchers::assemble(g, n, None, ws, region, reg, solve)?;
     clock.mark("assemble")?;
     let mut keep = Keep::new();

@@ -35,6 +35,10 @@ pub(crate) struct Workspace {
     /// The frame's results, gathered from the per-patch buffers after each wave.
     pub(crate) out: FrameOut,
     pub(crate) spots: Slot<f64>,
+    /// Where the wave's spots start in `spots`: 0, but for a frame that keeps its spots for
+    /// outlier rejection's re-solves, where each bundle's have a place of their own
+    /// (`reject::spots_place`).
+    pub(crate) spots_at: usize,
     /// The column tables of the wave's patches, `[patch][column]`: the spot of each column,
     /// -1 for none. Written on the device from the uploaded first spot of each fiber block
     /// (`launchers::column_table`).
@@ -86,6 +90,7 @@ impl Workspace {
             view: TableView::default(),
             out: FrameOut::new(),
             spots: Slot::new("spots"),
+            spots_at: 0,
             colspot: Slot::new("column table"),
             last_spots: None,
             patches: 0,
@@ -115,6 +120,11 @@ impl Workspace {
             verdicts: pinned_from_the_start(Staging::new(ctx.clone()), EARLY_VERDICTS),
             coupling_back: pinned_from_the_start(Staging::new(ctx.clone()), EARLY_COUPLING),
         }
+    }
+
+    /// The device address of the wave's first spot, which the kernels count its spots from.
+    pub(crate) fn spots_ptr(&self) -> u64 {
+        self.spots.get().at(self.spots_at)
     }
 
     /// Patches to size the per-patch buffers of a wave of `n` for.
