@@ -3,6 +3,22 @@
 
 use super::*;
 
+/// The solve options of these tests: desi_proc's `--psferr 0.01`, outlier rejection or not.
+fn solve_options(reject_outliers: Option<f64>) -> crate::extract::SolveOptions {
+    crate::extract::SolveOptions {
+        regularize: 0.0,
+        psferr: 0.01,
+        model: false,
+        reject_outliers,
+    }
+}
+
+/// `patches` in the order the backend solves them.
+fn in_frame_order(patches: &[Patch]) -> Vec<&Patch> {
+    let order = super::super::frame_order(patches);
+    order.iter().map(|&i| &patches[i]).collect()
+}
+
 fn shape() -> Shape {
     Shape {
         nx: 3,
@@ -151,12 +167,7 @@ fn full_frame_of(name: &str) -> (GaussHermitePsf, crate::plan::Plan, crate::imag
 #[ignore = "a timing: run with --ignored --nocapture"]
 fn host_tables_of_a_full_frame() {
     let (psf, plan, image) = full_frame();
-    let options = crate::extract::SolveOptions {
-        regularize: 0.0,
-        psferr: 0.01,
-        model: false,
-        reject_outliers: None,
-    };
+    let options = solve_options(None);
     let traces = Instant::now();
     let traces = (
         crate::psf::TraceTable::new(&psf, plan.solved_fibers(), &plan.fullwave),
@@ -170,8 +181,7 @@ fn host_tables_of_a_full_frame() {
         corners.elapsed().as_secs_f64() * 1e3
     );
     let input = FrameInput::new(&plan, &psf, &image, &options);
-    let order = super::super::frame_order(&plan.patches);
-    let ordered: Vec<&Patch> = order.iter().map(|&i| &plan.patches[i]).collect();
+    let ordered = in_frame_order(&plan.patches);
     let sh = Shape::new(&input, &plan.patches);
     // reused from frame to frame, as the backend's are
     let mut buffers = Some(Uploads::pageable());
@@ -214,8 +224,7 @@ fn host_tables_of_a_full_frame() {
 /// as bits; corners then first spots).
 fn prepared(input: &FrameInput<'_>, wave_max: usize) -> (Vec<Live>, Vec<i32>, Vec<u64>, Vec<i32>) {
     let patches = &input.plan.patches;
-    let order = super::super::frame_order(patches);
-    let ordered: Vec<&Patch> = order.iter().map(|&i| &patches[i]).collect();
+    let ordered = in_frame_order(patches);
     let sh = Shape::new(input, patches);
     let mut host = FrameHost::new(input, &ordered, &sh, Uploads::pageable(), wave_max);
     for pi in 0..host.nplanned() {
@@ -235,12 +244,7 @@ fn tables_from_traces_evaluated_ahead_equal_those_evaluated_in_place() {
     // which the tables evaluate in place
     let options = crate::plan::PlanOptions::new(6000.0, 6400.0, 0.8, 30, 40);
     let plan = crate::plan::Plan::new(options).expect("plan");
-    let solve = crate::extract::SolveOptions {
-        regularize: 0.0,
-        psferr: 0.01,
-        model: false,
-        reject_outliers: None,
-    };
+    let solve = solve_options(None);
     let traces = crate::psf::TraceTable::new(&psf, plan.solved_fibers(), &plan.fullwave);
     // the two bundles 25-74 hold fibers the table does not
     let bundles = plan.bundles();
@@ -279,16 +283,10 @@ fn strips_pinned_ahead_hold_every_strip_of_the_frame() {
 
 fn strips_pinned_ahead_hold_every_strip(name: &str) {
     let (psf, plan, image) = full_frame_of(name);
-    let solve = crate::extract::SolveOptions {
-        regularize: 0.0,
-        psferr: 0.01,
-        model: false,
-        reject_outliers: None,
-    };
+    let solve = solve_options(None);
     let traces = crate::psf::TraceTable::new(&psf, plan.solved_fibers(), &plan.fullwave);
     let input = FrameInput::new(&plan, &psf, &image, &solve);
-    let order = super::super::frame_order(&plan.patches);
-    let ordered: Vec<&Patch> = order.iter().map(|&i| &plan.patches[i]).collect();
+    let ordered = in_frame_order(&plan.patches);
     let sh = Shape::new(&input, &plan.patches);
     let ahead = input.with_traces(Some(&traces));
     for wave_max in [300, 1567] {
@@ -317,15 +315,9 @@ fn a_wave_of_picked_patches_gathers_their_tables() {
     let (psf, _, image) = full_frame();
     let options = crate::plan::PlanOptions::new(6000.0, 6400.0, 0.8, 0, 25);
     let plan = crate::plan::Plan::new(options).expect("plan");
-    let solve = crate::extract::SolveOptions {
-        regularize: 0.0,
-        psferr: 0.01,
-        model: false,
-        reject_outliers: Some(5.0),
-    };
+    let solve = solve_options(Some(5.0));
     let input = FrameInput::new(&plan, &psf, &image, &solve);
-    let order = super::super::frame_order(&plan.patches);
-    let ordered: Vec<&Patch> = order.iter().map(|&i| &plan.patches[i]).collect();
+    let ordered = in_frame_order(&plan.patches);
     let sh = Shape::new(&input, &plan.patches);
     let mut host = FrameHost::new(&input, &ordered, &sh, Uploads::pageable(), 20);
     for pi in 0..host.nplanned() {
