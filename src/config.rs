@@ -325,7 +325,9 @@ mod tests {
             let mut w = vec!["-i", "a", "-p", "b", "-o", "c"];
             w.extend_from_slice(extra);
             let config = JobConfig::from_args(&args(&w), false).unwrap();
-            Layout::single(cores).with_overlap_cap(&config).threads
+            Layout::single(cores)
+                .with_overlap_cap(&config, true)
+                .threads
         };
         assert_eq!(threads(&["--async-io"], 64), GPU_OVERLAP_THREADS);
         assert_eq!(threads(&["--async-io"], 16), 16);
@@ -333,6 +335,12 @@ mod tests {
         assert_eq!(threads(&["--async-io", "--threads", "1"], 64), 64);
         assert_eq!(threads(&["--async-io", "--no-gpu"], 64), 64);
         assert_eq!(threads(&[], 64), 64);
+        // A node without a GPU extracts on the CPU, with every thread.
+        let config = config(&["-i", "a", "-p", "b", "-o", "c", "--async-io"]).unwrap();
+        assert_eq!(
+            Layout::single(64).with_overlap_cap(&config, false).threads,
+            64
+        );
     }
 
     #[test]

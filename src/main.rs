@@ -135,7 +135,7 @@ fn extract(args: &ExtractArgs) -> ExitCode {
     // knows its GPUs: started with only those, it starts sooner (parallel::visible).
     let is_worker = roles.is_worker(world.rank());
     let layout = Layout::discover(&world, universe.is_mpi(), config.threads, is_worker)
-        .with_overlap_cap(&config);
+        .with_overlap_cap(&config, spex::parallel::node_has_gpus());
     universe.abort_on_panic(layout.rank);
     // Data-parallel host work (PSF traces, pixel copies, assembly) runs on rayon's global pool:
     // size it to this rank's share of the node rather than to every core of it.

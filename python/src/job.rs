@@ -175,8 +175,8 @@ fn execute(world: &Comm, launched: bool, config: &JobConfig) -> Result<JobOutcom
     let roles = Roles::new(world.size(), config.async_io, config.frame_groups)
         .map_err(|e| Failure::Usage(e.to_string()))?;
     let is_worker = roles.is_worker(world.rank());
-    let layout =
-        Layout::discover(world, launched, config.threads, is_worker).with_overlap_cap(config);
+    let layout = Layout::discover(world, launched, config.threads, is_worker)
+        .with_overlap_cap(config, parallel::node_has_gpus());
     logging::set_rank(layout.rank, roles.is_io_rank(layout.rank));
     // The first job of the process sizes rayon's pool, as the program does.
     let _ = rayon::ThreadPoolBuilder::new()

@@ -83,9 +83,11 @@ impl Layout {
 
     /// Caps the default threads of a rank whose reading, solving and writing overlap
     /// (`--async-io`) beside a GPU at [`GPU_OVERLAP_THREADS`]; a `--threads` the user chose
-    /// stays.
-    pub fn with_overlap_cap(mut self, config: &JobConfig) -> Self {
-        if config.threads == 0 && config.async_io && config.backend != BackendChoice::Cpu {
+    /// stays, and so does a rank of a node without GPUs (`node_has_gpus`: see
+    /// [`node_has_gpus`](super::node_has_gpus)), whose CPU backend needs every thread.
+    pub fn with_overlap_cap(mut self, config: &JobConfig, node_has_gpus: bool) -> Self {
+        let gpu = node_has_gpus && config.backend != BackendChoice::Cpu;
+        if config.threads == 0 && config.async_io && gpu {
             self.threads = self.threads.min(GPU_OVERLAP_THREADS);
         }
         self

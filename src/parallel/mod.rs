@@ -33,6 +33,7 @@ mod overlap;
 mod phases;
 pub mod startup;
 mod visible;
+pub use visible::node_has_gpus;
 
 #[cfg(feature = "mpi")]
 #[path = "comm_mpi.rs"]

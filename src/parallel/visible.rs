@@ -26,6 +26,13 @@ pub(super) fn node_gpus(
     entries.iter().all(valid).then_some(entries)
 }
 
+/// Whether the node has a GPU for sure ([`node_gpus`] finds one), known without starting
+/// the driver.
+pub fn node_has_gpus() -> bool {
+    let listed = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+    node_gpus(listed.as_deref(), proc_gpus()).is_some_and(|g| !g.is_empty())
+}
+
 /// The number of folders in the NVIDIA driver's list of GPUs, if it has one.
 pub(super) fn proc_gpus() -> Option<usize> {
     std::fs::read_dir("/proc/driver/nvidia/gpus")
