@@ -1,8 +1,9 @@
 //! FITS files read from memory: a gzip-compressed file (desi_proc's `preproc-*.fits.gz`) is
-//! inflated once, by libdeflate, and then opened by as many read-only handles as there are
-//! threads reading it. cfitsio, given the file itself, would inflate all of it again for every
-//! handle, on one thread each: a frame's preproc is opened for its pixels, its header, its
-//! fibermap and the copy of the fibermap into the frame.
+//! inflated once, by libdeflate (in chunks on several cores where that pays, see `inflate`),
+//! and then opened by as many read-only handles as there are threads reading it. cfitsio,
+//! given the file itself, would inflate all of it again for every handle, on one thread each:
+//! a frame's preproc is opened for its pixels, its header, its fibermap and the copy of the
+//! fibermap into the frame.
 //!
 //! Inflated files are shared through a registry of weak references: while anything holds the
 //! bytes of a file (a [`KeepAlive`] of the image read from it, an open handle), opening the
@@ -10,6 +11,7 @@
 
 use std::ffi::c_void;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::SystemTime;
 
@@ -115,16 +117,76 @@ fn inflate_file(path: &Path) -> Result<Option<Vec<u8>>> {
         return Err(damaged("truncated"));
     }
     let read_s = t0.elapsed().as_secs_f64();
-    let inflated = inflate_members(&compressed, size_hint(&compressed)).map_err(damaged)?;
+    let alone = Inflating::start();
+    let (inflated, how) = match alone.chunk_bytes(compressed.len()) {
+        Some(chunk) => match super::inflate::inflate(&compressed, chunk, populated) {
+            Some(inflated) => (inflated, "in chunks"),
+            None => (
+                sequential(&compressed).map_err(damaged)?,
+                "on one core after chunks failed",
+            ),
+        },
+        None => (sequential(&compressed).map_err(damaged)?, "on one core"),
+    };
+    drop(alone);
     // The benchmarks (scripts/bench-desi-proc) split a frame's read with this line.
     tracing::debug!(
-        "{}: read {:.1} MB in {read_s:.3} s, inflated to {:.1} MB in {:.3} s",
+        "{}: read {:.1} MB in {read_s:.3} s, inflated to {:.1} MB in {:.3} s ({how})",
         path.display(),
         compressed.len() as f64 / 1e6,
         inflated.len() as f64 / 1e6,
         t0.elapsed().as_secs_f64() - read_s,
     );
     Ok(Some(inflated))
+}
+
+/// `len` bytes, their pages mapped on rayon's pool (see [`populate`]).
+fn populated(len: usize) -> Option<Vec<u8>> {
+    let mut out = zeroed(len.max(1))?;
+    out.truncate(len);
+    populate(&mut out);
+    Some(out)
+}
+
+fn sequential(compressed: &[u8]) -> std::result::Result<Vec<u8>, &'static str> {
+    inflate_members(compressed, size_hint(compressed))
+}
+
+/// Inflations under way in this process. Inflating in chunks (see `inflate`) costs about
+/// twice the CPU time of one core's inflation, so only an inflation that runs alone, whose
+/// frame everything else waits for (a single frame, the first of a list), takes the pool's
+/// threads; `SPEX_INFLATE=serial` keeps every inflation on one core.
+static INFLATING: AtomicUsize = AtomicUsize::new(0);
+
+/// An inflation counted in [`INFLATING`] while this lives.
+struct Inflating {
+    alone: bool,
+}
+
+impl Inflating {
+    fn start() -> Self {
+        let before = INFLATING.fetch_add(1, Ordering::SeqCst);
+        Inflating { alone: before == 0 }
+    }
+
+    /// The compressed bytes per chunk, when `len` of them are to be inflated in chunks: four
+    /// chunks per thread, for balance, and not under 512 KiB, where a chunk's setup would cost
+    /// more than it saves.
+    fn chunk_bytes(&self, len: usize) -> Option<usize> {
+        let serial = std::env::var("SPEX_INFLATE").is_ok_and(|v| v == "serial");
+        chunk_bytes(self.alone && !serial, rayon::current_num_threads(), len)
+    }
+}
+
+/// [`Inflating::chunk_bytes`] for an inflation that may go in chunks (`free`) on `threads`.
+fn chunk_bytes(free: bool, threads: usize, len: usize) -> Option<usize> {
+    (free && threads >= 4 && len >= 4 << 20).then(|| (len / (4 * threads)).max(512 << 10))
+}
+
+impl Drop for Inflating {
+    fn drop(&mut self) {
+        INFLATING.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// The size of the inflated file if it is one member: the last trailer's ISIZE (the size
@@ -285,6 +347,16 @@ impl Fits {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_inflation_goes_in_chunks_alone_on_four_threads_or_more_and_from_4_mib() {
+        let mib = 1 << 20;
+        assert_eq!(chunk_bytes(true, 16, 98 * mib), Some(98 * mib / 64));
+        assert_eq!(chunk_bytes(true, 64, 98 * mib), Some(512 << 10));
+        assert_eq!(chunk_bytes(false, 16, 98 * mib), None);
+        assert_eq!(chunk_bytes(true, 3, 98 * mib), None);
+        assert_eq!(chunk_bytes(true, 16, 4 * mib - 1), None);
+    }
 
     #[test]
     fn mapping_pages_ahead_changes_no_byte() {

@@ -28,6 +28,7 @@ mod checksum;
 mod compressed;
 mod desi;
 mod gzip;
+mod inflate;
 mod keywords;
 mod memory;
 mod pixels;
