@@ -14,7 +14,8 @@
 //! places of the finished wave's (`Wave::picked`), while its spots and model boxes stay where
 //! they were, so that the kernels find each patch's box and rejected pixels where the first
 //! pass left them. Its re-solve is tested in turn, and so on until a test finds no outlier or
-//! [`MAX_RESOLVES`] solves have been added, as on the CPU. Only patches with new outliers are
+//! [`MAX_RESOLVES`] solves have been added, as on the CPU. The wave is decorrelated after its
+//! test, only for its patches without outliers (only a patch's last solution is kept). Only patches with new outliers are
 //! tested after a re-solve; a patch the CPU reference solved (a failed or coupled one) was
 //! tested there already.
 
@@ -172,16 +173,18 @@ pub(crate) fn prepare_wave(
 /// from `skip` to `len` (a wave solved again may start after its boxes' first patch; the boxes
 /// of the patches between its own get zeros, which no test reads), in the first pass flags
 /// the pixels the test looks at, and tests the wave's `n` patches but after the last pass.
+/// Returns the device address of the test's counts, nonzero for the patches solved again,
+/// whose decorrelation waits for their last solve (0: no test ran, every patch is kept).
 pub(crate) fn keep_fit(
     g: Gpu<'_>,
     ws: &Workspace,
     n: usize,
     (skip, len): (usize, usize),
     region: Region,
-) -> Result<()> {
+) -> Result<u64> {
     let b = &ws.reject;
     if !b.on || len <= skip {
-        return Ok(());
+        return Ok(0);
     }
     let at = b.wave_at + skip;
     g.dev
@@ -189,10 +192,11 @@ pub(crate) fn keep_fit(
     if b.pass == 0 {
         flag_tested_pixels(g, ws, n)?;
     }
-    if b.pass < MAX_RESOLVES {
-        test(g, ws, n, region)?;
+    if b.pass == MAX_RESOLVES {
+        return Ok(0);
     }
-    Ok(())
+    test(g, ws, n, region)?;
+    Ok(b.counts.get().at(b.live_at))
 }
 
 /// Threads of a block of `outlier_test` (`SPEX_TEST_THREADS` in kernels/reject.cu).
