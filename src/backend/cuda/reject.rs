@@ -143,7 +143,11 @@ fn pinned_later<T: Copy + Default + Send + 'static>(ctx: &Arc<CudaContext>) -> S
 }
 
 /// Before a wave's assembly: points the flags and counts at wave `w` of `host` (its boxes
-/// within the frame's); in the first pass, sizes the arrays and clears the wave's flags.
+/// within the frame's); in the first pass, sizes the arrays and clears the wave's flags. The
+/// counts are sized for every patch of the frame from its first wave on: the host reads a
+/// wave's counts on the stream of the copies back, which waits for that wave's work alone,
+/// so a later wave must not move them into a larger buffer (a frame's first wave then read
+/// zeros at times, and its patches were not solved again).
 pub(crate) fn prepare_wave(
     dev: &Device,
     ws: &mut Workspace,
@@ -161,7 +165,7 @@ pub(crate) fn prepare_wave(
         b.fit.grow_keeping(dev, total, boxes.start)?;
         b.core.grow_keeping(dev, total, boxes.start)?;
         b.rejected.grow_keeping(dev, total, boxes.start)?;
-        b.counts.grow_keeping(dev, host.live.len(), w.live.start)?;
+        b.counts.grow_keeping(dev, host.npatches(), w.live.start)?;
         for s in [b.core.get(), b.rejected.get()] {
             dev.fill_range(s, boxes.clone(), 0)?;
         }
