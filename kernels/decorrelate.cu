@@ -32,11 +32,11 @@ extern "C" __global__ void decorrelate_f64(
     int nwavestep, int ndiag, double eigen_clip, double tol, double* __restrict__ flux, double* __restrict__ ivar,
     double* __restrict__ resolution, double* __restrict__ fluxcol, int* __restrict__ sweeps_out,
     double* __restrict__ qout, const int* __restrict__ only_failed,
-    const unsigned char* __restrict__ only) {
+    const int* __restrict__ skip) {
     extern __shared__ double sm[];
     if (only_failed && only_failed[blockIdx.x] >= 0) return;
-    // `only` (when given): the patches to decorrelate, the others keep their results
-    if (only && !only[blockIdx.x / ncore]) return;
+    // `skip` (when given): nonzero for a patch left out, solved again for its outliers
+    if (skip && skip[blockIdx.x / ncore]) return;
     // Threads form a (npair, ny) grid: x picks a pair (a column pair of A, a column pair of
     // V), y strides over rows; no integer division in the inner loops.
     int n2 = n + (n & 1);

@@ -137,10 +137,10 @@ extern "C" __global__ void SPEX_MAX_REGS(96) polar_f64(
     int ndiag, double tol, int max_iter, double* __restrict__ pbuf, double* __restrict__ flux,
     double* __restrict__ ivar, double* __restrict__ resolution, double* __restrict__ fluxcol,
     int* __restrict__ iters_out, double* __restrict__ qout,
-    const unsigned char* __restrict__ only) {
+    const int* __restrict__ skip) {
     extern __shared__ double sm[];
-    // `only` (when given): the patches to decorrelate, the others keep their results
-    if (only && !only[blockIdx.x / ncore]) return;
+    // `skip` (when given): nonzero for a patch left out, solved again for its outliers
+    if (skip && skip[blockIdx.x / ncore]) return;
     SPEX_PHASE_START
     int N = (n + 7) / 8 * 8, ld = N + 4;
     double* X = sm;

@@ -88,43 +88,154 @@ struct TestedBox {
     }
 };
 
+// Buckets of a round of the median's selection, SPEX_MEDIAN_BUCKETS / SPEX_TEST_THREADS a
+// thread, and log2 of it.
+#define SPEX_MEDIAN_BUCKETS 1024
+#define SPEX_MEDIAN_BUCKET_BITS 10
+// Most keys the median's last round ranks among themselves in shared memory.
+#define SPEX_MEDIAN_CANDIDATES 256
+
+// What the median's selection keeps between its rounds (in shared memory): the range of keys
+// that holds the median, the median's rank among the keys within it, and how many they are.
+struct MedianRange {
+    unsigned long long lo, hi;
+    unsigned int rank, count;
+};
+
+// The key of 1/ivar - max(model, 0) at q; false where the pixel has no weight.
+__device__ __forceinline__ bool noise_key(const TestedBox& t, int q, unsigned long long* key) {
+    double iv = t.weight(q);
+    if (!(iv > 0.0)) return false;
+    *key = total_order_key(1.0 / iv - fmax(t.model[q], 0.0));
+    return true;
+}
+
+// The sum of `v` over the threads of the block before this one, through the shared `warps`
+// (one per warp; every warp of the block is whole).
+__device__ unsigned int block_sum_before(unsigned int v, unsigned int* warps) {
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    unsigned int x = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        unsigned int y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    if (lane == 31) warps[wid] = x;
+    __syncthreads();
+    unsigned int before = 0;
+    for (int i = 0; i < wid; i++) before += warps[i];
+    __syncthreads();
+    return before + x - v;
+}
+
+// One round of the selection (lo < hi): the keys within the range counted in
+// SPEX_MEDIAN_BUCKETS buckets of equal width, and the range narrowed to the bucket that holds
+// the median (a bucket is a range of keys, so the order is kept).
+__device__ void narrow(const TestedBox& t, MedianRange& r, unsigned int* hist,
+                       unsigned int* warps) {
+    unsigned long long lo = r.lo, hi = r.hi;
+    int shift = max(64 - __clzll(hi - lo) - SPEX_MEDIAN_BUCKET_BITS, 0);
+    for (int i = threadIdx.x; i < SPEX_MEDIAN_BUCKETS; i += blockDim.x) hist[i] = 0;
+    __syncthreads();
+    for (int q = threadIdx.x; q < t.len; q += blockDim.x) {
+        unsigned long long key;
+        if (noise_key(t, q, &key) && key >= lo && key <= hi)
+            atomicAdd(&hist[(key - lo) >> shift], 1u);
+    }
+    __syncthreads();
+    const int per = SPEX_MEDIAN_BUCKETS / SPEX_TEST_THREADS;
+    unsigned int mine = 0;
+    for (int i = 0; i < per; i++) mine += hist[threadIdx.x * per + i];
+    unsigned int before = block_sum_before(mine, warps);
+    unsigned int rank = r.rank;
+    __syncthreads();
+    if (rank >= before && rank < before + mine) {
+        unsigned int left = rank - before;
+        int d = threadIdx.x * per;
+        while (left >= hist[d]) left -= hist[d++];
+        unsigned long long width = (1ull << shift) - 1;
+        unsigned long long from = lo + ((unsigned long long)d << shift);
+        r.lo = from;
+        r.hi = hi - from > width ? from + width : hi;
+        r.rank = left;
+        r.count = hist[d];
+    }
+    __syncthreads();
+}
+
+// The last round: the keys within the range (at most SPEX_MEDIAN_CANDIDATES) gathered in
+// `keys`, and the one of the median's rank among them.
+__device__ unsigned long long rank_in_range(const TestedBox& t, const MedianRange& r,
+                                            unsigned long long* keys) {
+    __shared__ unsigned int s_count;
+    __shared__ unsigned long long s_key;
+    if (threadIdx.x == 0) s_count = 0;
+    __syncthreads();
+    unsigned long long lo = r.lo, hi = r.hi;
+    for (int q = threadIdx.x; q < t.len; q += blockDim.x) {
+        unsigned long long key;
+        if (noise_key(t, q, &key) && key >= lo && key <= hi) keys[atomicAdd(&s_count, 1u)] = key;
+    }
+    __syncthreads();
+    unsigned int count = s_count, rank = r.rank;
+    for (unsigned int i = threadIdx.x; i < count; i += blockDim.x) {
+        unsigned long long k = keys[i];
+        unsigned int less = 0, same = 0;
+        for (unsigned int j = 0; j < count; j++) {
+            less += keys[j] < k;
+            same += keys[j] == k;
+        }
+        // equal keys are equal values: every thread that finds the rank writes the same
+        if (less <= rank && rank < less + same) s_key = k;
+    }
+    __syncthreads();
+    return s_key;
+}
+
 // The median of 1/ivar - max(model, 0) over the box's pixels with weight (the element of rank
-// n/2 in the total order, as select_nth_unstable_by), by radix selection on its key, 8 bits a
-// round from the top, into `median`; false (in every thread) for a box without weight.
-__device__ bool read_noise_median(const TestedBox& t, unsigned int* hist, double* median) {
-    __shared__ unsigned int s_n, s_digit, s_rank;
-    if (threadIdx.x == 0) s_n = 0;
+// n/2 in the total order, as select_nth_unstable_by), into `median`; false (in every thread)
+// for a box without weight. A selection over the values' keys: their range, then rounds that
+// narrow it to the bucket holding the median until a few keys are left, ranked in shared
+// memory. A box's values mostly lie within a few binades of the read noise, so that one or
+// two rounds isolate the median: 3-4 passes over the box where a radix selection by bytes
+// took 9.
+__device__ bool read_noise_median(const TestedBox& t, double* median) {
+    __shared__ unsigned int hist[SPEX_MEDIAN_BUCKETS];
+    __shared__ unsigned long long keys[SPEX_MEDIAN_CANDIDATES];
+    __shared__ unsigned int warps[SPEX_TEST_THREADS / 32];
+    __shared__ MedianRange s_range;
+    __shared__ unsigned int s_n;
+    if (threadIdx.x == 0) {
+        s_range.lo = ~0ull;
+        s_range.hi = 0;
+        s_n = 0;
+    }
     __syncthreads();
     unsigned int mine = 0;
-    for (int q = threadIdx.x; q < t.len; q += blockDim.x) mine += t.weight(q) > 0.0;
-    atomicAdd(&s_n, mine);
-    __syncthreads();
-    unsigned int n = s_n, rank = n / 2;
-    if (n == 0) return false;
-    unsigned long long prefix = 0, mask = 0;
-    for (int shift = 56; shift >= 0; shift -= 8) {
-        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
-        __syncthreads();
-        for (int q = threadIdx.x; q < t.len; q += blockDim.x) {
-            double iv = t.weight(q);
-            if (!(iv > 0.0)) continue;
-            unsigned long long key = total_order_key(1.0 / iv - fmax(t.model[q], 0.0));
-            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255], 1u);
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            unsigned int d = 0, r = rank;
-            while (r >= hist[d]) r -= hist[d++];
-            s_digit = d;
-            s_rank = r;
-        }
-        __syncthreads();
-        prefix |= (unsigned long long)s_digit << shift;
-        mask |= 0xffull << shift;
-        rank = s_rank;
-        __syncthreads();
+    unsigned long long lo = ~0ull, hi = 0;
+    for (int q = threadIdx.x; q < t.len; q += blockDim.x) {
+        unsigned long long key;
+        if (!noise_key(t, q, &key)) continue;
+        mine++;
+        lo = min(lo, key);
+        hi = max(hi, key);
     }
-    *median = from_total_order_key(prefix);
+    atomicAdd(&s_n, mine);
+    if (mine) {
+        atomicMin(&s_range.lo, lo);
+        atomicMax(&s_range.hi, hi);
+    }
+    __syncthreads();
+    unsigned int n = s_n;
+    if (n == 0) return false;
+    if (threadIdx.x == 0) {
+        s_range.rank = n / 2;
+        s_range.count = n;
+    }
+    __syncthreads();
+    while (s_range.count > SPEX_MEDIAN_CANDIDATES && s_range.lo != s_range.hi)
+        narrow(t, s_range, hist, warps);
+    unsigned long long key = s_range.lo == s_range.hi ? s_range.lo : rank_in_range(t, s_range, keys);
+    *median = from_total_order_key(key);
     return true;
 }
 
@@ -149,7 +260,6 @@ extern "C" __global__ void __launch_bounds__(SPEX_TEST_THREADS) outlier_test(
     const long long* __restrict__ boxoff, const float* __restrict__ pix,
     const float* __restrict__ ivar, int sub_row0, int sub_col0, int sub_w, double nsigma,
     double psferr, double grow_nsigma, int* __restrict__ counts) {
-    __shared__ unsigned int hist[256];
     __shared__ unsigned int s_total;
     int p = blockIdx.x;
     int r0 = boxes[4 * p], r1 = boxes[4 * p + 1], c0 = boxes[4 * p + 2], c1 = boxes[4 * p + 3];
@@ -157,7 +267,7 @@ extern "C" __global__ void __launch_bounds__(SPEX_TEST_THREADS) outlier_test(
     TestedBox t{model + at, core + at, rejected + at, pix, ivar, r0, c0, c1 - c0,
                 (r1 - r0) * (c1 - c0), sub_row0, sub_col0, sub_w};
     double median;
-    if (!read_noise_median(t, hist, &median)) {
+    if (!read_noise_median(t, &median)) {
         if (threadIdx.x == 0) counts[p] = 0;
         return;
     }

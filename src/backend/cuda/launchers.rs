@@ -38,9 +38,9 @@ pub(crate) struct CoreIn {
     pub count: usize,
     pub xflux: u64,
     pub nkeep: u64,
-    /// A flag per patch, 0 for a patch whose results stay as they are (a patch solved again
-    /// for outliers that rejected none), or 0 for none such.
-    pub only: u64,
+    /// A count per patch, nonzero for a patch left out (one whose outlier test found outliers:
+    /// only the solution of its re-solve is kept), or 0 to decorrelate every patch.
+    pub skip: u64,
 }
 
 /// Spots evaluated by one block, one per warp.
@@ -274,7 +274,7 @@ pub(crate) fn polar(
             .ptr(out.fluxcol)
             .ptr(steps.ptr)
             .ptr(qout)
-            .ptr(input.only),
+            .ptr(input.skip),
     )
 }
 
@@ -324,7 +324,7 @@ pub(crate) fn jacobi(
             .ptr(sweeps.ptr)
             .ptr(qout)
             .ptr(only_failed.map_or(0, |b| b.ptr))
-            .ptr(input.only),
+            .ptr(input.skip),
     )
 }
 

@@ -319,7 +319,7 @@ impl CudaBackend {
                 count,
                 xflux: x.ptr,
                 nkeep: nkeep.ptr,
-                only: 0,
+                skip: 0,
             },
             kind,
             decorrelate::Scratch {

@@ -14,7 +14,8 @@
 //! places of the finished wave's (`Wave::picked`), while its spots and model boxes stay where
 //! they were, so that the kernels find each patch's box and rejected pixels where the first
 //! pass left them. Its re-solve is tested in turn, and so on until a test finds no outlier or
-//! [`MAX_RESOLVES`] solves have been added, as on the CPU. Only patches with new outliers are
+//! [`MAX_RESOLVES`] solves have been added, as on the CPU. The wave is decorrelated after its
+//! test, only for its patches without outliers (only a patch's last solution is kept). Only patches with new outliers are
 //! tested after a re-solve; a patch the CPU reference solved (a failed or coupled one) was
 //! tested there already.
 
@@ -142,7 +143,11 @@ fn pinned_later<T: Copy + Default + Send + 'static>(ctx: &Arc<CudaContext>) -> S
 }
 
 /// Before a wave's assembly: points the flags and counts at wave `w` of `host` (its boxes
-/// within the frame's); in the first pass, sizes the arrays and clears the wave's flags.
+/// within the frame's); in the first pass, sizes the arrays and clears the wave's flags. The
+/// counts are sized for every patch of the frame from its first wave on: the host reads a
+/// wave's counts on the stream of the copies back, which waits for that wave's work alone,
+/// so a later wave must not move them into a larger buffer (a frame's first wave then read
+/// zeros at times, and its patches were not solved again).
 pub(crate) fn prepare_wave(
     dev: &Device,
     ws: &mut Workspace,
@@ -160,7 +165,7 @@ pub(crate) fn prepare_wave(
         b.fit.grow_keeping(dev, total, boxes.start)?;
         b.core.grow_keeping(dev, total, boxes.start)?;
         b.rejected.grow_keeping(dev, total, boxes.start)?;
-        b.counts.grow_keeping(dev, host.live.len(), w.live.start)?;
+        b.counts.grow_keeping(dev, host.npatches(), w.live.start)?;
         for s in [b.core.get(), b.rejected.get()] {
             dev.fill_range(s, boxes.clone(), 0)?;
         }
@@ -172,16 +177,18 @@ pub(crate) fn prepare_wave(
 /// from `skip` to `len` (a wave solved again may start after its boxes' first patch; the boxes
 /// of the patches between its own get zeros, which no test reads), in the first pass flags
 /// the pixels the test looks at, and tests the wave's `n` patches but after the last pass.
+/// Returns the device address of the test's counts, nonzero for the patches solved again,
+/// whose decorrelation waits for their last solve (0: no test ran, every patch is kept).
 pub(crate) fn keep_fit(
     g: Gpu<'_>,
     ws: &Workspace,
     n: usize,
     (skip, len): (usize, usize),
     region: Region,
-) -> Result<()> {
+) -> Result<u64> {
     let b = &ws.reject;
     if !b.on || len <= skip {
-        return Ok(());
+        return Ok(0);
     }
     let at = b.wave_at + skip;
     g.dev
@@ -189,10 +196,11 @@ pub(crate) fn keep_fit(
     if b.pass == 0 {
         flag_tested_pixels(g, ws, n)?;
     }
-    if b.pass < MAX_RESOLVES {
-        test(g, ws, n, region)?;
+    if b.pass == MAX_RESOLVES {
+        return Ok(0);
     }
-    Ok(())
+    test(g, ws, n, region)?;
+    Ok(b.counts.get().at(b.live_at))
 }
 
 /// Threads of a block of `outlier_test` (`SPEX_TEST_THREADS` in kernels/reject.cu).

@@ -14,9 +14,9 @@
 //! 4. factorisation with its retry, xflux and the core covariance blocks C_bb through cuSOLVER
 //!    and cuBLAS (`dense`), or, where second neighbours decouple, each core block's Schur
 //!    complement S_b = C_bb^-1 and xflux by block sweeps over the fibers (`schur`);
-//! 5. decorrelation of each core block (`decorrelate`: polar, Jacobi for the blocks it gives
-//!    up on);
-//! 6. the model of each patch, chi2pix and the optional core model image;
+//! 5. the model of each patch and chi2pix (and, when rejecting outliers, their test);
+//! 6. decorrelation of each core block (`decorrelate`: polar, Jacobi for the blocks it gives
+//!    up on), but for patches whose test found outliers, then the optional core model image;
 //! 7. the wave's results gathered into the frame's (`gather`), on the device, so that the
 //!    next wave reuses the buffers at once.
 //!
@@ -115,13 +115,14 @@ fn spots(
     Ok(())
 }
 
-/// Step 5 for the wave's patches: flux, ivar and resolution of every core block, from the
-/// blocks step 4 left (`kind`), straight into the frame's results at the wave's place `at`.
+/// Step 6 for the wave's patches: flux, ivar and resolution of every core block, from the
+/// blocks step 4 left (`kind`), straight into the frame's results at the wave's place `at`;
+/// a patch whose entry of `skip` (a count per patch, or 0 for none) is nonzero is left out.
 fn decorrelate_wave(
     g: Gpu<'_>,
     tuning: &Tuning,
     ws: &mut Workspace,
-    at: &Layout,
+    (at, skip): (&Layout, u64),
     kind: BlockKind,
 ) -> Result<()> {
     let (dev, sh) = (g.dev, g.sh);
@@ -147,7 +148,7 @@ fn decorrelate_wave(
             count: nblocks,
             xflux: ws.x.get().ptr,
             nkeep: ws.view.nkeep,
-            only: 0,
+            skip,
         },
         kind,
         Scratch {
@@ -166,27 +167,30 @@ fn decorrelate_wave(
     )
 }
 
-/// Step 6: chi2pix from the model of xflux, and the model image of the core flux when asked,
-/// for the wave's `n` patches and their `boxes` model values (the first `skip` belong to
-/// patches before them).
+/// Step 5: chi2pix from the model of xflux for the wave's `n` patches and their `boxes`
+/// model values (the first `skip` belong to patches before them), and the outlier test of
+/// their models when rejecting outliers. Returns the decorrelation's `skip` argument: the
+/// test's counts, whose patches with outliers are solved again, or 0 where none ran.
 fn finalize(
     g: Gpu<'_>,
     ws: &mut Workspace,
     (n, skip, boxes): (usize, usize, usize),
     region: Region,
     input: &FrameInput<'_>,
-) -> Result<()> {
+) -> Result<u64> {
     ws.model.ensure(g.dev, boxes)?;
     ws.chi2.ensure(g.dev, ws.sized(n) * g.sh.ncore * g.sh.nws)?;
     g.dev.zero_prefix(ws.model.get(), boxes)?;
     launchers::project(g, n, ws, ws.x.get())?;
     launchers::chi2pix(g, n, ws, region, input.options.psferr)?;
-    super::reject::keep_fit(g, ws, n, (skip, boxes), region)?;
-    if input.options.model {
-        g.dev.zero_prefix(ws.model.get(), boxes)?;
-        launchers::project(g, n, ws, ws.fluxcol.get())?;
-    }
-    Ok(())
+    super::reject::keep_fit(g, ws, n, (skip, boxes), region)
+}
+
+/// After step 6: the model image of the core flux, when asked, for the wave's `n` patches
+/// and their `boxes` model values.
+fn model_image(g: Gpu<'_>, ws: &Workspace, (n, boxes): (usize, usize)) -> Result<()> {
+    g.dev.zero_prefix(ws.model.get(), boxes)?;
+    launchers::project(g, n, ws, ws.fluxcol.get())
 }
 
 /// Step 7: the wave's pixmask and chi2pix, verdicts (polar steps, Jacobi sweeps, on the Schur
@@ -431,12 +435,16 @@ pub(crate) fn queue_wave<'a>(
             BlockKind::Covariance,
         ),
     };
-    decorrelate_wave(g, tuning, ws, &w.layout(g.sh), kind)?;
-    clock.mark("decorrelate")?;
     // a wave solved again for outliers may start after its boxes' first patch
     let skip = host.boxoff[w.first_patch()] as usize;
-    finalize(g, ws, (n, skip, w.boxes.len()), region, input)?;
+    let resolved = finalize(g, ws, (n, skip, w.boxes.len()), region, input)?;
     clock.mark("finalize")?;
+    decorrelate_wave(g, tuning, ws, (&w.layout(g.sh), resolved), kind)?;
+    clock.mark("decorrelate")?;
+    if input.options.model {
+        model_image(g, ws, (n, w.boxes.len()))?;
+        clock.mark("finalize")?;
+    }
     gather(g, ws, host, wi, input.options.model, solve)?;
     clock.mark("gather")?;
     Ok(Queued {

@@ -300,6 +300,12 @@ impl FrameHost {
         self.planned.len()
     }
 
+    /// The frame's patches, live or not: a bound on its live patches before every wave is
+    /// prepared.
+    pub(crate) fn npatches(&self) -> usize {
+        self.planned.last().map_or(0, |r| r.end)
+    }
+
     /// Patches in the longest wave planned.
     pub(crate) fn largest_wave(&self) -> usize {
         self.planned.iter().map(|w| w.len()).max().unwrap_or(0)

@@ -348,3 +348,27 @@ fn a_wave_of_picked_patches_gathers_their_tables() {
     let (live, _) = host.wave_patches(1);
     assert_eq!(live.len(), w.len());
 }
+
+/// A frame's outlier counts are sized at its first wave from its patch count
+/// (`reject::prepare_wave`), so that no later wave moves them while the host reads a wave's:
+/// the count bounds the live patches of every wave, which grow wave by wave.
+#[test]
+fn the_patch_count_bounds_the_live_patches_from_the_first_wave() {
+    let (psf, _, image) = full_frame();
+    let options = crate::plan::PlanOptions::new(6000.0, 6400.0, 0.8, 0, 25);
+    let plan = crate::plan::Plan::new(options).expect("plan");
+    let solve = solve_options(Some(5.0));
+    let input = FrameInput::new(&plan, &psf, &image, &solve);
+    let ordered = in_frame_order(&plan.patches);
+    let sh = Shape::new(&input, &plan.patches);
+    let mut host = FrameHost::new(&input, &ordered, &sh, Uploads::pageable(), 20);
+    assert_eq!(host.npatches(), ordered.len());
+    let mut grown = 0;
+    for pi in 0..host.nplanned() {
+        let before = host.live.len();
+        host.prepare_wave(&input, &ordered, &sh, pi);
+        assert!(host.live.len() <= host.npatches(), "wave {pi}");
+        grown += usize::from(before > 0 && host.live.len() > before);
+    }
+    assert!(grown > 0, "the live patches grew after the first wave");
+}
