@@ -438,7 +438,11 @@ impl CudaBackend {
             );
             if input.options.model {
                 let kept = host.waves[wi].boxes.start;
-                ws.out.model.grow_keeping(&self.dev, host.box_total, kept)?;
+                // The copies back of the waves queued before read the grown buffer: they
+                // wait for its filling on the compute stream, not only for their own wave.
+                if ws.out.model.grow_keeping(&self.dev, host.box_total, kept)? {
+                    self.dev.back_after(None)?;
+                }
             }
             queued.push(solve::queue_wave(
                 gpu,

@@ -429,11 +429,12 @@ impl<T> Slot<T> {
     }
 
     /// Makes the buffer hold at least `len` values, keeping the first `kept` (a grown buffer
-    /// is twice as large at least, and filled from the old one on the compute stream).
-    pub(crate) fn grow_keeping(&mut self, dev: &Device, len: usize, kept: usize) -> Result<()> {
+    /// is twice as large at least, and filled from the old one on the compute stream); true
+    /// when it grew.
+    pub(crate) fn grow_keeping(&mut self, dev: &Device, len: usize, kept: usize) -> Result<bool> {
         let old_len = self.buf.as_ref().map_or(0, |b| b.len);
         if old_len >= len {
-            return Ok(());
+            return Ok(false);
         }
         let new = dev.alloc(len.max(2 * old_len), self.what)?;
         if let Some(old) = self.buf.take() {
@@ -441,7 +442,7 @@ impl<T> Slot<T> {
             dev.retire(old);
         }
         self.buf = Some(new);
-        Ok(())
+        Ok(true)
     }
 
     pub(crate) fn get(&self) -> &DevBuf<T> {

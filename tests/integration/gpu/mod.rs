@@ -219,6 +219,25 @@ fn gpu_matches_cpu_reference() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn a_first_frame_in_small_waves_copies_back_the_models_it_moved() {
+    // A backend's first frame grows its buffer of model boxes wave by wave, moving the boxes
+    // of the waves before; their copies back must read the boxes after the move.
+    let mut gpu = backend();
+    let psf = psf();
+    let plan = Plan::new(PlanOptions::new(6000.0, 6100.0, 0.8, 0, 25)).unwrap();
+    let image = synthetic_image(&psf, &plan, 11);
+    let options = solve_options(0.0, true);
+    let input = FrameInput::new(&plan, &psf, &image, &options);
+    gpu.set_max_wave(Some(2));
+    let g = gpu
+        .extract(input, &plan.patches, &Progress::silent())
+        .unwrap();
+    assert!(plan.patches.len() > 4, "several waves");
+    assert_agree(&g, &cpu_results(input));
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn every_route_matches_the_cpu_reference() {
     // The default (Schur route, polar decorrelation) is covered above; the Jacobi decorrelation
     // and the dense route must agree as well.
