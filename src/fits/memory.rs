@@ -129,9 +129,10 @@ fn inflate_file(path: &Path) -> Result<Option<Vec<u8>>> {
         None => (sequential(&compressed).map_err(damaged)?, "on one core"),
     };
     drop(alone);
-    // The benchmarks (scripts/bench-desi-proc) split a frame's read with this line.
+    // The benchmarks (scripts/bench-desi-proc, bench-exposure) split a frame's read with this
+    // line: its last number is the inflation's time.
     tracing::debug!(
-        "{}: read {:.1} MB in {read_s:.3} s, inflated to {:.1} MB in {:.3} s ({how})",
+        "{}: read {:.1} MB in {read_s:.3} s, inflated to {:.1} MB {how} in {:.3} s",
         path.display(),
         compressed.len() as f64 / 1e6,
         inflated.len() as f64 / 1e6,
@@ -153,10 +154,20 @@ fn sequential(compressed: &[u8]) -> std::result::Result<Vec<u8>, &'static str> {
 }
 
 /// Inflations under way in this process. Inflating in chunks (see `inflate`) costs about
-/// twice the CPU time of one core's inflation, so only an inflation that runs alone, whose
-/// frame everything else waits for (a single frame, the first of a list), takes the pool's
-/// threads; `SPEX_INFLATE=serial` keeps every inflation on one core.
+/// three times the CPU time of one core's inflation, so only an inflation that runs alone,
+/// whose frame everything else waits for, takes the pool's threads, and only as many times as
+/// [`limit_inflations_in_chunks`] allows; `SPEX_INFLATE=serial` keeps every inflation on one
+/// core.
 static INFLATING: AtomicUsize = AtomicUsize::new(0);
+
+/// Inflations in chunks this process may still do.
+static IN_CHUNKS_LEFT: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+/// Lets this process inflate at most `n` more files in chunks: a rank that reads frames
+/// ahead of its solves is bound by its host's work, and only its first read waits alone.
+pub fn limit_inflations_in_chunks(n: usize) {
+    IN_CHUNKS_LEFT.store(n, Ordering::SeqCst);
+}
 
 /// An inflation counted in [`INFLATING`] while this lives.
 struct Inflating {
@@ -174,7 +185,12 @@ impl Inflating {
     /// more than it saves.
     fn chunk_bytes(&self, len: usize) -> Option<usize> {
         let serial = std::env::var("SPEX_INFLATE").is_ok_and(|v| v == "serial");
-        chunk_bytes(self.alone && !serial, rayon::current_num_threads(), len)
+        let bytes = chunk_bytes(self.alone && !serial, rayon::current_num_threads(), len)?;
+        let left = |n: usize| n.checked_sub(1);
+        IN_CHUNKS_LEFT
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, left)
+            .ok()?;
+        Some(bytes)
     }
 }
 
