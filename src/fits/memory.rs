@@ -163,8 +163,8 @@ static INFLATING: AtomicUsize = AtomicUsize::new(0);
 /// Inflations in chunks this process may still do.
 static IN_CHUNKS_LEFT: AtomicUsize = AtomicUsize::new(usize::MAX);
 
-/// Lets this process inflate at most `n` more files in chunks: a rank that reads frames
-/// ahead of its solves is bound by its host's work, and only its first read waits alone.
+/// Lets this process inflate at most `n` more files in chunks (a rank that reads frames ahead
+/// of its solves is bound by its host's work, not by a read).
 pub fn limit_inflations_in_chunks(n: usize) {
     IN_CHUNKS_LEFT.store(n, Ordering::SeqCst);
 }

@@ -58,9 +58,11 @@ pub fn run(
         .enumerate()
         .filter(|(k, _)| roles.group_of_frame(*k) == group.index)
         .collect();
-    // A rank that reads frames ahead is bound by its host's work: only its first read, which
-    // everything waits for, inflates a .fits.gz preproc on all its threads.
-    crate::fits::limit_inflations_in_chunks(if mine.len() > 1 { 1 } else { usize::MAX });
+    // A rank that reads frames ahead is bound by its host's work: it inflates its .fits.gz
+    // preprocs on one core each (30 frames on a 4-GPU node took as long or longer with the
+    // first one in chunks); a rank with one frame waits for its read, which takes all its
+    // threads.
+    crate::fits::limit_inflations_in_chunks(if mine.len() > 1 { 0 } else { usize::MAX });
 
     // Backends on the workers only, checked together. GPUs go to contiguous blocks of the
     // extracting ranks of each node: dedicated reader and writer ranks hold no device.
