@@ -307,11 +307,10 @@ fn strips_pinned_ahead_hold_every_strip(name: &str) {
     }
 }
 
-/// A wave that solves again some patches of another gathers their tables in its order: each
-/// patch's first spots, pixel box, kept bins and model box offset as the frame's tables hold
-/// them, and its live entries and offsets for the results.
-#[test]
-fn a_wave_of_picked_patches_gathers_their_tables() {
+/// Runs `test` on a frame of 25 fibers over 6000-6400 A of the full frame's image that rejects
+/// outliers: its input, patches in frame order, shape and host tables (waves of at most 20
+/// patches, none prepared yet).
+fn with_rejecting_frame(test: impl FnOnce(&FrameInput, &[&Patch], &Shape, FrameHost)) {
     let (psf, _, image) = full_frame();
     let options = crate::plan::PlanOptions::new(6000.0, 6400.0, 0.8, 0, 25);
     let plan = crate::plan::Plan::new(options).expect("plan");
@@ -319,34 +318,44 @@ fn a_wave_of_picked_patches_gathers_their_tables() {
     let input = FrameInput::new(&plan, &psf, &image, &solve);
     let ordered = in_frame_order(&plan.patches);
     let sh = Shape::new(&input, &plan.patches);
-    let mut host = FrameHost::new(&input, &ordered, &sh, Uploads::pageable(), 20);
-    for pi in 0..host.nplanned() {
-        host.prepare_wave(&input, &ordered, &sh, pi);
-    }
-    let w = host.waves[1].clone();
-    assert!(w.len() >= 4, "{w:?}");
-    let picked = vec![w.live.start + 1, w.live.start + 3];
-    let t = host.picked_tables(&sh, &picked);
-    let nb = sh.nblock;
-    for (k, &li) in picked.iter().enumerate() {
-        assert_eq!(
-            t.first_spots[k * nb..(k + 1) * nb],
-            host.first_spots(&sh, li..li + 1)[..nb]
-        );
-        assert_eq!(t.boxes[4 * k..4 * k + 4], host.boxes[4 * li..4 * li + 4]);
-        assert_eq!((t.nkeep[k], t.boxoff[k]), (host.nkeep[li], host.boxoff[li]));
-    }
-    assert_eq!(t.nkeep.len(), 2);
-    host.waves.push(Wave {
-        live: w.live.start..w.live.start + 2,
-        picked: picked.clone(),
-        ..w.clone()
+    let host = FrameHost::new(&input, &ordered, &sh, Uploads::pageable(), 20);
+    test(&input, &ordered, &sh, host);
+}
+
+/// A wave that solves again some patches of another gathers their tables in its order: each
+/// patch's first spots, pixel box, kept bins and model box offset as the frame's tables hold
+/// them, and its live entries and offsets for the results.
+#[test]
+fn a_wave_of_picked_patches_gathers_their_tables() {
+    with_rejecting_frame(|input, ordered, sh, mut host| {
+        for pi in 0..host.nplanned() {
+            host.prepare_wave(input, ordered, sh, pi);
+        }
+        let w = host.waves[1].clone();
+        assert!(w.len() >= 4, "{w:?}");
+        let picked = vec![w.live.start + 1, w.live.start + 3];
+        let t = host.picked_tables(sh, &picked);
+        let nb = sh.nblock;
+        for (k, &li) in picked.iter().enumerate() {
+            assert_eq!(
+                t.first_spots[k * nb..(k + 1) * nb],
+                host.first_spots(sh, li..li + 1)[..nb]
+            );
+            assert_eq!(t.boxes[4 * k..4 * k + 4], host.boxes[4 * li..4 * li + 4]);
+            assert_eq!((t.nkeep[k], t.boxoff[k]), (host.nkeep[li], host.boxoff[li]));
+        }
+        assert_eq!(t.nkeep.len(), 2);
+        host.waves.push(Wave {
+            live: w.live.start..w.live.start + 2,
+            picked: picked.clone(),
+            ..w.clone()
+        });
+        let (live, boxoff) = host.wave_patches(host.waves.len() - 1);
+        assert_eq!(live[1].0, host.live[picked[1]].0);
+        assert_eq!(boxoff[..], [host.boxoff[picked[0]], host.boxoff[picked[1]]]);
+        let (live, _) = host.wave_patches(1);
+        assert_eq!(live.len(), w.len());
     });
-    let (live, boxoff) = host.wave_patches(host.waves.len() - 1);
-    assert_eq!(live[1].0, host.live[picked[1]].0);
-    assert_eq!(boxoff[..], [host.boxoff[picked[0]], host.boxoff[picked[1]]]);
-    let (live, _) = host.wave_patches(1);
-    assert_eq!(live.len(), w.len());
 }
 
 /// A frame's outlier counts are sized at its first wave from its patch count
@@ -354,21 +363,15 @@ fn a_wave_of_picked_patches_gathers_their_tables() {
 /// the count bounds the live patches of every wave, which grow wave by wave.
 #[test]
 fn the_patch_count_bounds_the_live_patches_from_the_first_wave() {
-    let (psf, _, image) = full_frame();
-    let options = crate::plan::PlanOptions::new(6000.0, 6400.0, 0.8, 0, 25);
-    let plan = crate::plan::Plan::new(options).expect("plan");
-    let solve = solve_options(Some(5.0));
-    let input = FrameInput::new(&plan, &psf, &image, &solve);
-    let ordered = in_frame_order(&plan.patches);
-    let sh = Shape::new(&input, &plan.patches);
-    let mut host = FrameHost::new(&input, &ordered, &sh, Uploads::pageable(), 20);
-    assert_eq!(host.npatches(), ordered.len());
-    let mut grown = 0;
-    for pi in 0..host.nplanned() {
-        let before = host.live.len();
-        host.prepare_wave(&input, &ordered, &sh, pi);
-        assert!(host.live.len() <= host.npatches(), "wave {pi}");
-        grown += usize::from(before > 0 && host.live.len() > before);
-    }
-    assert!(grown > 0, "the live patches grew after the first wave");
+    with_rejecting_frame(|input, ordered, sh, mut host| {
+        assert_eq!(host.npatches(), ordered.len());
+        let mut grown = 0;
+        for pi in 0..host.nplanned() {
+            let before = host.live.len();
+            host.prepare_wave(input, ordered, sh, pi);
+            assert!(host.live.len() <= host.npatches(), "wave {pi}");
+            grown += usize::from(before > 0 && host.live.len() > before);
+        }
+        assert!(grown > 0, "the live patches grew after the first wave");
+    });
 }
