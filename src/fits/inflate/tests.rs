@@ -1,0 +1,165 @@
+//! Tests of the chunked inflation: samples deflated by flate2 and by GNU gzip -9, damaged
+//! members, the windows' code and the bits' shift.
+
+use super::blocks::Bits;
+use super::*;
+use std::io::Write;
+
+/// Bytes like a preproc's: noisy floats, a run of zeros, repeated text, and a long
+/// stretch that deflate codes almost all as copies (a period of 4000 random bytes, one
+/// byte in 61 changed), so that its blocks copy from far back through each other.
+fn sample() -> Vec<u8> {
+    let mut state = 7u64;
+    let mut noise = |n: usize| -> Vec<u8> {
+        (0..n / 4)
+            .flat_map(|_| {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (1.0f32 + (state >> 40) as f32 / 1e7).to_be_bytes()
+            })
+            .collect()
+    };
+    let mut plain = noise(600_000);
+    plain.extend(std::iter::repeat_n(0u8, 700_000));
+    let period = noise(4000);
+    plain.extend((0..1_500_000).map(|i| period[i % 4000] ^ u8::from(i % 61 == 0)));
+    plain.extend(noise(300_000));
+    plain.extend(b"SIMPLE  =                    T / a header card, repeated ".repeat(9000));
+    plain.extend(noise(200_001));
+    plain
+}
+
+fn gzip(plain: &[u8]) -> Vec<u8> {
+    let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+    encoder.write_all(plain).unwrap();
+    encoder.finish().unwrap()
+}
+
+/// Small enough to cut the sample into dozens of chunks, each longer than a window.
+const CHUNK: usize = 64 << 10;
+
+fn inflate_in(gz: &[u8], chunk_bytes: usize) -> Option<Vec<u8>> {
+    inflate(gz, chunk_bytes, |len| Some(vec![0; len]))
+}
+
+#[test]
+fn chunks_inflate_to_the_bytes_one_core_inflates() {
+    let plain = sample();
+    let gz = gzip(&plain);
+    let start = deflate_start(&gz).unwrap();
+    let starts = chunk_starts(&gz, start, gz.len() - 8, CHUNK);
+    // the stream really is cut: blocks were found in most chunks
+    assert!(
+        starts.len() > (gz.len() / CHUNK) / 2,
+        "{} chunks",
+        starts.len()
+    );
+    // chunks in the copied stretch take most bytes from their windows, others a few
+    let (chunks, _) = measure_chunks(&gz, CHUNK).unwrap();
+    assert!(chunks.iter().any(|c| matches!(c.sources, Sources::Many)));
+    let few = |c: &Chunk| match &c.sources {
+        Sources::Few(few) => few.len(),
+        Sources::Many => 0,
+    };
+    assert!(chunks.iter().any(|c| few(c) > 0));
+    assert!(inflate_in(&gz, CHUNK).is_some_and(|out| out == plain));
+    // and in a few chunks, or one (nothing to split)
+    assert!(inflate_in(&gz, gz.len() / 3).is_some_and(|out| out == plain));
+    assert!(inflate_in(&gz, gz.len()).is_none());
+}
+
+#[test]
+fn a_member_written_by_gzip_9_is_cut_and_inflated() {
+    // desi_proc's preprocs come from zlib's deflate at level 9 (astropy through Python's
+    // gzip module), whose blocks GNU gzip -9 writes alike.
+    let plain = sample();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sample");
+    std::fs::write(&path, &plain).unwrap();
+    let out = std::process::Command::new("gzip")
+        .args(["-9", "-c"])
+        .arg(&path)
+        .output()
+        .expect("gzip (a Debian essential package) runs");
+    assert!(out.status.success());
+    let gz = out.stdout;
+    let start = deflate_start(&gz).unwrap();
+    let starts = chunk_starts(&gz, start, gz.len() - 8, CHUNK);
+    assert!(
+        starts.len() > (gz.len() / CHUNK) / 2,
+        "{} chunks",
+        starts.len()
+    );
+    assert!(inflate_in(&gz, CHUNK).is_some_and(|out| out == plain));
+}
+
+#[test]
+fn a_damaged_or_longer_stream_is_refused() {
+    let plain = sample();
+    let gz = gzip(&plain);
+    let mut damaged = gz.clone();
+    damaged[gz.len() / 2] ^= 0x10;
+    assert!(
+        inflate_in(&damaged, CHUNK).is_none(),
+        "a bit flipped mid-stream"
+    );
+    let mut wrong_crc = gz.clone();
+    let at = gz.len() - 8;
+    wrong_crc[at] ^= 1;
+    assert!(
+        inflate_in(&wrong_crc, CHUNK).is_none(),
+        "the trailer's CRC changed"
+    );
+    let mut truncated = gz[..gz.len() / 2].to_vec();
+    truncated.extend_from_slice(&gz[gz.len() - 8..]);
+    assert!(
+        inflate_in(&truncated, CHUNK).is_none(),
+        "the second half lost"
+    );
+    let mut two = gz.clone();
+    two.extend(gzip(b"a second member"));
+    assert!(inflate_in(&two, CHUNK).is_none(), "two members");
+}
+
+#[test]
+fn every_window_position_is_named_by_its_two_bytes() {
+    let windows = Windows::new();
+    for j in 0..WINDOW {
+        assert_ne!(windows.a[j], windows.b[j]);
+        assert_eq!(window_position(windows.a[j], windows.b[j]), Some(j as u16));
+    }
+}
+
+#[test]
+fn shifted_bits_keep_their_order_and_end_in_an_empty_last_block() {
+    let data: Vec<u8> = (0..64u32).map(|i| (i * 37 + 11) as u8).collect();
+    for (from, to) in [(0, 64), (3, 200), (13, 13 + 8 * 20 + 7), (70, 71)] {
+        let mut out = Vec::new();
+        let place = Place {
+            first: true,
+            last: false,
+        };
+        let used = shifted_into(&mut out, &data, from..to, place);
+        assert_eq!(used, out.len()..=out.len());
+        let mut original = Bits {
+            data: &data,
+            pos: from,
+            end: 8 * 64,
+        };
+        let mut moved = Bits {
+            data: &out,
+            pos: 0,
+            end: 8 * out.len() as u64,
+        };
+        for _ in from..to {
+            assert_eq!(moved.take(1), original.take(1), "bits {from}..{to}");
+        }
+        // BFINAL 1, BTYPE 1, seven zero bits, then nothing but padding
+        assert_eq!(moved.take(3), Some(0b011));
+        assert_eq!(moved.take(7), Some(0));
+        while let Some(bit) = moved.take(1) {
+            assert_eq!(bit, 0);
+        }
+    }
+}
