@@ -119,9 +119,23 @@ pub(crate) struct Device {
     /// work in flight wherever a backend's first call outgrew its first buffers.
     retired: std::cell::RefCell<Vec<DevBuf<u8>>>,
     pub ordinal: usize,
+    /// The node's number of the GPU, for logs (see [`node_gpu`]).
+    pub node_gpu: String,
     pub name: String,
     pub arch: (i32, i32),
     pub stats: Arc<MemStats>,
+}
+
+/// The node's name of the GPU the driver numbers `ordinal` when `visible` is
+/// `CUDA_VISIBLE_DEVICES`: its entry there if that is a number (a rank narrows the variable to
+/// its own GPUs before the driver starts, so that its device 0 may be the node's GPU 2), else
+/// the ordinal.
+fn node_gpu(visible: Option<&str>, ordinal: usize) -> String {
+    visible
+        .and_then(|v| v.split(',').nth(ordinal))
+        .and_then(|entry| entry.trim().parse::<usize>().ok())
+        .unwrap_or(ordinal)
+        .to_string()
 }
 
 // SAFETY: the handles are used from one thread at a time (`&mut CudaBackend`); the context
@@ -190,6 +204,10 @@ impl Device {
             libraries: std::cell::OnceCell::new(),
             retired: std::cell::RefCell::new(Vec::new()),
             ordinal,
+            node_gpu: node_gpu(
+                std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref(),
+                ordinal,
+            ),
             name,
             arch,
             stats: Arc::new(MemStats::default()),
@@ -548,4 +566,19 @@ fn dtoh<T: Copy>(
     // copy.
     unsafe { drv::memcpy_dtoh_async(host, b.at(offset), stream) }
         .map_err(error::driver(format!("copy of {what} from the device")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::node_gpu;
+
+    #[test]
+    fn a_device_is_named_by_the_node_s_number_of_its_gpu() {
+        assert_eq!(node_gpu(Some("2"), 0), "2");
+        assert_eq!(node_gpu(Some("3, 1"), 1), "1");
+        assert_eq!(node_gpu(None, 1), "1");
+        // UUIDs, or fewer entries than devices: the driver's ordinal
+        assert_eq!(node_gpu(Some("GPU-8746"), 0), "0");
+        assert_eq!(node_gpu(Some("2"), 1), "1");
+    }
 }

@@ -182,9 +182,9 @@ impl CudaBackend {
         })
     }
 
-    /// The backend's name in debug lines: `cuda:DEVICE.INDEX`.
+    /// The backend's name in debug lines: `cuda:GPU.INDEX`, GPU the node's number.
     fn label(&self) -> String {
-        format!("cuda:{}.{}", self.dev.ordinal, self.index)
+        format!("cuda:{}.{}", self.dev.node_gpu, self.index)
     }
 
     /// A second backend on the same device: its own stream, library handles and buffers, the
@@ -350,7 +350,7 @@ impl Backend for CudaBackend {
     fn describe(&self) -> String {
         format!(
             "cuda:{} {} (sm_{}{})",
-            self.dev.ordinal, self.dev.name, self.dev.arch.0, self.dev.arch.1
+            self.dev.node_gpu, self.dev.name, self.dev.arch.0, self.dev.arch.1
         )
     }
 
