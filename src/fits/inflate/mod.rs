@@ -132,6 +132,19 @@ thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
+impl Scratch {
+    /// Frees the buffers that a mask-like chunk filled (tens of MB), which a thread of a
+    /// long-lived process (a Python caller's) would otherwise keep; the usual ones stay.
+    fn trim(&mut self) {
+        const KEPT: usize = 32 << 20;
+        for buf in [&mut self.input, &mut self.a, &mut self.b] {
+            if buf.len() > KEPT {
+                *buf = Vec::new();
+            }
+        }
+    }
+}
+
 /// The chunks of `gz`, each inflated twice, and its trailer.
 fn measure_chunks(gz: &[u8], chunk_bytes: usize) -> Option<(Vec<Chunk>, Trailer)> {
     let start = deflate_start(gz)?;
@@ -158,13 +171,17 @@ fn measure_chunks(gz: &[u8], chunk_bytes: usize) -> Option<(Vec<Chunk>, Trailer)
             };
             let bits = bits(k)..bits(k + 1);
             let scratch = |s: &RefCell<Scratch>| {
-                measure(gz, bits, place, room, &windows, &mut s.borrow_mut())
+                let mut scratch = s.borrow_mut();
+                let chunk = measure(gz, bits, place, room, &windows, &mut scratch);
+                scratch.trim();
+                chunk
             };
             SCRATCH.with(scratch)
         })
         .collect::<Option<Vec<_>>>()?;
     Some((chunks, trailer))
 }
+
 /// Where the deflate stream of the gzip member `gz` starts, past its header's optional fields.
 fn deflate_start(gz: &[u8]) -> Option<usize> {
     const MAGIC_DEFLATE: [u8; 3] = [0x1f, 0x8b, 8];
