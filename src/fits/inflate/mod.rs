@@ -57,7 +57,8 @@ pub(super) fn inflate(
     alloc: impl FnOnce(usize) -> Option<Vec<u8>>,
 ) -> Option<Vec<u8>> {
     let t0 = std::time::Instant::now();
-    let (chunks, trailer) = measure_chunks(gz, chunk_bytes)?;
+    let windows = Windows::new();
+    let (chunks, trailer) = measure_chunks(gz, chunk_bytes, &windows)?;
     let t1 = t0.elapsed().as_secs_f64();
     let total: usize = chunks.iter().map(|c| c.len).sum();
     // Every window lies within the chunk before it; the trailer has the size modulo 2^32.
@@ -66,7 +67,7 @@ pub(super) fn inflate(
         return None;
     }
     let mut out = alloc(total)?;
-    place_chunks(gz, &chunks, &mut out)?;
+    place_chunks(gz, &chunks, &windows.a, &mut out)?;
     let t2 = t0.elapsed().as_secs_f64();
     let crc = fill_windows(gz, &chunks, &mut out)?;
     tracing::debug!(
@@ -87,13 +88,22 @@ struct Trailer {
     size: u32,
 }
 
-/// A chunk of the stream: its bits, its length inflated and the bytes it copied from the
-/// window before it.
+/// A chunk of the stream: its bits, its place in the inflated file (`at`, known once every
+/// chunk before it is measured), its length inflated and the bytes it copied from the window
+/// before it.
 struct Chunk {
     bits: Range<u64>,
     place: Place,
+    at: usize,
     len: usize,
     sources: Sources,
+}
+
+impl Chunk {
+    /// Its bytes' place in the inflated file.
+    fn span(&self) -> Range<usize> {
+        self.at..self.at + self.len
+    }
 }
 
 /// Where a chunk lies in the member.
@@ -146,7 +156,11 @@ impl Scratch {
 }
 
 /// The chunks of `gz`, each inflated twice, and its trailer.
-fn measure_chunks(gz: &[u8], chunk_bytes: usize) -> Option<(Vec<Chunk>, Trailer)> {
+fn measure_chunks(
+    gz: &[u8],
+    chunk_bytes: usize,
+    windows: &Windows,
+) -> Option<(Vec<Chunk>, Trailer)> {
     let start = deflate_start(gz)?;
     let end = gz.len() - 8;
     let word = |at: usize| u32::from_le_bytes([gz[at], gz[at + 1], gz[at + 2], gz[at + 3]]);
@@ -159,10 +173,9 @@ fn measure_chunks(gz: &[u8], chunk_bytes: usize) -> Option<(Vec<Chunk>, Trailer)
         return None;
     }
     let bits = |k: usize| starts.get(k).copied().unwrap_or(8 * end as u64);
-    let windows = Windows::new();
     // A chunk's bytes: at most the member's (modulo 2^32, as the trailer has them).
     let room = usize::try_from(trailer.size).ok()?;
-    let chunks = (0..starts.len())
+    let mut chunks = (0..starts.len())
         .into_par_iter()
         .map(|k| {
             let place = Place {
@@ -172,13 +185,18 @@ fn measure_chunks(gz: &[u8], chunk_bytes: usize) -> Option<(Vec<Chunk>, Trailer)
             let bits = bits(k)..bits(k + 1);
             let scratch = |s: &RefCell<Scratch>| {
                 let mut scratch = s.borrow_mut();
-                let chunk = measure(gz, bits, place, room, &windows, &mut scratch);
+                let chunk = measure(gz, bits, place, room, windows, &mut scratch);
                 scratch.trim();
                 chunk
             };
             SCRATCH.with(scratch)
         })
-        .collect::<Option<Vec<_>>>()?;
+        .collect::<Option<Vec<Chunk>>>()?;
+    let mut at = 0;
+    for chunk in &mut chunks {
+        chunk.at = at;
+        at += chunk.len;
+    }
     Some((chunks, trailer))
 }
 
@@ -266,6 +284,7 @@ fn measure(
         Some(Chunk {
             bits: bits.clone(),
             place,
+            at: 0,
             len,
             sources,
         })
@@ -434,19 +453,13 @@ fn decompress_into(
 /// Inflates each chunk a third time, behind window A, straight into its place in `out`: the
 /// even chunks, then the odd ones, whose made-up windows land on the ends of the even ones,
 /// put back afterwards.
-fn place_chunks(gz: &[u8], chunks: &[Chunk], out: &mut [u8]) -> Option<()> {
-    let windows = Windows::new();
-    let mut at = Vec::with_capacity(chunks.len());
-    chunks.iter().fold(0, |offset, c| {
-        at.push(offset);
-        offset + c.len
-    });
+fn place_chunks(gz: &[u8], chunks: &[Chunk], window: &[u8], out: &mut [u8]) -> Option<()> {
     let mut kept = Vec::new();
     for parity in [0, 1] {
         if parity == 1 {
             kept = (1..chunks.len())
                 .step_by(2)
-                .map(|k| out[at[k] - WINDOW..at[k]].to_vec())
+                .map(|k| out[chunks[k].at - WINDOW..chunks[k].at].to_vec())
                 .collect();
         }
         // Those with many bytes copied from their windows are inflated later, in order.
@@ -455,30 +468,32 @@ fn place_chunks(gz: &[u8], chunks: &[Chunk], out: &mut [u8]) -> Option<()> {
             .filter(|&k| !matches!(chunks[k].sources, Sources::Many));
         let spans = listed.map(|k| {
             let before = if chunks[k].place.first { 0 } else { WINDOW };
-            (k, at[k] - before..at[k] + chunks[k].len)
+            (k, chunks[k].at - before..chunks[k].span().end)
         });
         regions(out, spans)
             .into_par_iter()
-            .try_for_each(|(k, region)| inflate_behind(gz, &chunks[k], &windows.a, region))?;
+            .try_for_each(|(k, region)| inflate_behind(gz, &chunks[k], window, region))?;
     }
     for (k, tail) in (1..chunks.len()).step_by(2).zip(kept) {
-        out[at[k] - WINDOW..at[k]].copy_from_slice(&tail);
+        out[chunks[k].at - WINDOW..chunks[k].at].copy_from_slice(&tail);
     }
     Some(())
 }
 
 /// Inflates `chunk` behind `window` (unless it is the first) into `region`, which it must fill.
 fn inflate_behind(gz: &[u8], chunk: &Chunk, window: &[u8], region: &mut [u8]) -> Option<()> {
-    let mut input = Vec::new();
-    let used = shifted_into(&mut input, gz, chunk.bits.clone(), chunk.place);
-    if !chunk.place.first {
-        input[STORED.len()..STORED.len() + WINDOW].copy_from_slice(window);
-    }
-    let decompressor = Decompressor::new()?;
-    let made = decompressor
-        .run(&input, region.as_mut_ptr(), region.len(), &used)
-        .ok()?;
-    (made == region.len()).then_some(())
+    SCRATCH.with(|scratch| {
+        let input = &mut scratch.borrow_mut().input;
+        let used = shifted_into(input, gz, chunk.bits.clone(), chunk.place);
+        if !chunk.place.first {
+            input[STORED.len()..STORED.len() + WINDOW].copy_from_slice(window);
+        }
+        let decompressor = Decompressor::new()?;
+        let made = decompressor
+            .run(input, region.as_mut_ptr(), region.len(), &used)
+            .ok()?;
+        (made == region.len()).then_some(())
+    })
 }
 
 /// `out` cut into the disjoint, ordered `spans`, each with its chunk.
@@ -503,25 +518,21 @@ fn regions(
 /// rest of every chunk at once. Returns the CRC-32 of the whole.
 fn fill_windows(gz: &[u8], chunks: &[Chunk], out: &mut [u8]) -> Option<u32> {
     let mut windows = Vec::with_capacity(chunks.len());
-    let mut at = 0usize;
     for chunk in chunks {
-        let window = out[at.saturating_sub(WINDOW)..at].to_vec();
+        let window = out[chunk.at.saturating_sub(WINDOW)..chunk.at].to_vec();
         match &chunk.sources {
             Sources::Few(few) => {
                 let tail = chunk.len.saturating_sub(WINDOW)..chunk.len;
-                fill(&mut out[at..at + chunk.len], few, &window, tail);
+                fill(&mut out[chunk.span()], few, &window, tail);
             }
             Sources::Many => {
-                inflate_behind(gz, chunk, &window, &mut out[at - WINDOW..at + chunk.len])?
+                let region = &mut out[chunk.at - WINDOW..chunk.span().end];
+                inflate_behind(gz, chunk, &window, region)?
             }
         }
         windows.push(window);
-        at += chunk.len;
     }
-    let spans = chunks.iter().enumerate().scan(0, |at, (k, c)| {
-        *at += c.len;
-        Some((k, *at - c.len..*at))
-    });
+    let spans = chunks.iter().enumerate().map(|(k, c)| (k, c.span()));
     let sums: Vec<Crc> = regions(out, spans)
         .into_par_iter()
         .map(|(k, part)| {
