@@ -11,7 +11,7 @@
 
 use std::ffi::c_void;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::SystemTime;
 
@@ -155,18 +155,17 @@ fn sequential(compressed: &[u8]) -> std::result::Result<Vec<u8>, &'static str> {
 
 /// Inflations under way in this process. Inflating in chunks (see `inflate`) costs about
 /// three times the CPU time of one core's inflation, so only an inflation that runs alone,
-/// whose frame everything else waits for, takes the pool's threads, and only as many times as
-/// [`limit_inflations_in_chunks`] allows; `SPEX_INFLATE=serial` keeps every inflation on one
-/// core.
+/// whose frame everything else waits for, takes the pool's threads, and only where
+/// [`inflate_in_chunks`] allows; `SPEX_INFLATE=serial` keeps every inflation on one core.
 static INFLATING: AtomicUsize = AtomicUsize::new(0);
 
-/// Inflations in chunks this process may still do.
-static IN_CHUNKS_LEFT: AtomicUsize = AtomicUsize::new(usize::MAX);
+/// Whether this process may inflate in chunks.
+static IN_CHUNKS: AtomicBool = AtomicBool::new(true);
 
-/// Lets this process inflate at most `n` more files in chunks (a rank that reads frames ahead
-/// of its solves is bound by its host's work, not by a read).
-pub fn limit_inflations_in_chunks(n: usize) {
-    IN_CHUNKS_LEFT.store(n, Ordering::SeqCst);
+/// Lets this process inflate files in chunks or not (a rank that reads frames ahead of its
+/// solves is bound by its host's work, not by a read).
+pub fn inflate_in_chunks(allowed: bool) {
+    IN_CHUNKS.store(allowed, Ordering::SeqCst);
 }
 
 /// An inflation counted in [`INFLATING`] while this lives.
@@ -185,12 +184,8 @@ impl Inflating {
     /// more than it saves.
     fn chunk_bytes(&self, len: usize) -> Option<usize> {
         let serial = std::env::var("SPEX_INFLATE").is_ok_and(|v| v == "serial");
-        let bytes = chunk_bytes(self.alone && !serial, rayon::current_num_threads(), len)?;
-        let left = |n: usize| n.checked_sub(1);
-        IN_CHUNKS_LEFT
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, left)
-            .ok()?;
-        Some(bytes)
+        let free = self.alone && !serial && IN_CHUNKS.load(Ordering::SeqCst);
+        chunk_bytes(free, rayon::current_num_threads(), len)
     }
 }
 

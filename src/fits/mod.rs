@@ -36,7 +36,7 @@ mod table;
 mod written;
 pub use desi::fits_float;
 pub use keywords::is_structural_card;
-pub use memory::{inflate_gzip, is_gzip, limit_inflations_in_chunks, KeepAlive};
+pub use memory::{inflate_gzip, inflate_in_chunks, is_gzip, KeepAlive};
 
 const READONLY: c_int = 0;
 const ANY_HDU: c_int = -1;

@@ -62,7 +62,7 @@ pub fn run(
     // preprocs on one core each (30 frames on a 4-GPU node took as long or longer with the
     // first one in chunks); a rank with one frame waits for its read, which takes all its
     // threads.
-    crate::fits::limit_inflations_in_chunks(if mine.len() > 1 { 0 } else { usize::MAX });
+    crate::fits::inflate_in_chunks(mine.len() <= 1);
 
     // Backends on the workers only, checked together. GPUs go to contiguous blocks of the
     // extracting ranks of each node: dedicated reader and writer ranks hold no device.
