@@ -597,6 +597,7 @@ impl CudaBackend {
         timings.patches = patches.len();
         timings.peak_bytes = self.dev.stats.peak();
         timings.total_ms = t0.elapsed().as_secs_f64() * 1e3;
+        timings.add_critical_path(t0);
         self.log_call(&timings, &sh);
         self.timings = timings;
         // from the frame's order back to the call's

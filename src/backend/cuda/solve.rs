@@ -470,6 +470,7 @@ pub(crate) fn finish_wave(
     let (start, end) = copy_back(g, ws, host, &q, input.options.model)?;
     end.synchronize()
         .map_err(super::error::driver("wait for the copies back"))?;
+    sink.timings.last_back = Some(Instant::now());
     let copies_ms = start
         .elapsed_ms(&end)
         .map_err(super::error::driver("cuEventElapsedTime"))?;

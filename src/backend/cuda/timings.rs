@@ -51,6 +51,9 @@ pub struct GpuTimings {
     /// start)`): how long the device waited for the host before the frame's first wave and
     /// after its last.
     pub milestones: Vec<(&'static str, f64)>,
+    /// When the host had the copies back of the frame's last wave: what it does after them
+    /// (unpacking that wave, handing the results over) the device does not hide.
+    pub last_back: Option<std::time::Instant>,
 }
 
 impl GpuTimings {
@@ -58,6 +61,17 @@ impl GpuTimings {
     pub(crate) fn reached(&mut self, step: &'static str, since: std::time::Instant) {
         self.milestones
             .push((step, since.elapsed().as_secs_f64() * 1e3));
+    }
+
+    /// Adds the host's work on the call's critical path (`since` its start) as two phases:
+    /// before the device had a wave, and after the last wave's copies back were in.
+    pub(crate) fn add_critical_path(&mut self, since: std::time::Instant) {
+        let first = self.milestones.iter().find(|m| m.0 == "first wave queued");
+        if let (Some(&(_, first)), Some(back)) = (first, self.last_back) {
+            self.add("host before the first wave", first);
+            let after = since.elapsed().saturating_sub(back.duration_since(since));
+            self.add("host after the last wave", after.as_secs_f64() * 1e3);
+        }
     }
 
     pub(crate) fn add(&mut self, phase: &'static str, ms: f64) {
@@ -155,5 +169,40 @@ mod tests {
             t.milestones
         );
         assert!(t.milestones[0].1 >= 0.0);
+    }
+
+    #[test]
+    fn the_critical_path_is_the_host_before_the_first_wave_and_after_the_last() {
+        let start = Instant::now();
+        let mut t = GpuTimings::default();
+        t.add_critical_path(start);
+        assert!(
+            t.phases.is_empty(),
+            "no wave, no critical path: {:?}",
+            t.phases
+        );
+        std::thread::sleep(Duration::from_millis(4));
+        t.reached("first wave queued", start);
+        std::thread::sleep(Duration::from_millis(20));
+        let back = Instant::now();
+        t.last_back = Some(back);
+        std::thread::sleep(Duration::from_millis(6));
+        let to_back = back.duration_since(start).as_secs_f64() * 1e3;
+        t.add_critical_path(start);
+        let total = start.elapsed().as_secs_f64() * 1e3;
+        let ms = |name| t.phases.iter().find(|p| p.0 == name).map(|p| p.1).unwrap();
+        let (before, after) = (
+            ms("host before the first wave"),
+            ms("host after the last wave"),
+        );
+        // each at least its sleep, and neither holds the 20 ms the device had the waves
+        assert!(
+            before >= 4.0 && before <= to_back - 20.0,
+            "{before} of {to_back}"
+        );
+        assert!(
+            after >= 6.0 && after <= total - to_back,
+            "{after} of {total}"
+        );
     }
 }
