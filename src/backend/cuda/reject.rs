@@ -9,15 +9,16 @@
 //! a flag per box pixel (`rejected`), which the assembly and chi2pix read: in that patch only,
 //! since boxes overlap and the image is shared. The host reads back only how many outliers
 //! each patch had, once the wave is finished (while the device runs the waves queued after
-//! it), and solves the wave again behind the others by a wave of its patches with new
-//! outliers alone: their tables, gathered on the host, and their results take the first
-//! places of the finished wave's (`Wave::picked`), while its spots and model boxes stay where
-//! they were, so that the kernels find each patch's box and rejected pixels where the first
-//! pass left them. Its re-solve is tested in turn, and so on until a test finds no outlier or
-//! [`MAX_RESOLVES`] solves have been added, as on the CPU. The wave is decorrelated after its
-//! test, only for its patches without outliers (only a patch's last solution is kept). Only patches with new outliers are
-//! tested after a re-solve; a patch the CPU reference solved (a failed or coupled one) was
-//! tested there already.
+//! it), and gathers the patches with new outliers of the finished waves into re-solve waves
+//! (`resolves`), queued behind the others once a single wave is left in flight: their
+//! tables, gathered on the host, and their results take free places among the frame's (those
+//! of finished waves), while their spots and model boxes stay where the first pass left them
+//! (`Wave::picked`), so that the kernels find each patch's box and rejected pixels there. A
+//! re-solve is tested in turn, and so on until a test finds no outlier or [`MAX_RESOLVES`]
+//! solves have been added, as on the CPU. A wave is decorrelated after its test, only for
+//! its patches without outliers (only a patch's last solution is kept). Only patches with new
+//! outliers are tested after a re-solve; a patch the CPU reference solved (a failed or
+//! coupled one) was tested there already.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -34,10 +35,13 @@ use super::tables::{FrameHost, Wave};
 use super::tuning::Tuning;
 use super::workspace::{Region, Slot, Workspace};
 use crate::backend::{FrameInput, Progress};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::extract::PatchResult;
 use crate::outliers::{GROW_NSIGMA, MAX_RESOLVES};
 use crate::plan::Patch;
+use resolves::{Bounds, Pending};
+
+mod resolves;
 
 /// The device's share of rejection: frame-sized arrays over every patch's box, in the order
 /// of the waves' model boxes.
@@ -275,18 +279,20 @@ struct Done {
 /// A wave queued on the device and what its results go through once finished.
 struct InFlight<'a> {
     queued: Queued<'a>,
-    /// Re-solves its patches had before it (0: the frame's first solve).
-    pass: usize,
-    /// The live patches with new outliers it solves again (all of the wave in the first pass).
+    /// Whether it is its patches' first solve.
+    first: bool,
+    /// The live patches it solves that are tested after this solve (none in a wave of last
+    /// solves).
     tested: Vec<usize>,
 }
 
-/// Finishes the frame's `queued` waves (the first solve of each) and solves again, as soon as
-/// a wave is finished, its patches with new outliers: the device has tested them in the
-/// wave's queue, the host reads how many outliers each had while the device runs the waves
-/// queued after it, and queues their re-solve behind them, so that the device never waits
-/// for the test of the whole frame. A patch is tested after each of its solves but the last
-/// of [`MAX_RESOLVES`] re-solves, as on the CPU; then each device-solved patch gets its
+/// Finishes the frame's `queued` waves (the first solve of each) and solves again the
+/// patches whose test found new outliers: the device has tested them in each wave's queue,
+/// the host reads how many outliers each had once the wave is finished, while the device
+/// runs the waves queued after it, and gathers them from the finished waves into re-solve
+/// waves (`resolves`) queued behind those still running, so that the device never waits for
+/// the test of the whole frame. A patch is tested after each of its solves but the last of
+/// [`MAX_RESOLVES`] re-solves, as on the CPU; then each device-solved patch gets its
 /// rejection counts and the fraction of each core spot it lost.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn finish_frame<'a>(
@@ -301,16 +307,22 @@ pub(crate) fn finish_frame<'a>(
 ) -> Result<()> {
     let planned = host.waves.len();
     let ci: Vec<usize> = host.live.iter().map(|l| l.0).collect();
-    let largest = host.waves.iter().map(Wave::len).max().unwrap_or(0);
+    let largest = host.largest_wave();
     ws.reject.counts_back.get(largest);
+    let bounds = Bounds {
+        patches: largest,
+        span: largest * (super::MODEL_BOX_BYTES / 8),
+    };
+    let ahead = gather_ahead(ws.reject.keep_spots);
     let mut done = vec![Done::default(); ci.len()];
+    let mut pending = Pending::default();
     let mut fifo: VecDeque<InFlight<'a>> = queued
         .into_iter()
         .map(|q| {
             let tested = host.waves[q.wave()].live.clone().collect();
             InFlight {
                 queued: q,
-                pass: 0,
+                first: true,
                 tested,
             }
         })
@@ -319,44 +331,59 @@ pub(crate) fn finish_frame<'a>(
     while let Some(f) = fifo.pop_front() {
         let wi = f.queued.wave();
         let t_finish = Instant::now();
-        finish(g, ws, input, host, f.queued, sink, f.pass == 0)?;
+        finish(g, ws, input, host, f.queued, sink, f.first)?;
         let finish_ms = t_finish.elapsed().as_secs_f64() * 1e3;
-        if f.pass == 0 {
+        if f.first {
             for li in f.tested.iter().copied() {
                 done[li].before = pixmask_of(sink.results, ci[li]);
             }
         }
-        if f.pass == MAX_RESOLVES {
-            continue;
-        }
         let t_test = Instant::now();
         let tested = on_device(&ci, sink.results, f.tested);
         let changed = read_counts(g.dev, ws, &host.waves[wi], &tested)?;
-        for (li, n) in &changed {
-            done[*li].nrejected += n;
-            done[*li].nresolves += 1;
+        for &(li, n) in &changed {
+            done[li].nrejected += n;
+            done[li].nresolves += 1;
+            pending.add(li, done[li].nresolves);
         }
         let round_test_ms = t_test.elapsed().as_secs_f64() * 1e3;
         test_ms += round_test_ms;
-        let changed: Vec<usize> = changed.into_iter().map(|(li, _)| li).collect();
         let t_queue = Instant::now();
-        let nchanged = changed.len();
-        // the waves queued from now on are solved again
-        ws.reject.pass = f.pass + 1;
-        if let Some(again) = queue_again(g, tuning, ws, input, patches, host, wi, &changed)? {
+        let mut resolves = Vec::new();
+        if pending.len() >= bounds.patches || fifo.len() <= ahead {
+            let busy: Vec<&Wave> = fifo.iter().map(|f| &host.waves[f.queued.wave()]).collect();
+            resolves = pending.take(host, &busy, bounds);
+        }
+        let sizes: Vec<usize> = resolves.iter().map(|r| r.wave.len()).collect();
+        for r in resolves {
+            let tested = if r.last {
+                Vec::new()
+            } else {
+                r.wave.picked.clone()
+            };
+            // the waves queued from now on are solved again
+            ws.reject.pass = if r.last { MAX_RESOLVES } else { 1 };
+            let queued = queue_again(g, tuning, ws, input, patches, host, r.wave)?;
             fifo.push_back(InFlight {
-                queued: again,
-                pass: f.pass + 1,
-                tested: changed,
+                queued,
+                first: false,
+                tested,
             });
         }
         let round_queue_ms = t_queue.elapsed().as_secs_f64() * 1e3;
         queue_ms += round_queue_ms;
         tracing::debug!(
-            "outliers of wave {wi}, pass {}: {} patches tested, {nchanged} with new outliers; finished in {finish_ms:.2} ms, counts read in {round_test_ms:.2} ms, next pass queued in {round_queue_ms:.2} ms",
-            f.pass,
+            "outliers of wave {wi}: {} patches tested, {} with new outliers, {} pending; re-solve waves of {sizes:?} queued; finished in {finish_ms:.2} ms, counts read in {round_test_ms:.2} ms, re-solves queued in {round_queue_ms:.2} ms",
             tested.len(),
+            changed.len(),
+            pending.len(),
         );
+    }
+    if pending.len() > 0 {
+        return Err(Error::Gpu(format!(
+            "{} patches with outliers found no place to be solved again",
+            pending.len()
+        )));
     }
     host.waves.truncate(planned);
     for (li, d) in done.iter().enumerate() {
@@ -369,6 +396,21 @@ pub(crate) fn finish_frame<'a>(
     sink.timings.add("outlier counts", test_ms);
     sink.timings.add("rejection queue", queue_ms);
     Ok(())
+}
+
+/// Waves still in flight at which the patches pending a re-solve are queued (besides when
+/// they fill a wave): one, so that the device runs it while the host queues them. With none
+/// left the device waits for the host at each pass, with two or more the re-solves of the
+/// last waves are fewer and smaller: both took longer on the full-width frame
+/// (docs/benchmarks.md, "Outlier rejection"). A frame without its spots on the device
+/// re-solves each wave's patches at once, as a re-solve evaluates its bundles' spots again,
+/// for no more bundles than a wave's.
+fn gather_ahead(keep_spots: bool) -> usize {
+    if keep_spots {
+        1
+    } else {
+        usize::MAX
+    }
 }
 
 /// Finishes a queued wave into `sink`; a wave solved again adds no progress (its patches were
@@ -423,9 +465,8 @@ fn read_counts(
         .collect())
 }
 
-/// Queues again the live patches `changed` (sorted) of wave `wi` of `host`, a wave of their
-/// own appended to `host.waves` whose tables take the first places of `wi`'s (None if there
-/// are none).
+/// Queues the re-solve wave `again`, appended to `host.waves`: its tables, gathered on the
+/// host, uploaded to its places, whose waves are finished.
 #[allow(clippy::too_many_arguments)]
 fn queue_again<'a>(
     g: Gpu<'a>,
@@ -434,51 +475,14 @@ fn queue_again<'a>(
     input: &FrameInput<'_>,
     patches: &[&'a Patch],
     host: &mut FrameHost,
-    wi: usize,
-    changed: &[usize],
-) -> Result<Option<Queued<'a>>> {
-    let npixels = |li: usize| {
-        let g = &host.live[li].1;
-        g.rows.len() * g.cols.len()
-    };
-    let Some(again) = pick(&host.waves[wi], changed, npixels, &host.boxoff) else {
-        return Ok(None);
-    };
-    // wave wi is finished: the device has read its tables, which these replace
-    let tables = host.picked_tables(g.sh, &again.picked);
+    again: Wave,
+) -> Result<Queued<'a>> {
+    let tables = host.picked_tables(g.sh, &again);
     ws.input
         .upload_picked(g.dev, g.sh, again.live.start, &tables)?;
     host.waves.push(again);
     let again = host.waves.len() - 1;
-    solve::queue_wave(g, tuning, ws, input, patches, host, again).map(Some)
-}
-
-/// The wave that solves again the patches of `changed` (sorted) that wave `w` solved, None if
-/// it holds none: their tables and results at the first places of `w`'s, its bundle slots and
-/// the start of its model boxes `w`'s (the kernels count spots and box offsets `boxoff` from
-/// there), its boxes ending with its last patch's, of `npixels` pixels.
-fn pick(
-    w: &Wave,
-    changed: &[usize],
-    npixels: impl Fn(usize) -> usize,
-    boxoff: &[i64],
-) -> Option<Wave> {
-    let solved = w.patches();
-    let picked: Vec<usize> = changed
-        .iter()
-        .copied()
-        .filter(|li| solved.binary_search(li).is_ok())
-        .collect();
-    let &last = picked.last()?;
-    let end = w.boxes.start + boxoff[last] as usize + npixels(last);
-    Some(Wave {
-        live: w.live.start..w.live.start + picked.len(),
-        slots: w.slots.clone(),
-        boxes: w.boxes.start..end,
-        traced: Vec::new(),
-        strips: Vec::new(),
-        picked,
-    })
+    solve::queue_wave(g, tuning, ws, input, patches, host, again)
 }
 
 /// The live patches of `candidates` that the device solved: the CPU reference tested those
@@ -512,35 +516,6 @@ fn lost(now: &[f64], before: &[f64]) -> Vec<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A wave is solved again over its changed patches alone, in the first places of the wave
-    /// before, its tables still from that wave's first bundle and model box; a wave without
-    /// changed patches is not.
-    #[test]
-    fn a_wave_is_solved_again_over_its_changed_patches_alone() {
-        // patches of 10 pixels; the wave holds patches 4-7, its boxes from 100 on
-        let w = Wave {
-            live: 4..8,
-            slots: 1..3,
-            boxes: 100..140,
-            ..Wave::default()
-        };
-        let boxoff = [0, 10, 20, 30, 0, 10, 20, 30];
-        let cut = pick(&w, &[1, 5, 7, 9], |_| 10, &boxoff).expect("holds 5 and 7");
-        assert_eq!(cut.patches(), [5, 7]);
-        assert_eq!((cut.live.clone(), cut.slots.clone()), (4..6, 1..3));
-        assert_eq!((cut.boxes.clone(), cut.first_patch()), (100..140, 5));
-        // solved again from that wave: only its patches count
-        let again = pick(&cut, &[6, 7], |_| 10, &boxoff).expect("holds 7");
-        assert_eq!(
-            (again.patches(), again.live, again.boxes),
-            (vec![7], 4..5, 100..140)
-        );
-        let cut = pick(&w, &[5], |_| 10, &boxoff).expect("holds 5");
-        assert_eq!((cut.live, cut.boxes), (4..5, 100..120));
-        assert!(pick(&w, &[0, 3, 8], |_| 10, &boxoff).is_none());
-        assert!(pick(&w, &[], |_| 10, &boxoff).is_none());
-    }
 
     /// A frame keeps its spots for the re-solves only when it rejects outliers and they take
     /// at most half of the memory budget (a full-width frame of 801 bins: 0.65 GB of 4).

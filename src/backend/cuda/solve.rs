@@ -224,7 +224,7 @@ fn gather(
     if model && !w.boxes.is_empty() {
         let (m0, len) = (w.boxes.start, w.boxes.len());
         // a wave solved again for outliers may start after its boxes' first patch
-        let skip = host.boxoff[w.first_patch()] as usize;
+        let skip = host.first_box(w);
         dev.dtod_at(out.model.get(), m0 + skip, ws.model.get(), skip, len - skip)?;
     }
     Ok(())
@@ -436,7 +436,7 @@ pub(crate) fn queue_wave<'a>(
         ),
     };
     // a wave solved again for outliers may start after its boxes' first patch
-    let skip = host.boxoff[w.first_patch()] as usize;
+    let skip = host.first_box(w);
     let resolved = finalize(g, ws, (n, skip, w.boxes.len()), region, input)?;
     clock.mark("finalize")?;
     decorrelate_wave(g, tuning, ws, (&w.layout(g.sh), resolved), kind)?;

@@ -219,6 +219,8 @@ pub(crate) struct FrameHost {
     pub(crate) nkeep: Vec<i32>,
     /// Each patch's model box within its wave's.
     pub(crate) boxoff: Vec<i64>,
+    /// Each patch's model box within the frame's, where a wave that solves it again finds it.
+    pub(crate) box_at: Vec<usize>,
     pub(crate) box_total: usize,
     /// The spot corners of each bundle slot traced so far, for the layout.
     corners: Vec<Option<Corners>>,
@@ -285,6 +287,7 @@ impl FrameHost {
             boxes: Vec::with_capacity(4 * patches.len()),
             nkeep: Vec::with_capacity(patches.len()),
             boxoff: Vec::with_capacity(patches.len()),
+            box_at: Vec::with_capacity(patches.len()),
             box_total: 0,
             cols: None,
             packed: 0,
@@ -448,6 +451,7 @@ impl FrameHost {
             ]);
             self.nkeep.push(patches[*i].waves.len() as i32);
             self.boxoff.push((self.box_total - start) as i64);
+            self.box_at.push(self.box_total);
             self.box_total += g.rows.len() * g.cols.len();
         }
         start..self.box_total
@@ -495,7 +499,7 @@ impl FrameHost {
     }
 
     /// The tables of wave `wi`'s patches, in the order of its batch: their live entries and
-    /// model box offsets (within the boxes of the wave whose places it takes).
+    /// model box offsets (within the wave's boxes).
     pub(crate) fn wave_patches(&self, wi: usize) -> (Cow<'_, [Live]>, Cow<'_, [i64]>) {
         let w = &self.waves[wi];
         if w.picked.is_empty() {
@@ -506,22 +510,38 @@ impl FrameHost {
             );
         }
         let live = w.picked.iter().map(|&li| self.live[li].clone()).collect();
-        let boxoff = w.picked.iter().map(|&li| self.boxoff[li]).collect();
+        let boxoff = w.picked.iter().map(|&li| self.picked_box(w, li)).collect();
         (Cow::Owned(live), Cow::Owned(boxoff))
     }
 
-    /// The device tables of the live patches `picked`, gathered in that order for a wave that
-    /// solves them again: their first spots (counted from their wave's first spot), pixel
-    /// boxes, kept bins and model box offsets.
-    pub(crate) fn picked_tables(&self, sh: &Shape, picked: &[usize]) -> PickedTables {
+    /// Where the model box of live patch `li` starts within the boxes of wave `w`, which
+    /// solves it (again).
+    fn picked_box(&self, w: &Wave, li: usize) -> i64 {
+        (self.box_at[li] - w.boxes.start) as i64
+    }
+
+    /// Where the first model box that wave `w` writes starts within its boxes: 0 but for a
+    /// wave that solves again patches of one before, whose boxes may start earlier.
+    pub(crate) fn first_box(&self, w: &Wave) -> usize {
+        self.box_at[w.first_patch()] - w.boxes.start
+    }
+
+    /// The device tables of the patches of `w`, a wave that solves again the live patches
+    /// `w.picked` (of one wave or several), gathered in that order: their first spots
+    /// (counted from `w`'s first spot), pixel boxes, kept bins and model box offsets (within
+    /// `w`'s boxes).
+    pub(crate) fn picked_tables(&self, sh: &Shape, w: &Wave) -> PickedTables {
         let nb = sh.nblock;
-        let mut t = PickedTables::default();
-        for &li in picked {
-            t.first_spots
-                .extend_from_slice(&self.first_spots(sh, li..li + 1)[..nb]);
+        let mut t = PickedTables {
+            first_spots: vec![0; w.picked.len() * nb],
+            ..PickedTables::default()
+        };
+        for (k, &li) in w.picked.iter().enumerate() {
+            let first = &mut t.first_spots[k * nb..(k + 1) * nb];
+            fill_first_spots(&self.live[li..li + 1], sh, w.slots.start, first);
             t.boxes.extend_from_slice(&self.boxes[4 * li..4 * li + 4]);
             t.nkeep.push(self.nkeep[li]);
-            t.boxoff.push(self.boxoff[li]);
+            t.boxoff.push(self.picked_box(w, li));
         }
         t
     }

@@ -334,7 +334,12 @@ fn a_wave_of_picked_patches_gathers_their_tables() {
         let w = host.waves[1].clone();
         assert!(w.len() >= 4, "{w:?}");
         let picked = vec![w.live.start + 1, w.live.start + 3];
-        let t = host.picked_tables(sh, &picked);
+        let again = Wave {
+            live: w.live.start..w.live.start + 2,
+            picked: picked.clone(),
+            ..w.clone()
+        };
+        let t = host.picked_tables(sh, &again);
         let nb = sh.nblock;
         for (k, &li) in picked.iter().enumerate() {
             assert_eq!(
@@ -345,11 +350,22 @@ fn a_wave_of_picked_patches_gathers_their_tables() {
             assert_eq!((t.nkeep[k], t.boxoff[k]), (host.nkeep[li], host.boxoff[li]));
         }
         assert_eq!(t.nkeep.len(), 2);
-        host.waves.push(Wave {
-            live: w.live.start..w.live.start + 2,
-            picked: picked.clone(),
-            ..w.clone()
-        });
+        // a wave whose spots and model boxes start with its first picked patch's
+        let li = picked[0];
+        let later = Wave {
+            slots: host.live[li].2..w.slots.end,
+            boxes: host.box_at[li]..w.boxes.end,
+            ..again.clone()
+        };
+        let moved = host.picked_tables(sh, &later);
+        let shift = (later.slots.start - w.slots.start) * sh.bundlesize * sh.nfull;
+        for (m, f) in moved.first_spots[..nb].iter().zip(&t.first_spots[..nb]) {
+            assert_eq!(*m, if *f < 0 { -1 } else { f - shift as i32 });
+        }
+        assert_eq!(moved.boxoff, [0, t.boxoff[1] - t.boxoff[0]]);
+        assert_eq!(host.first_box(&later), 0);
+        assert_eq!(host.first_box(&again), host.boxoff[li] as usize);
+        host.waves.push(again);
         let (live, boxoff) = host.wave_patches(host.waves.len() - 1);
         assert_eq!(live[1].0, host.live[picked[1]].0);
         assert_eq!(boxoff[..], [host.boxoff[picked[0]], host.boxoff[picked[1]]]);

@@ -70,8 +70,9 @@ fn gpu_rejects_the_pixels_the_cpu_rejects() {
     assert_eq!(g_frame.mask, c_frame.mask, "MASK of the two backends");
     assert_agree(&g, &c);
     // In waves of at most four (8 waves of the 25 patches), on both routes of the solve: a
-    // re-solve is a wave of the patches with new outliers alone, whose tables and results
-    // take the places of the finished wave's, its spots and boxes where that wave left them.
+    // re-solve is a wave of the patches with new outliers gathered from the finished waves
+    // (up to four, from several waves), whose tables and results take free places of the
+    // finished waves', its patches' spots and boxes where their first solve left them.
     gpu.set_max_wave(Some(4));
     for solve in [Solve::Schur, Solve::Dense] {
         gpu.set_solve(solve);
