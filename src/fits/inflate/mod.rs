@@ -12,26 +12,30 @@
 //!    block), twice, with two windows that encode their byte positions differently. A byte
 //!    equal in both decodes is final; one that differs was copied, directly or through other
 //!    copies, from the window, and its two values name the window byte. This gives each
-//!    chunk's length and the bytes it copied; the decodes go to buffers each thread keeps.
+//!    chunk's length and the bytes it copied; the decodes go to buffers each thread keeps. A
+//!    chunk whose bytes outgrow 16 times its compressed ones (a preproc's masks and constant
+//!    images, half of its bytes from its last 1.5% of compressed ones) is cut again at the
+//!    block starts within it, into pieces measured alike.
 //! 3. The chunks are inflated once more, straight into their places in the file's buffer, the
 //!    even ones then the odd ones (a chunk's made-up window lands on the end of the chunk
 //!    before it, which is decoded, or put back, afterwards).
 //! 4. The windows become known in order, each chunk's last 32 KiB once the chunk before it is
 //!    known; then the bytes copied from them are filled in, the chunks on all cores at once.
 //!    A chunk that copies most of its bytes (a mask or a constant image: runs coded as copies
-//!    of copies) is not listed byte by byte: it is inflated in its turn behind its real
-//!    window instead, in place of steps 2 and 3.
+//!    of copies) is not listed byte by byte: only its last 32 KiB are found from its two
+//!    decodes, and it is inflated again behind its real window instead of step 3, all such
+//!    chunks at once.
 //! 5. The result stands only if every chunk ended exactly where the next one starts and the
 //!    last where the member's trailer starts, and its size and CRC-32 are the trailer's.
 //!    Anything else (a block start that was not one, a file of several members, damage) gives
 //!    `None`, and the caller inflates the file on one core, which also says what is wrong.
 //!
-//! On a full r preproc (272 MB from 98 MB) and 16 threads this takes 0.28-0.34 s against
-//! 0.43-0.45 s on one core, for about three times the CPU time, so the caller uses it only
-//! where a read is on the critical path. The two inflations of a mask-like chunk, in order,
-//! are most of what is left. Freshly allocated memory costs more than a decode when many
-//! threads fault it in at once, hence the kept buffers and the third decode rather than a
-//! copy.
+//! On a full r preproc (272 MB from 98 MB) and 16 threads this takes 0.25-0.30 s against
+//! 0.43-0.46 s on one core where the process inflated before (a Python caller's), 0.32-0.40 s
+//! for its first inflation, whose decodes fill fresh memory; about three times the CPU time
+//! of one core, so the caller uses it only where a read is on the critical path. Freshly
+//! allocated memory costs more than a decode when many threads fault it in at once, hence the
+//! kept buffers and the third decode rather than a copy.
 
 mod blocks;
 
@@ -70,9 +74,13 @@ pub(super) fn inflate(
     place_chunks(gz, &chunks, &windows.a, &mut out)?;
     let t2 = t0.elapsed().as_secs_f64();
     let crc = fill_windows(gz, &chunks, &mut out)?;
+    let many = chunks
+        .iter()
+        .filter(|c| matches!(c.sources, Sources::Many(_)))
+        .count();
     tracing::debug!(
-        "{} chunks on {} threads: measured in {t1:.3} s, placed in {:.3} s, windows filled in \
-         {:.3} s",
+        "{} chunks ({many} copying most of their bytes) on {} threads: measured in {t1:.3} s, \
+         placed in {:.3} s, windows filled in {:.3} s",
         chunks.len(),
         rayon::current_num_threads(),
         t2 - t1,
@@ -120,14 +128,33 @@ enum Sources {
     /// (index in the chunk, window position) of each, in order: where they are few.
     Few(Vec<(u32, u16)>),
     /// Too many to list (a run of zeros that deflate codes as copies of copies): the chunk is
-    /// inflated again behind its real window once that is known.
-    Many,
+    /// inflated again behind its real window once that is known, and meanwhile its last
+    /// bytes, the next chunk's window, are found from its two decodes.
+    Many(Tails),
+}
+
+/// The last [`WINDOW`] bytes (or all, if fewer) of a chunk decoded behind windows A and B.
+struct Tails {
+    a: Vec<u8>,
+    b: Vec<u8>,
+}
+
+/// What measuring a chunk gave.
+enum Measured {
+    Chunk(Chunk),
+    /// Its bytes outgrew [`DENSE`] times its bits and the bytes allowed: it is to be cut into
+    /// pieces.
+    Dense,
 }
 
 /// The ratio of a chunk's bytes to its compressed bytes beyond which it is taken to copy many
 /// from its window (a preproc's floats inflate to about 3 times their size, its masks and
 /// constant images to hundreds).
 const DENSE: usize = 16;
+
+/// A dense chunk is cut into about this many pieces. A preproc's mask and constant images
+/// inflate from its last 1.5% of compressed bytes: one chunk that held half of the file.
+const PIECES: u64 = 32;
 
 /// The buffers a thread inflates chunks into while measuring them: the deflate input, and the
 /// decodes behind windows A and B. Kept from one chunk (and file) to the next.
@@ -168,36 +195,173 @@ fn measure_chunks(
         crc: word(end),
         size: word(end + 4),
     };
-    let starts = chunk_starts(gz, start, end, chunk_bytes.max(1));
+    let t0 = std::time::Instant::now();
+    let stream = 8 * start as u64..8 * end as u64;
+    let starts = chunk_starts(gz, stream.clone(), chunk_bytes.max(1), stream.end);
     if starts.len() < 2 {
         return None;
     }
-    let bits = |k: usize| starts.get(k).copied().unwrap_or(8 * end as u64);
+    let t_found = t0.elapsed().as_secs_f64();
+    let bits = |k: usize| starts.get(k).copied().unwrap_or(stream.end);
+    let place = |k: usize| Place {
+        first: k == 0,
+        last: k + 1 == starts.len(),
+    };
     // A chunk's bytes: at most the member's (modulo 2^32, as the trailer has them).
     let room = usize::try_from(trailer.size).ok()?;
-    let mut chunks = (0..starts.len())
+    // Every chunk, a dense one only until it outgrows DENSE times its bits; then the pieces
+    // of the dense ones all at once (measured within the first pass, they waited there for
+    // threads busy with whole chunks).
+    let measured = (0..starts.len())
         .into_par_iter()
         .map(|k| {
-            let place = Place {
-                first: k == 0,
-                last: k + 1 == starts.len(),
-            };
-            let bits = bits(k)..bits(k + 1);
-            let scratch = |s: &RefCell<Scratch>| {
-                let mut scratch = s.borrow_mut();
-                let chunk = measure(gz, bits, place, room, windows, &mut scratch);
-                scratch.trim();
-                chunk
-            };
-            SCRATCH.with(scratch)
+            let (bits, place) = (bits(k)..bits(k + 1), place(k));
+            let measured = measure_with_scratch(gz, bits.clone(), place, room, windows, Some(0));
+            measured.map(|m| (bits, place, m))
         })
-        .collect::<Option<Vec<Chunk>>>()?;
+        .collect::<Option<Vec<_>>>()?;
+    let t_first = t0.elapsed().as_secs_f64();
+    // a piece no larger than a chunk of noisy floats
+    let (mut chunks, dense, pieces) = cut_dense(gz, measured, room, windows, 4 * chunk_bytes)?;
+    tracing::debug!(
+        "{} chunks found in {t_found:.3} s, measured in {:.3} s; {dense} dense cut into \
+         {pieces} pieces, measured in {:.3} s",
+        starts.len(),
+        t_first - t_found,
+        t0.elapsed().as_secs_f64() - t_first,
+    );
     let mut at = 0;
     for chunk in &mut chunks {
         chunk.at = at;
         at += chunk.len;
     }
     Some((chunks, trailer))
+}
+
+/// The chunks `measured` (with their bits and places) in order, each dense one replaced by its
+/// pieces (at most `most` bytes each where the blocks allow), all measured at once; and how
+/// many dense chunks there were and how many pieces they gave.
+fn cut_dense(
+    gz: &[u8],
+    measured: Vec<(Range<u64>, Place, Measured)>,
+    room: usize,
+    windows: &Windows,
+    most: usize,
+) -> Option<(Vec<Chunk>, usize, usize)> {
+    let cuts: Vec<(usize, Range<u64>, Place)> = measured
+        .iter()
+        .enumerate()
+        .filter(|(_, (_, _, m))| matches!(m, Measured::Dense))
+        .flat_map(|(k, (bits, place, _))| {
+            let cuts = pieces_of(gz, bits.clone(), *place);
+            cuts.into_iter().map(move |(bits, place)| (k, bits, place))
+        })
+        .collect();
+    let mut pieces = cuts
+        .par_iter()
+        .map(|(_, bits, place)| measure_piece(gz, bits.clone(), *place, room, windows, most))
+        .collect::<Option<Vec<Vec<Chunk>>>>()?
+        .into_iter()
+        .zip(cuts.iter().map(|c| c.0))
+        .flat_map(|(pieces, k)| pieces.into_iter().map(move |p| (p, k)))
+        .peekable();
+    let whole = measured.len();
+    let mut chunks = Vec::with_capacity(whole + cuts.len());
+    let mut dense = 0;
+    for (k, (_, _, measured)) in measured.into_iter().enumerate() {
+        match measured {
+            Measured::Chunk(chunk) => chunks.push(chunk),
+            Measured::Dense => {
+                dense += 1;
+                let mine = std::iter::from_fn(|| pieces.next_if(|p| p.1 == k).map(|p| p.0));
+                chunks.extend(joined(gz, mine.collect(), room, windows)?);
+            }
+        }
+    }
+    let npieces = chunks.len() + dense - whole;
+    Some((chunks, dense, npieces))
+}
+
+/// [`measure`] with the calling thread's kept buffers, freed again if a chunk outgrew them.
+fn measure_with_scratch(
+    gz: &[u8],
+    bits: Range<u64>,
+    place: Place,
+    room: usize,
+    windows: &Windows,
+    cap: Option<usize>,
+) -> Option<Measured> {
+    SCRATCH.with(|s| {
+        let mut scratch = s.borrow_mut();
+        let measured = measure(gz, bits, place, room, windows, cap, &mut scratch);
+        scratch.trim();
+        measured
+    })
+}
+
+/// The pieces of the dense chunk at `bits` (at `place`): cut at the first block starts past
+/// [`PIECES`] nominal bytes. Inflated one after the other behind their real windows, a
+/// preproc's dense chunks took most of the time of the whole.
+fn pieces_of(gz: &[u8], bits: Range<u64>, place: Place) -> Vec<(Range<u64>, Place)> {
+    let step = ((bits.end - bits.start) / 8 / PIECES).max(1) as usize;
+    let stream_end = 8 * (gz.len() - 8) as u64;
+    let starts = chunk_starts(gz, bits.clone(), step, stream_end);
+    let bound = |j: usize| starts.get(j).copied().unwrap_or(bits.end);
+    (0..starts.len())
+        .map(|j| {
+            let last = place.last && j + 1 == starts.len();
+            (bound(j)..bound(j + 1), Place { first: false, last })
+        })
+        .collect()
+}
+
+/// The measured `pieces` of one dense chunk, a piece shorter than a window (a block of noise
+/// before a mask) joined to the next one (or the last to the one before), measured again.
+fn joined(gz: &[u8], mut pieces: Vec<Chunk>, room: usize, windows: &Windows) -> Option<Vec<Chunk>> {
+    let mut j = 0;
+    while j + 1 < pieces.len() {
+        let ends_short = j + 2 == pieces.len() && pieces[j + 1].len < WINDOW;
+        if pieces[j].len >= WINDOW && (!ends_short || pieces[j + 1].place.last) {
+            j += 1;
+            continue;
+        }
+        let next = pieces.remove(j + 1);
+        let bits = pieces[j].bits.start..next.bits.end;
+        pieces[j] = match measure_with_scratch(gz, bits, next.place, room, windows, None)? {
+            Measured::Chunk(chunk) => chunk,
+            Measured::Dense => return None,
+        };
+    }
+    Some(pieces)
+}
+
+/// A piece of a dense chunk, measured, or if its bytes outgrow `most` (a mask's megabytes
+/// from a few kilobytes), cut again, its pieces measured at once.
+fn measure_piece(
+    gz: &[u8],
+    bits: Range<u64>,
+    place: Place,
+    room: usize,
+    windows: &Windows,
+    most: usize,
+) -> Option<Vec<Chunk>> {
+    if let Measured::Chunk(chunk) =
+        measure_with_scratch(gz, bits.clone(), place, room, windows, Some(most))?
+    {
+        return Some(vec![chunk]);
+    }
+    let cuts = pieces_of(gz, bits.clone(), place);
+    if cuts.len() < 2 {
+        return match measure_with_scratch(gz, bits, place, room, windows, None)? {
+            Measured::Chunk(chunk) => Some(vec![chunk]),
+            Measured::Dense => None,
+        };
+    }
+    let pieces = cuts
+        .into_par_iter()
+        .map(|(bits, place)| measure_piece(gz, bits, place, room, windows, most))
+        .collect::<Option<Vec<Vec<Chunk>>>>()?;
+    joined(gz, pieces.into_iter().flatten().collect(), room, windows)
 }
 
 /// Where the deflate stream of the gzip member `gz` starts, past its header's optional fields.
@@ -226,19 +390,23 @@ fn deflate_start(gz: &[u8]) -> Option<usize> {
     (at + 8 < gz.len()).then_some(at)
 }
 
-/// The bit where each chunk starts: the first at the stream's first byte, each other at the
-/// first block header found past a multiple of `chunk_bytes`, before the next multiple.
-fn chunk_starts(gz: &[u8], start: usize, end: usize, chunk_bytes: usize) -> Vec<u64> {
-    let nominal: Vec<usize> = (start..end).step_by(chunk_bytes).collect();
+/// The bit where each chunk of the stretch `bits` starts: the first at its start, each other
+/// at the first block header (parsed up to `stream_end`) found past a multiple of
+/// `chunk_bytes` from it, before the next multiple.
+fn chunk_starts(gz: &[u8], bits: Range<u64>, chunk_bytes: usize, stream_end: u64) -> Vec<u64> {
+    let nominal: Vec<u64> = (bits.start..bits.end)
+        .step_by(8 * chunk_bytes)
+        .map(|bit| bit / 8 * 8)
+        .collect();
     let found: Vec<Option<u64>> = nominal
         .par_iter()
         .enumerate()
         .map(|(k, &from)| {
             if k == 0 {
-                return Some(8 * start as u64);
+                return Some(bits.start);
             }
-            let to = nominal.get(k + 1).copied().unwrap_or(end);
-            (8 * from as u64..8 * to as u64).find(|&bit| block_starts_at(gz, bit, 8 * end as u64))
+            let to = nominal.get(k + 1).copied().unwrap_or(bits.end);
+            (from..to).find(|&bit| block_starts_at(gz, bit, stream_end))
         })
         .collect();
     found.into_iter().flatten().collect()
@@ -269,40 +437,50 @@ fn window_position(a: u8, b: u8) -> Option<u16> {
 }
 
 /// Inflates the bits `bits` of `gz` into `scratch`, the first chunk once, any other twice, for
-/// its length and the bytes it copied from its window (at most `room` of them, reserved).
+/// its length and the bytes it copied from its window (at most `room` of them, reserved);
+/// [`Measured::Dense`] as soon as its bytes outgrow both [`DENSE`] times its bits and `cap`
+/// (`None`: it is not to be cut).
 fn measure(
     gz: &[u8],
     bits: Range<u64>,
     place: Place,
     room: usize,
     windows: &Windows,
+    cap: Option<usize>,
     scratch: &mut Scratch,
-) -> Option<Chunk> {
+) -> Option<Measured> {
     let Scratch { input, a, b } = scratch;
     let used = shifted_into(input, gz, bits.clone(), place);
     let chunk = |len, sources| {
-        Some(Chunk {
+        Some(Measured::Chunk(Chunk {
             bits: bits.clone(),
             place,
             at: 0,
             len,
             sources,
-        })
+        }))
     };
     if place.first {
-        decompress_into(input, a, room, &used)?;
-        return chunk(a.len(), Sources::Few(Vec::new()));
+        return match decompress_into(input, a, room, usize::MAX, &used) {
+            Decoded::Done => chunk(a.len(), Sources::Few(Vec::new())),
+            _ => None,
+        };
     }
     input[STORED.len()..STORED.len() + WINDOW].copy_from_slice(&windows.a);
-    decompress_into(input, a, room + WINDOW, &used)?;
-    // Bytes many times the bits that code them are long copies, most likely from the window:
-    // this chunk is inflated again behind its real window without a second look.
-    if a.len() - WINDOW > DENSE * input.len() {
-        return chunk(a.len() - WINDOW, Sources::Many);
+    // Bytes many times the bits that code them are long copies: such a chunk is cut into
+    // pieces before it is inflated to its end.
+    let limit = cap.map_or(usize::MAX, |cap| WINDOW + cap.max(DENSE * input.len()));
+    match decompress_into(input, a, room + WINDOW, limit, &used) {
+        Decoded::Done => {}
+        Decoded::OverLimit => return Some(Measured::Dense),
+        Decoded::Bad => return None,
     }
     input[STORED.len()..STORED.len() + WINDOW].copy_from_slice(&windows.b);
-    decompress_into(input, b, a.len(), &used)?;
-    if b.len() != a.len() {
+    if !matches!(
+        decompress_into(input, b, a.len(), usize::MAX, &used),
+        Decoded::Done
+    ) || b.len() != a.len()
+    {
         return None;
     }
     chunk(a.len() - WINDOW, sources(&a[WINDOW..], &b[WINDOW..])?)
@@ -319,7 +497,11 @@ fn sources(a: &[u8], b: &[u8]) -> Option<Sources> {
             .filter(|(_, (x, y))| x != y)
     };
     if 4 * runs().count() > a.len() / RUN {
-        return Some(Sources::Many);
+        let tail = a.len().saturating_sub(WINDOW);
+        return Some(Sources::Many(Tails {
+            a: a[tail..].to_vec(),
+            b: b[tail..].to_vec(),
+        }));
     }
     let mut few = Vec::new();
     for (run, (x, y)) in runs() {
@@ -425,27 +607,41 @@ impl Drop for Decompressor {
     }
 }
 
+/// How a decode into a buffer ended.
+enum Decoded {
+    Done,
+    /// It needed more bytes than its limit.
+    OverLimit,
+    /// The stream is bad, or ends elsewhere than it should.
+    Bad,
+}
+
 /// Inflates `input` into `out`, with room for at least `room` bytes (reserved, untouched until
-/// written, and kept by `out` for the next chunk), growing it as needed.
+/// written, and kept by `out` for the next chunk), growing it as needed up to `limit` bytes.
 fn decompress_into(
     input: &[u8],
     out: &mut Vec<u8>,
     room: usize,
+    limit: usize,
     used: &RangeInclusive<usize>,
-) -> Option<()> {
-    let decompressor = Decompressor::new()?;
+) -> Decoded {
+    let Some(decompressor) = Decompressor::new() else {
+        return Decoded::Bad;
+    };
     out.clear();
-    out.reserve(room);
+    out.reserve(room.min(limit));
     loop {
-        match decompressor.run(input, out.as_mut_ptr(), out.capacity(), used) {
+        let room = out.capacity().min(limit);
+        match decompressor.run(input, out.as_mut_ptr(), room, used) {
             Ok(made) => {
                 // SAFETY: libdeflate wrote the first `made` (<= capacity) bytes.
                 unsafe { out.set_len(made) };
-                return Some(());
+                return Decoded::Done;
             }
+            Err(true) if room == limit => return Decoded::OverLimit,
             // A new buffer rather than a grown one, which would copy what it held.
             Err(true) => *out = Vec::with_capacity(2 * out.capacity()),
-            Err(false) => return None,
+            Err(false) => return Decoded::Bad,
         }
     }
 }
@@ -462,10 +658,11 @@ fn place_chunks(gz: &[u8], chunks: &[Chunk], window: &[u8], out: &mut [u8]) -> O
                 .map(|k| out[chunks[k].at - WINDOW..chunks[k].at].to_vec())
                 .collect();
         }
-        // Those with many bytes copied from their windows are inflated later, in order.
+        // Those with many bytes copied from their windows are inflated later, behind their
+        // real windows.
         let listed = (parity..chunks.len())
             .step_by(2)
-            .filter(|&k| !matches!(chunks[k].sources, Sources::Many));
+            .filter(|&k| matches!(chunks[k].sources, Sources::Few(_)));
         let spans = listed.map(|k| {
             let before = if chunks[k].place.first { 0 } else { WINDOW };
             (k, chunks[k].at - before..chunks[k].span().end)
@@ -513,37 +710,45 @@ fn regions(
 }
 
 /// Fills in the bytes each chunk copied from the window before it: each chunk's last
-/// [`WINDOW`] bytes in order (the next chunk's window; a chunk with many copied bytes is
-/// inflated again behind its real window, whose bytes it writes again as they are), then the
-/// rest of every chunk at once. Returns the CRC-32 of the whole.
+/// [`WINDOW`] bytes in order (the next chunk's window), then the rest of every chunk at once,
+/// a chunk with many copied bytes inflated again behind its real window (the even ones, then
+/// the odd ones: each writes its window again, the end of the chunk before it, as it already
+/// is). Returns the CRC-32 of the whole.
 fn fill_windows(gz: &[u8], chunks: &[Chunk], out: &mut [u8]) -> Option<u32> {
+    let tail = |c: &Chunk| c.len - c.len.min(WINDOW)..c.len;
     let mut windows = Vec::with_capacity(chunks.len());
     for chunk in chunks {
         let window = out[chunk.at.saturating_sub(WINDOW)..chunk.at].to_vec();
+        let part = &mut out[chunk.span()];
         match &chunk.sources {
-            Sources::Few(few) => {
-                let tail = chunk.len.saturating_sub(WINDOW)..chunk.len;
-                fill(&mut out[chunk.span()], few, &window, tail);
-            }
-            Sources::Many => {
-                let region = &mut out[chunk.at - WINDOW..chunk.span().end];
-                inflate_behind(gz, chunk, &window, region)?
-            }
+            Sources::Few(few) => fill(part, few, &window, tail(chunk)),
+            Sources::Many(tails) => resolve(&mut part[tail(chunk)], tails, &window)?,
         }
         windows.push(window);
+    }
+    for parity in [0, 1] {
+        let spans = chunks
+            .iter()
+            .enumerate()
+            .filter_map(|(k, c)| match c.sources {
+                Sources::Few(_) if parity == 0 => Some((k, c.at..c.at + tail(c).start)),
+                Sources::Many(_) if k % 2 == parity => Some((k, c.at - WINDOW..c.span().end)),
+                _ => None,
+            });
+        regions(out, spans)
+            .into_par_iter()
+            .try_for_each(|(k, region)| match &chunks[k].sources {
+                Sources::Few(few) => {
+                    fill(region, few, &windows[k], 0..region.len());
+                    Some(())
+                }
+                Sources::Many(_) => inflate_behind(gz, &chunks[k], &windows[k], region),
+            })?;
     }
     let spans = chunks.iter().enumerate().map(|(k, c)| (k, c.span()));
     let sums: Vec<Crc> = regions(out, spans)
         .into_par_iter()
-        .map(|(k, part)| {
-            if let Sources::Few(few) = &chunks[k].sources {
-                fill(
-                    part,
-                    few,
-                    &windows[k],
-                    0..chunks[k].len.saturating_sub(WINDOW),
-                );
-            }
+        .map(|(_, part)| {
             let mut sum = Crc::new();
             sum.update(part);
             sum
@@ -552,6 +757,19 @@ fn fill_windows(gz: &[u8], chunks: &[Chunk], out: &mut [u8]) -> Option<u32> {
     let mut whole = Crc::new();
     sums.iter().for_each(|sum| whole.combine(sum));
     Some(whole.sum())
+}
+
+/// Writes into `part` the bytes that `tails` decoded: as they are where both decodes agree,
+/// else the byte of `window` they name.
+fn resolve(part: &mut [u8], tails: &Tails, window: &[u8]) -> Option<()> {
+    for ((byte, &a), &b) in part.iter_mut().zip(&tails.a).zip(&tails.b) {
+        *byte = if a == b {
+            a
+        } else {
+            window[usize::from(window_position(a, b)?)]
+        };
+    }
+    Some(())
 }
 
 /// Fills in the bytes of `part` within `range` that `few` says were copied from `window` (the

@@ -46,7 +46,8 @@ fn inflate_in(gz: &[u8], chunk_bytes: usize) -> Option<Vec<u8>> {
 /// That the stream `gz` really is cut in chunks of [`CHUNK`]: block starts were found in most.
 fn assert_cut(gz: &[u8]) {
     let start = deflate_start(gz).unwrap();
-    let starts = chunk_starts(gz, start, gz.len() - 8, CHUNK);
+    let stream = 8 * start as u64..8 * (gz.len() - 8) as u64;
+    let starts = chunk_starts(gz, stream.clone(), CHUNK, stream.end);
     assert!(
         starts.len() > (gz.len() / CHUNK) / 2,
         "{} chunks",
@@ -61,10 +62,10 @@ fn chunks_inflate_to_the_bytes_one_core_inflates() {
     assert_cut(&gz);
     // chunks in the copied stretch take most bytes from their windows, others a few
     let (chunks, _) = measure_chunks(&gz, CHUNK, &Windows::new()).unwrap();
-    assert!(chunks.iter().any(|c| matches!(c.sources, Sources::Many)));
+    assert!(chunks.iter().any(|c| matches!(c.sources, Sources::Many(_))));
     let few = |c: &Chunk| match &c.sources {
         Sources::Few(few) => few.len(),
-        Sources::Many => 0,
+        Sources::Many(_) => 0,
     };
     assert!(chunks.iter().any(|c| few(c) > 0));
     assert!(inflate_in(&gz, CHUNK).is_some_and(|out| out == plain));
@@ -73,23 +74,72 @@ fn chunks_inflate_to_the_bytes_one_core_inflates() {
     assert!(inflate_in(&gz, gz.len()).is_none());
 }
 
+/// Noisy floats, then megabytes that deflate codes in far fewer than [`DENSE`] times fewer
+/// bytes: a mask's zeros with a set byte here and there, then a period of 3000 random bytes
+/// with one byte in 5001 changed (copies of copies from far back), then noise again.
+fn dense_sample() -> Vec<u8> {
+    let noise = sample();
+    let mut plain = noise[..600_000].to_vec();
+    let mut state = 11u64;
+    let mut next = move || {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1);
+        state >> 20
+    };
+    plain.extend((0..6_000_000).map(|_| match next() {
+        r if r >> 34 == 0 => r as u8 | 1,
+        _ => 0,
+    }));
+    let period: Vec<u8> = (0..3000).map(|_| next() as u8).collect();
+    plain.extend((0..6_000_000).map(|i| period[i % 3000] ^ u8::from(i % 5001 == 0)));
+    plain.extend(&noise[..300_000]);
+    plain
+}
+
+#[test]
+fn a_dense_chunk_is_inflated_in_pieces() {
+    let plain = dense_sample();
+    let gz = gzip(&plain);
+    let start = deflate_start(&gz).unwrap();
+    let stream = 8 * start as u64..8 * (gz.len() - 8) as u64;
+    let chunk_bytes = gz.len() / 4;
+    let nominal = chunk_starts(&gz, stream.clone(), chunk_bytes, stream.end).len();
+    let (chunks, _) = measure_chunks(&gz, chunk_bytes, &Windows::new()).unwrap();
+    // the dense chunk became pieces of a block or a few (deflate's blocks of such bytes are
+    // megabytes long), the periodic ones copying most of their bytes from their windows
+    let many = chunks
+        .iter()
+        .filter(|c| matches!(c.sources, Sources::Many(_)))
+        .count();
+    assert!(chunks.len() >= nominal + 3, "{} of {nominal}", chunks.len());
+    assert!(many >= 2, "{many} of {} chunks", chunks.len());
+    assert!(chunks.iter().all(|c| c.len < 12_000_000 / 2));
+    assert!(chunks.iter().rev().skip(1).all(|c| c.len >= WINDOW));
+    assert!(inflate_in(&gz, chunk_bytes).is_some_and(|out| out == plain));
+}
+
 #[test]
 fn a_member_written_by_gzip_9_is_cut_and_inflated() {
     // desi_proc's preprocs come from zlib's deflate at level 9 (astropy through Python's
     // gzip module), whose blocks GNU gzip -9 writes alike.
-    let plain = sample();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("sample");
-    std::fs::write(&path, &plain).unwrap();
-    let out = std::process::Command::new("gzip")
-        .args(["-9", "-c"])
-        .arg(&path)
-        .output()
-        .expect("gzip (a Debian essential package) runs");
-    assert!(out.status.success());
-    let gz = out.stdout;
+    let gzip_9 = |plain: &[u8]| {
+        std::fs::write(&path, plain).unwrap();
+        let out = std::process::Command::new("gzip")
+            .args(["-9", "-c"])
+            .arg(&path)
+            .output()
+            .expect("gzip (a Debian essential package) runs");
+        assert!(out.status.success());
+        out.stdout
+    };
+    let plain = sample();
+    let gz = gzip_9(&plain);
     assert_cut(&gz);
     assert!(inflate_in(&gz, CHUNK).is_some_and(|out| out == plain));
+    let plain = dense_sample();
+    let gz = gzip_9(&plain);
+    assert!(inflate_in(&gz, gz.len() / 4).is_some_and(|out| out == plain));
 }
 
 #[test]
