@@ -139,6 +139,14 @@ struct Tails {
     b: Vec<u8>,
 }
 
+/// What every measure of a chunk reads: the member, the most bytes a chunk can have (the
+/// member's, reserved in the decode buffers), the made-up windows.
+struct Member<'a> {
+    gz: &'a [u8],
+    room: usize,
+    windows: &'a Windows,
+}
+
 /// What measuring a chunk gave.
 enum Measured {
     Chunk(Chunk),
@@ -208,7 +216,11 @@ fn measure_chunks(
         last: k + 1 == starts.len(),
     };
     // A chunk's bytes: at most the member's (modulo 2^32, as the trailer has them).
-    let room = usize::try_from(trailer.size).ok()?;
+    let member = Member {
+        gz,
+        room: usize::try_from(trailer.size).ok()?,
+        windows,
+    };
     // Every chunk, a dense one only until it outgrows DENSE times its bits; then the pieces
     // of the dense ones all at once (measured within the first pass, they waited there for
     // threads busy with whole chunks).
@@ -216,13 +228,13 @@ fn measure_chunks(
         .into_par_iter()
         .map(|k| {
             let (bits, place) = (bits(k)..bits(k + 1), place(k));
-            let measured = measure_with_scratch(gz, bits.clone(), place, room, windows, Some(0));
+            let measured = measure_with_scratch(&member, bits.clone(), place, Some(0));
             measured.map(|m| (bits, place, m))
         })
         .collect::<Option<Vec<_>>>()?;
     let t_first = t0.elapsed().as_secs_f64();
     // a piece no larger than a chunk of noisy floats
-    let (mut chunks, dense, pieces) = cut_dense(gz, measured, room, windows, 4 * chunk_bytes)?;
+    let (mut chunks, dense, pieces) = cut_dense(&member, measured, 4 * chunk_bytes)?;
     tracing::debug!(
         "{} chunks found in {t_found:.3} s, measured in {:.3} s; {dense} dense cut into \
          {pieces} pieces, measured in {:.3} s",
@@ -242,10 +254,8 @@ fn measure_chunks(
 /// pieces (at most `most` bytes each where the blocks allow), all measured at once; and how
 /// many dense chunks there were and how many pieces they gave.
 fn cut_dense(
-    gz: &[u8],
+    member: &Member<'_>,
     measured: Vec<(Range<u64>, Place, Measured)>,
-    room: usize,
-    windows: &Windows,
     most: usize,
 ) -> Option<(Vec<Chunk>, usize, usize)> {
     let cuts: Vec<(usize, Range<u64>, Place)> = measured
@@ -253,13 +263,13 @@ fn cut_dense(
         .enumerate()
         .filter(|(_, (_, _, m))| matches!(m, Measured::Dense))
         .flat_map(|(k, (bits, place, _))| {
-            let cuts = pieces_of(gz, bits.clone(), *place);
+            let cuts = pieces_of(member.gz, bits.clone(), *place);
             cuts.into_iter().map(move |(bits, place)| (k, bits, place))
         })
         .collect();
     let mut pieces = cuts
         .par_iter()
-        .map(|(_, bits, place)| measure_piece(gz, bits.clone(), *place, room, windows, most))
+        .map(|(_, bits, place)| measure_piece(member, bits.clone(), *place, most))
         .collect::<Option<Vec<Vec<Chunk>>>>()?
         .into_iter()
         .zip(cuts.iter().map(|c| c.0))
@@ -274,7 +284,7 @@ fn cut_dense(
             Measured::Dense => {
                 dense += 1;
                 let mine = std::iter::from_fn(|| pieces.next_if(|p| p.1 == k).map(|p| p.0));
-                chunks.extend(joined(gz, mine.collect(), room, windows)?);
+                chunks.extend(joined(member, mine.collect())?);
             }
         }
     }
@@ -284,16 +294,14 @@ fn cut_dense(
 
 /// [`measure`] with the calling thread's kept buffers, freed again if a chunk outgrew them.
 fn measure_with_scratch(
-    gz: &[u8],
+    member: &Member<'_>,
     bits: Range<u64>,
     place: Place,
-    room: usize,
-    windows: &Windows,
     cap: Option<usize>,
 ) -> Option<Measured> {
     SCRATCH.with(|s| {
         let mut scratch = s.borrow_mut();
-        let measured = measure(gz, bits, place, room, windows, cap, &mut scratch);
+        let measured = measure(member, bits, place, cap, &mut scratch);
         scratch.trim();
         measured
     })
@@ -317,7 +325,7 @@ fn pieces_of(gz: &[u8], bits: Range<u64>, place: Place) -> Vec<(Range<u64>, Plac
 
 /// The measured `pieces` of one dense chunk, a piece shorter than a window (a block of noise
 /// before a mask) joined to the next one (or the last to the one before), measured again.
-fn joined(gz: &[u8], mut pieces: Vec<Chunk>, room: usize, windows: &Windows) -> Option<Vec<Chunk>> {
+fn joined(member: &Member<'_>, mut pieces: Vec<Chunk>) -> Option<Vec<Chunk>> {
     let mut j = 0;
     while j + 1 < pieces.len() {
         let ends_short = j + 2 == pieces.len() && pieces[j + 1].len < WINDOW;
@@ -327,7 +335,7 @@ fn joined(gz: &[u8], mut pieces: Vec<Chunk>, room: usize, windows: &Windows) -> 
         }
         let next = pieces.remove(j + 1);
         let bits = pieces[j].bits.start..next.bits.end;
-        pieces[j] = match measure_with_scratch(gz, bits, next.place, room, windows, None)? {
+        pieces[j] = match measure_with_scratch(member, bits, next.place, None)? {
             Measured::Chunk(chunk) => chunk,
             Measured::Dense => return None,
         };
@@ -338,30 +346,26 @@ fn joined(gz: &[u8], mut pieces: Vec<Chunk>, room: usize, windows: &Windows) -> 
 /// A piece of a dense chunk, measured, or if its bytes outgrow `most` (a mask's megabytes
 /// from a few kilobytes), cut again, its pieces measured at once.
 fn measure_piece(
-    gz: &[u8],
+    member: &Member<'_>,
     bits: Range<u64>,
     place: Place,
-    room: usize,
-    windows: &Windows,
     most: usize,
 ) -> Option<Vec<Chunk>> {
-    if let Measured::Chunk(chunk) =
-        measure_with_scratch(gz, bits.clone(), place, room, windows, Some(most))?
-    {
+    if let Measured::Chunk(chunk) = measure_with_scratch(member, bits.clone(), place, Some(most))? {
         return Some(vec![chunk]);
     }
-    let cuts = pieces_of(gz, bits.clone(), place);
+    let cuts = pieces_of(member.gz, bits.clone(), place);
     if cuts.len() < 2 {
-        return match measure_with_scratch(gz, bits, place, room, windows, None)? {
+        return match measure_with_scratch(member, bits, place, None)? {
             Measured::Chunk(chunk) => Some(vec![chunk]),
             Measured::Dense => None,
         };
     }
     let pieces = cuts
         .into_par_iter()
-        .map(|(bits, place)| measure_piece(gz, bits, place, room, windows, most))
+        .map(|(bits, place)| measure_piece(member, bits, place, most))
         .collect::<Option<Vec<Vec<Chunk>>>>()?;
-    joined(gz, pieces.into_iter().flatten().collect(), room, windows)
+    joined(member, pieces.into_iter().flatten().collect())
 }
 
 /// Where the deflate stream of the gzip member `gz` starts, past its header's optional fields.
@@ -437,18 +441,17 @@ fn window_position(a: u8, b: u8) -> Option<u16> {
 }
 
 /// Inflates the bits `bits` of `gz` into `scratch`, the first chunk once, any other twice, for
-/// its length and the bytes it copied from its window (at most `room` of them, reserved);
+/// its length and the bytes it copied from its window (at most the member's, reserved);
 /// [`Measured::Dense`] as soon as its bytes outgrow both [`DENSE`] times its bits and `cap`
 /// (`None`: it is not to be cut).
 fn measure(
-    gz: &[u8],
+    member: &Member<'_>,
     bits: Range<u64>,
     place: Place,
-    room: usize,
-    windows: &Windows,
     cap: Option<usize>,
     scratch: &mut Scratch,
 ) -> Option<Measured> {
+    let Member { gz, room, windows } = *member;
     let Scratch { input, a, b } = scratch;
     let used = shifted_into(input, gz, bits.clone(), place);
     let chunk = |len, sources| {
