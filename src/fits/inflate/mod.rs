@@ -251,45 +251,28 @@ fn measure_chunks(
 }
 
 /// The chunks `measured` (with their bits and places) in order, each dense one replaced by its
-/// pieces (at most `most` bytes each where the blocks allow), all measured at once; and how
-/// many dense chunks there were and how many pieces they gave.
+/// pieces (at most `most` bytes each where the blocks allow), the dense ones cut at once; and
+/// how many dense chunks there were and how many pieces they gave.
 fn cut_dense(
     member: &Member<'_>,
     measured: Vec<(Range<u64>, Place, Measured)>,
     most: usize,
 ) -> Option<(Vec<Chunk>, usize, usize)> {
-    let cuts: Vec<(usize, Range<u64>, Place)> = measured
-        .iter()
-        .enumerate()
-        .filter(|(_, (_, _, m))| matches!(m, Measured::Dense))
-        .flat_map(|(k, (bits, place, _))| {
-            let cuts = pieces_of(member.gz, bits.clone(), *place);
-            cuts.into_iter().map(move |(bits, place)| (k, bits, place))
-        })
-        .collect();
-    let mut pieces = cuts
-        .par_iter()
-        .map(|(_, bits, place)| measure_piece(member, bits.clone(), *place, most))
-        .collect::<Option<Vec<Vec<Chunk>>>>()?
-        .into_iter()
-        .zip(cuts.iter().map(|c| c.0))
-        .flat_map(|(pieces, k)| pieces.into_iter().map(move |p| (p, k)))
-        .peekable();
     let whole = measured.len();
-    let mut chunks = Vec::with_capacity(whole + cuts.len());
-    let mut dense = 0;
-    for (k, (_, _, measured)) in measured.into_iter().enumerate() {
-        match measured {
-            Measured::Chunk(chunk) => chunks.push(chunk),
-            Measured::Dense => {
-                dense += 1;
-                let mine = std::iter::from_fn(|| pieces.next_if(|p| p.1 == k).map(|p| p.0));
-                chunks.extend(joined(member, mine.collect())?);
-            }
-        }
-    }
-    let npieces = chunks.len() + dense - whole;
-    Some((chunks, dense, npieces))
+    let dense = measured
+        .iter()
+        .filter(|(_, _, m)| matches!(m, Measured::Dense))
+        .count();
+    let parts = measured
+        .into_par_iter()
+        .map(|(bits, place, measured)| match measured {
+            Measured::Chunk(chunk) => Some(vec![chunk]),
+            Measured::Dense => measure_cut(member, bits, place, most),
+        })
+        .collect::<Option<Vec<Vec<Chunk>>>>()?;
+    let chunks: Vec<Chunk> = parts.into_iter().flatten().collect();
+    let pieces = chunks.len() + dense - whole;
+    Some((chunks, dense, pieces))
 }
 
 /// [`measure`] with the calling thread's kept buffers, freed again if a chunk outgrew them.
@@ -344,16 +327,28 @@ fn joined(member: &Member<'_>, mut pieces: Vec<Chunk>) -> Option<Vec<Chunk>> {
 }
 
 /// A piece of a dense chunk, measured, or if its bytes outgrow `most` (a mask's megabytes
-/// from a few kilobytes), cut again, its pieces measured at once.
+/// from a few kilobytes), cut again.
 fn measure_piece(
     member: &Member<'_>,
     bits: Range<u64>,
     place: Place,
     most: usize,
 ) -> Option<Vec<Chunk>> {
-    if let Measured::Chunk(chunk) = measure_with_scratch(member, bits.clone(), place, Some(most))? {
-        return Some(vec![chunk]);
+    match measure_with_scratch(member, bits.clone(), place, Some(most))? {
+        Measured::Chunk(chunk) => Some(vec![chunk]),
+        Measured::Dense => measure_cut(member, bits, place, most),
     }
+}
+
+/// The dense stretch `bits` (at `place`) cut at the block starts within it, its pieces
+/// measured at once (each cut again if it outgrows `most`); measured whole where no block
+/// starts within it.
+fn measure_cut(
+    member: &Member<'_>,
+    bits: Range<u64>,
+    place: Place,
+    most: usize,
+) -> Option<Vec<Chunk>> {
     let cuts = pieces_of(member.gz, bits.clone(), place);
     if cuts.len() < 2 {
         return match measure_with_scratch(member, bits, place, None)? {
