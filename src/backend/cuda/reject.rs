@@ -349,11 +349,12 @@ pub(crate) fn finish_frame<'a>(
         let round_test_ms = t_test.elapsed().as_secs_f64() * 1e3;
         test_ms += round_test_ms;
         let t_queue = Instant::now();
-        let mut resolves = Vec::new();
-        if pending.len() >= bounds.patches || fifo.len() <= ahead {
+        let resolves = if pending.len() >= bounds.patches || fifo.len() <= ahead {
             let busy: Vec<&Wave> = fifo.iter().map(|f| &host.waves[f.queued.wave()]).collect();
-            resolves = pending.take(host, &busy, bounds);
-        }
+            pending.take(host, &busy, bounds)
+        } else {
+            Vec::new()
+        };
         let sizes: Vec<usize> = resolves.iter().map(|r| r.wave.len()).collect();
         for r in resolves {
             let tested = if r.last {
