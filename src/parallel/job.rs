@@ -87,9 +87,9 @@ pub fn run(
         .as_ref()
         .map(|node| devices_of(&request, node.rank(), node.size()));
     // A rank that solves whole frames reads ahead as many frames as it has devices.
-    let read_ahead = match &devices {
-        Some(Ok(d)) => d.len().max(1),
-        _ => 1,
+    let gpus = match &devices {
+        Some(Ok(d)) => d.len(),
+        _ => 0,
     };
     let t_run = Cell::new(Instant::now());
     let open = || -> Option<Vec<Box<dyn Backend>>> {
@@ -127,7 +127,8 @@ pub fn run(
             &mine,
             open,
             overlap::Lanes {
-                read_ahead,
+                read_ahead: gpus.max(1),
+                gpus,
                 io_threads: config.io_threads,
                 cores: layout.threads,
             },
