@@ -416,6 +416,7 @@ impl CudaBackend {
             .ensure_frame(&self.dev, input, sh, host, patches.len())?;
         let n = patches.len();
         ws.out.ensure(&self.dev, sh, n)?;
+        timings.reached("frame buffers ready", started);
         let gpu = Gpu {
             dev: &self.dev,
             k: &self.kernels,
@@ -430,8 +431,14 @@ impl CudaBackend {
                 "wave of {} patches",
                 host.waves[wi].len()
             )));
+            if timings.waves == 0 {
+                timings.reached("first wave prepared", started);
+            }
             let t_upload = Instant::now();
             ws.input.upload_wave(&self.dev, input, sh, host, wi)?;
+            if timings.waves == 0 {
+                timings.reached("first wave uploaded", started);
+            }
             tracing::debug!(
                 "wave {wi}: upload queued in {:.1} ms",
                 t_upload.elapsed().as_secs_f64() * 1e3
@@ -546,7 +553,9 @@ impl CudaBackend {
             .take()
             .unwrap_or_else(|| tables::Uploads::new(&self.dev.ctx));
         let mut host = tables::FrameHost::new(&input, &ordered, &sh, buffers, size);
+        timings.reached("tables laid out", t0);
         self.reserve_waves(&sh, host.largest_wave());
+        timings.reached("buffers reserved", t0);
         // The spots of the most bundles a wave can touch, allocated once: a buffer that grew
         // from wave to wave would hold its outgrown sizes until the frame's end.
         let spots = if keep_spots {
