@@ -416,6 +416,7 @@ impl CudaBackend {
             .ensure_frame(&self.dev, input, sh, host, patches.len())?;
         let n = patches.len();
         ws.out.ensure(&self.dev, sh, n)?;
+        host.start_pinning();
         timings.reached("frame buffers ready", started);
         let gpu = Gpu {
             dev: &self.dev,

@@ -303,6 +303,12 @@ fn strips_pinned_ahead_hold_every_strip(name: &str) {
         assert!(largest > 0 && largest <= bound, "{largest} > {bound}");
         // not the whole CCD: the columns of one wave
         assert!(bound < 2 * image.nrows * image.ncols, "{bound}");
+        // pinned only once the caller says so (after the frame's device allocations), then
+        // at the sizes laid out
+        assert!(!host.buffers.reals.pinning_allowed());
+        host.start_pinning();
+        assert!(host.buffers.reals.pinning_allowed() && host.buffers.ints.pinning_allowed());
+        assert!(host.buffers.strips.iter().all(|s| s.pinning_allowed()));
         println!("{name}, waves of {wave_max}: largest strip {largest}, pinned {bound} values");
     }
 }
