@@ -87,7 +87,7 @@ fn io_threads(lanes: &Lanes, frames: usize) -> usize {
 
 /// Reads, solves and writes `frames` (`(index in the list, request)`) on this rank alone.
 /// `open` starts the backends (collectively with the other ranks; `None` stops the run)
-/// while the first reader reads ahead. Returns what was written and what failed, or `None`
+/// while the readers read ahead. Returns what was written and what failed, or `None`
 /// when the backends did not open.
 pub(super) fn run(
     frames: &[(usize, &ExtractRequest)],

@@ -245,7 +245,7 @@ impl FrameHost {
     /// Starts pinning the upload buffers of a backend's first frame in the background (see
     /// [`Uploads::pin_from_now`]). Called once the frame's device buffers are allocated: an
     /// allocation waits for the pinnings under way in the process (the first frames of eight
-    /// backends on a 4-GPU node spent 0.37-0.54 s allocating their spots while their uploads
+    /// backends on a 4-GPU node spent 0.33-0.54 s allocating their spots while their uploads
     /// were being pinned).
     pub(crate) fn start_pinning(&mut self) {
         if let Some((reals, ints, strip)) = self.pin_first.take() {
