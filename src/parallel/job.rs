@@ -86,7 +86,8 @@ pub fn run(
     let devices = node_workers
         .as_ref()
         .map(|node| devices_of(&request, node.rank(), node.size()));
-    // A rank that solves whole frames reads ahead as many frames as it has devices.
+    // A rank that solves whole frames reads ahead as many frames as it has devices, with
+    // readers sized by them.
     let gpus = match &devices {
         Some(Ok(d)) => d.len(),
         _ => 0,
@@ -127,7 +128,6 @@ pub fn run(
             &mine,
             open,
             overlap::Lanes {
-                read_ahead: gpus.max(1),
                 gpus,
                 io_threads: config.io_threads,
                 cores: layout.threads,

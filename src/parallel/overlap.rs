@@ -48,10 +48,8 @@ type Shared<T> = Arc<Mutex<Receiver<T>>>;
 
 /// How many frames wait read and how many threads read and write them.
 pub(super) struct Lanes {
-    /// Frames read ahead of the solvers (beyond those being read).
-    pub read_ahead: usize,
     /// The GPUs the rank is to drive (0: the CPU), which size the readers before the
-    /// backends open.
+    /// backends open; as many frames wait read for the solvers (one on the CPU).
     pub gpus: usize,
     /// Readers, and as many writers, per device (`None`: [`default_io_threads`]).
     pub io_threads: Option<usize>,
@@ -99,7 +97,7 @@ pub(super) fn run(
     progress: Progress,
 ) -> Option<Outcome> {
     let next_frame = AtomicUsize::new(0);
-    let (read_tx, read_rx) = sync_channel::<Read>(lanes.read_ahead.max(1));
+    let (read_tx, read_rx) = sync_channel::<Read>(lanes.gpus.max(1));
     let read_rx = Arc::new(Mutex::new(read_rx));
     let next_frame = &next_frame;
     let io_threads = io_threads(&lanes, frames.len());
@@ -314,7 +312,6 @@ mod tests {
     #[test]
     fn readers_are_sized_before_the_devices_open() {
         let lanes = |gpus, io_threads| Lanes {
-            read_ahead: 1,
             gpus,
             io_threads,
             cores: 64,

@@ -432,12 +432,14 @@ impl CudaBackend {
                 "wave of {} patches",
                 host.waves[wi].len()
             )));
-            if timings.waves == 0 {
+            // the host's milestones of the first wave, which the device waits for
+            let first = timings.waves == 0;
+            if first {
                 timings.reached("first wave prepared", started);
             }
             let t_upload = Instant::now();
             ws.input.upload_wave(&self.dev, input, sh, host, wi)?;
-            if timings.waves == 0 {
+            if first {
                 timings.reached("first wave uploaded", started);
             }
             tracing::debug!(
@@ -461,7 +463,7 @@ impl CudaBackend {
                 host,
                 wi,
             )?);
-            if timings.waves == 0 {
+            if first {
                 timings.reached("first wave queued", started);
             }
             timings.waves += 1;
