@@ -4,10 +4,17 @@
 
 #include "common.cuh"
 
-// One block per (column, patch), as project_f64: flags the box pixels where the spot of a
-// tested column is positive. The tested columns are the core fibers' bins but the outer half
-// of the wavelength padding on each side (`tested_columns` in src/backend/cpu/reject.rs); the
-// core fibers are the last `ncore` blocks of `nwavetot` columns.
+// One block per (tested column, patch): flags the box pixels where the spot of a tested
+// column is positive. The tested columns are the core fibers' bins but the outer half of the
+// wavelength padding on each side (`tested_columns` in src/backend/cpu/reject.rs); the core
+// fibers are the last `ncore` blocks of `nwavetot` columns. The grid holds the tested columns
+// alone, `ncore` times `tested_waves(nwavetot, wavepad)` (`tested_columns` in
+// src/backend/cuda/reject.rs): a block per column of the patch, most of which returned at
+// once, took 0.54 ms instead of 0.38 on a full-width frame.
+__device__ __forceinline__ int tested_waves(int nwavetot, int wavepad) {
+    return nwavetot - 2 * (wavepad / 2);
+}
+
 extern "C" __global__ void core_pixels(const double* __restrict__ spots,
                                        const int* __restrict__ corners,
                                        const int* __restrict__ colspot,
@@ -15,9 +22,9 @@ extern "C" __global__ void core_pixels(const double* __restrict__ spots,
                                        const long long* __restrict__ boxoff, int m, int nx,
                                        int ny, int nwavetot, int ncore, int wavepad,
                                        unsigned char* __restrict__ core) {
-    int j = blockIdx.x, p = blockIdx.y;
-    int nblk = m / nwavetot, b = j / nwavetot, w = j % nwavetot;
-    if (b < nblk - ncore || w < wavepad / 2 || w >= nwavetot - wavepad / 2) return;
+    int per = tested_waves(nwavetot, wavepad), p = blockIdx.y;
+    int nblk = m / nwavetot, b = nblk - ncore + (int)blockIdx.x / per;
+    int j = b * nwavetot + wavepad / 2 + (int)blockIdx.x % per;
     int sid = colspot[(size_t)p * m + j];
     if (sid < 0) return;
     int r0 = boxes[4 * p], r1 = boxes[4 * p + 1], c0 = boxes[4 * p + 2], c1 = boxes[4 * p + 3];
@@ -33,8 +40,12 @@ extern "C" __global__ void core_pixels(const double* __restrict__ spots,
     }
 }
 
-// Threads of a block of outlier_test.
-#define SPEX_TEST_THREADS 256
+// Threads of a block of outlier_test: as many as a block takes. A test is a chain of passes
+// over its box (the median's rounds, the pulls, each round of growth), and the last waves of
+// a frame's re-solves hold a few dozen patches, a block each, whose test is the wave's
+// latency: with 1024 threads instead of 256 the tests of a full-width frame took 1.18 ms
+// instead of 1.91 (an H200; the first PSF's 500 x 801 frame of docs/benchmarks.md).
+#define SPEX_TEST_THREADS 1024
 
 // A flag of `rejected` during a test: a pixel rejected by this pass (1 is a pixel rejected
 // before it, which has weight zero).

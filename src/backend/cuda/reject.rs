@@ -208,7 +208,7 @@ pub(crate) fn keep_fit(
 }
 
 /// Threads of a block of `outlier_test` (`SPEX_TEST_THREADS` in kernels/reject.cu).
-const TEST_THREADS: u32 = 256;
+const TEST_THREADS: u32 = 1024;
 
 /// The outlier test of the wave's `n` patches on their model boxes, a block each: outliers
 /// flagged in `rejected`, how many in `counts`.
@@ -248,7 +248,7 @@ fn flag_tested_pixels(g: Gpu<'_>, ws: &Workspace, n: usize) -> Result<()> {
         g.dev,
         &g.k.core_pixels,
         "core_pixels",
-        (sh.m() as u32, n as u32, 1),
+        (tested_columns(sh) as u32, n as u32, 1),
         64,
         0,
         kernels::Args::new()
@@ -265,6 +265,13 @@ fn flag_tested_pixels(g: Gpu<'_>, ws: &Workspace, n: usize) -> Result<()> {
             .i32(sh.wavepad as i32)
             .ptr(b.core.get().at(b.wave_at)),
     )
+}
+
+/// Columns of a patch whose spots the test looks at: the core fibers' bins but the outer half
+/// of the wavelength padding on each side (`core_pixels`' grid, as `tested_waves` in
+/// kernels/reject.cu).
+fn tested_columns(sh: &super::shape::Shape) -> usize {
+    sh.ncore * (sh.nt - 2 * (sh.wavepad / 2))
 }
 
 /// What rejection did to one live patch, as `backend::cpu::reject` reports it.
