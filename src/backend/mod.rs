@@ -109,6 +109,12 @@ pub trait Backend: Send {
     /// Another backend on the same device, to solve a second frame at the same time.
     fn sibling(&self) -> Result<Box<dyn Backend>>;
 
+    /// Says that this backend solves (its share of) one frame and no other. A GPU backend
+    /// then leaves its upload buffers pageable: pinning them serves the frames after the
+    /// first, and the driver's pinning of 75 MB held up a single full frame's uploads by 35 ms
+    /// on an H200 machine (desi_proc's line: solve 68-73 ms against 103-108 ms).
+    fn one_frame_only(&mut self) {}
+
     /// Solves `patches` (any subset of the plan, in any order) and returns one result per
     /// patch, in the same order.
     fn extract(

@@ -95,7 +95,7 @@ pub fn run(
     let t_run = Cell::new(Instant::now());
     let open = || -> Option<Vec<Box<dyn Backend>>> {
         let started = devices.map(|d| d.and_then(|d| start_backends(&request, layout.threads, d)));
-        let backends = match started {
+        let mut backends = match started {
             Some(Ok(b)) => b,
             Some(Err(e)) => {
                 print_line(&format!("{prefix} cannot start the backend: {e}"));
@@ -105,6 +105,10 @@ pub fn run(
         };
         if world.all_max((worker.is_some() && backends.is_empty()) as u64) > 0 {
             return None;
+        }
+        // A group with one frame gives each backend one frame (or its share of one).
+        if mine.len() <= 1 {
+            backends.iter_mut().for_each(|b| b.one_frame_only());
         }
         log_layout(world, layout, roles, &backends);
         if me == 0 {

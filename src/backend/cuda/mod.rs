@@ -89,6 +89,9 @@ pub struct CudaBackend {
     workspace: workspace::Workspace,
     /// Host buffers of the frames' uploads, kept between calls.
     uploads: Option<tables::Uploads>,
+    /// Whether the first frame pins its upload buffers for the frames after it (false for a
+    /// backend that solves one frame: see [`Backend::one_frame_only`]).
+    pin_uploads: bool,
     /// Its index among the backends of its device (0 for the first, then its siblings), and
     /// the count of them, shared.
     index: usize,
@@ -176,6 +179,7 @@ impl CudaBackend {
             tuning,
             timings: GpuTimings::default(),
             uploads: None,
+            pin_uploads: true,
             index: 0,
             siblings: Arc::new(AtomicUsize::new(1)),
             host: host_pool(threads.max(1))?,
@@ -201,6 +205,7 @@ impl CudaBackend {
             tuning: self.tuning,
             timings: GpuTimings::default(),
             uploads: None,
+            pin_uploads: self.pin_uploads,
             index: self.siblings.fetch_add(1, Ordering::Relaxed),
             siblings: Arc::clone(&self.siblings),
             host: host_pool(self.host.current_num_threads())?,
@@ -362,6 +367,10 @@ impl Backend for CudaBackend {
         Ok(Box::new(CudaBackend::sibling(self)?))
     }
 
+    fn one_frame_only(&mut self) {
+        self.pin_uploads = false;
+    }
+
     fn extract(
         &mut self,
         input: FrameInput<'_>,
@@ -416,7 +425,9 @@ impl CudaBackend {
             .ensure_frame(&self.dev, input, sh, host, patches.len())?;
         let n = patches.len();
         ws.out.ensure(&self.dev, sh, n)?;
-        host.start_pinning();
+        if self.pin_uploads {
+            host.start_pinning();
+        }
         timings.reached("frame buffers ready", started);
         let gpu = Gpu {
             dev: &self.dev,

@@ -219,6 +219,42 @@ fn gpu_matches_cpu_reference() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn a_backend_of_one_frame_leaves_its_uploads_pageable() {
+    // A backend pins its upload buffers in the background during its first frame, for the
+    // frames after it, unless told that it solves one frame: then nothing is pinned during
+    // that frame, and a second frame (which the backend was told would not come) uploads
+    // from pageable memory too, while it starts the pinning for a third.
+    let psf = psf();
+    let plan = Plan::new(PlanOptions::new(6000.0, 6100.0, 0.8, 0, 25)).unwrap();
+    let image = synthetic_image(&psf, &plan, 5);
+    let options = solve_options(0.0, false);
+    let traces = spex::psf::TraceTable::new(&psf, plan.solved_fibers(), &plan.fullwave);
+    let input = FrameInput::new(&plan, &psf, &image, &options).with_traces(Some(&traces));
+    let pinned = |one_frame: bool| -> Vec<bool> {
+        let mut gpu = backend();
+        if one_frame {
+            gpu.one_frame_only();
+        }
+        (0..3)
+            .map(|_| {
+                gpu.extract(input, &plan.patches, &Progress::silent())
+                    .unwrap();
+                // the pinning runs beside the frames: give it time to end
+                std::thread::sleep(std::time::Duration::from_millis(200));
+                !gpu.timings().pageable_upload
+            })
+            .collect()
+    };
+    let (told, untold) = (pinned(true), pinned(false));
+    say(&format!(
+        "frames uploaded from pinned memory: told {told:?}, untold {untold:?}"
+    ));
+    assert_eq!(told, [false, false, true]);
+    assert_eq!(untold, [false, true, true]);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn a_first_frame_in_small_waves_copies_back_the_models_it_moved() {
     // A backend's first frame grows its buffer of model boxes wave by wave, moving the boxes
     // of the waves before; their copies back must read the boxes after the move.
