@@ -107,6 +107,8 @@ pub fn extract_arrays<'py>(
                 traces: None,
             };
             let mut backend = open_backend(options.gpu)?;
+            // a backend of its own for this one frame
+            backend.one_frame_only();
             pipeline::extract_in_memory_timed(&request, &inputs, backend.as_mut(), &mut timings)
         })
         .map_err(spex_error)?;

@@ -111,8 +111,8 @@ pub trait Backend: Send {
 
     /// Says that this backend solves (its share of) one frame and no other. A GPU backend
     /// then leaves its upload buffers pageable: pinning them serves the frames after the
-    /// first, and the driver's pinning of 75 MB held up a single full frame's uploads by 35 ms
-    /// on an H200 machine (desi_proc's line: solve 68-73 ms against 103-108 ms).
+    /// first, and in desi_proc's line the driver's pinning of 75 MB held up the frame's first
+    /// wave until 41-49 ms into the solve, against 10-14 ms without it (one H200 machine).
     fn one_frame_only(&mut self) {}
 
     /// Solves `patches` (any subset of the plan, in any order) and returns one result per
