@@ -9,21 +9,19 @@
 //! not one per chunk: cfitsio reads only the first member of a file, while astropy and
 //! fitsio read this one as any other.
 //!
-//! Deflate is miniz_oxide (flate2's default backend) at level 1. On a full r frame (70.1 MB
-//! plain) it writes 57.3 MB in 0.55 s of CPU; zlib-rs at level 1 (zlib-ng's `deflate_quick`)
-//! writes 67.9 MB in 0.80 s and at level 2 56.4 MB in 1.5 s, so it is not used.
+//! The chunks are deflated by `deflate`, literals and runs under each block's own Huffman
+//! codes: on a frame it takes 40% of the CPU time of miniz_oxide's fastest level (flate2's
+//! default backend, used before), for a file 3% larger (docs/benchmarks.md, "The frame's
+//! deflate").
 
 use std::io::Write;
 use std::path::Path;
 
-use flate2::{Compress, Compression, Crc, FlushCompress, Status};
+use flate2::Crc;
 use rayon::prelude::*;
 
+use super::deflate::deflate_chunk;
 use crate::error::{Error, Result};
-
-/// The fastest level: on a full frame the file is 2.5% larger than at zlib's default level 6
-/// and written three times faster.
-const LEVEL: u32 = 1;
 
 /// Plain bytes deflated per task: 70 tasks for a full frame, enough for a node's cores; a
 /// chunk deflated without its predecessor's window loses almost nothing at this size.
@@ -40,14 +38,7 @@ pub(super) fn write_compressed(path: &Path, plain: &[u8], file: std::fs::File) -
         source,
     };
     let t0 = std::time::Instant::now();
-    let written = write_gzip(plain, std::io::BufWriter::new(file)).map_err(|f| match f {
-        Failure::Io(source) => io(source),
-        Failure::Deflate(message) => Error::Fits {
-            path: path.into(),
-            what: "cannot compress".into(),
-            message,
-        },
-    })?;
+    let written = write_gzip(plain, std::io::BufWriter::new(file)).map_err(io)?;
     // The benchmarks (scripts/bench-desi-proc) split a frame's write with this line.
     tracing::debug!(
         "{}: deflated {:.1} MB to {:.1} MB in {:.3} s ({} threads)",
@@ -68,45 +59,33 @@ pub(super) fn compress_in_place(path: &Path) -> Result<()> {
     write_compressed(path, &plain, file)
 }
 
-/// Why a gzip file could not be written.
-enum Failure {
-    Io(std::io::Error),
-    Deflate(String),
-}
-
 /// A chunk deflated, with its place in the file and the CRC-32 of its plain bytes.
 type Deflated = (usize, Vec<u8>, Crc);
 
 /// Writes `plain` to `out` as one gzip member; returns the bytes written. The chunks are
 /// deflated on rayon's pool and written in order by a thread of its own as they come, so
 /// that writing the file overlaps deflating it.
-fn write_gzip<W: Write + Send>(plain: &[u8], out: W) -> std::result::Result<usize, Failure> {
+fn write_gzip<W: Write + Send>(plain: &[u8], out: W) -> std::io::Result<usize> {
     let n = plain.len().div_ceil(CHUNK).max(1);
     let (sender, receiver) = std::sync::mpsc::channel::<Deflated>();
     std::thread::scope(|s| {
         let writer = s.spawn(move || write_in_order(receiver, n, out));
-        let deflated = (0..n)
-            .into_par_iter()
-            .try_for_each_with(sender, |sender, k| {
-                let chunk = &plain[k * CHUNK..((k + 1) * CHUNK).min(plain.len())];
-                let mut crc = Crc::new();
-                crc.update(chunk);
-                let deflated = deflate_chunk(chunk, k + 1 == n).map_err(Failure::Deflate)?;
-                // A writer gone has failed: its error is the one reported.
-                let _ = sender.send((k, deflated, crc));
-                Ok(())
-            });
-        let written = writer
+        (0..n).into_par_iter().for_each_with(sender, |sender, k| {
+            let chunk = &plain[k * CHUNK..((k + 1) * CHUNK).min(plain.len())];
+            let mut crc = Crc::new();
+            crc.update(chunk);
+            let deflated = deflate_chunk(chunk, k + 1 == n);
+            // A writer gone has failed: its error is the one reported.
+            let _ = sender.send((k, deflated, crc));
+        });
+        writer
             .join()
-            .unwrap_or_else(|p| std::panic::resume_unwind(p));
-        deflated?;
-        written.map_err(Failure::Io)
+            .unwrap_or_else(|p| std::panic::resume_unwind(p))
     })
 }
 
 /// The writer's side of [`write_gzip`]: header, the `n` chunks in order (those that come
-/// early wait), trailer. Without all `n` (deflating failed) it stops, and the caller reports
-/// why.
+/// early wait), trailer. Without all `n` (a deflate panicked) it stops without a trailer.
 fn write_in_order(
     chunks: std::sync::mpsc::Receiver<Deflated>,
     n: usize,
@@ -135,46 +114,18 @@ fn write_in_order(
     Ok(written)
 }
 
-/// One chunk deflated on its own: ended by a sync flush, or by the final block if `last`.
-fn deflate_chunk(chunk: &[u8], last: bool) -> std::result::Result<Vec<u8>, String> {
-    let mut deflater = Compress::new(Compression::new(LEVEL), false);
-    let flush = if last {
-        FlushCompress::Finish
-    } else {
-        FlushCompress::Sync
-    };
-    // zlib's bound for incompressible data, and room for the flush's blocks.
-    let mut out = Vec::with_capacity(chunk.len() + chunk.len() / 1000 + 64);
-    loop {
-        let read = deflater.total_in() as usize;
-        let status = deflater
-            .compress_vec(&chunk[read..], &mut out, flush)
-            .map_err(|e| e.to_string())?;
-        let consumed = deflater.total_in() as usize == chunk.len();
-        // A flush is complete once a call consumed everything and left output room unused.
-        let done = match status {
-            Status::StreamEnd => true,
-            Status::Ok | Status::BufError => !last && consumed && out.len() < out.capacity(),
-        };
-        if done {
-            return Ok(out);
-        }
-        out.reserve(out.capacity().max(64 * 1024));
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::io::Read;
 
-    /// Bytes that deflate neither trivially nor not at all: a noisy ramp.
+    /// Bytes that deflate neither trivially nor not at all: a noisy ramp over 16 values.
     fn sample(len: usize) -> Vec<u8> {
         let mut state = 12345u32;
         (0..len)
             .map(|i| {
                 state = state.wrapping_mul(1_103_515_245).wrapping_add(12345);
-                (i / 7) as u8 ^ ((state >> 28) as u8)
+                (i / 7 % 16) as u8 ^ ((state >> 28) as u8)
             })
             .collect()
     }
@@ -212,10 +163,10 @@ mod tests {
     #[test]
     fn a_sync_flush_ends_every_chunk_but_the_last_and_the_crc_is_the_whole_files() {
         let plain = sample(2 * CHUNK + 1);
-        let first = deflate_chunk(&plain[..CHUNK], false).unwrap();
+        let first = deflate_chunk(&plain[..CHUNK], false);
         assert_eq!(first[first.len() - 4..], [0, 0, 0xff, 0xff]);
         let mut gz = Vec::new();
-        let written = write_gzip(&plain, &mut gz).unwrap_or_else(|_| panic!("write_gzip"));
+        let written = write_gzip(&plain, &mut gz).expect("write_gzip");
         assert_eq!(written, gz.len());
         assert_eq!(gz[HEADER.len()..HEADER.len() + first.len()], first);
         let mut whole = Crc::new();
@@ -235,8 +186,8 @@ mod tests {
             }
         }
         match write_gzip(&sample(3 * CHUNK), Full) {
-            Err(Failure::Io(e)) => assert_eq!(e.to_string(), "disk full"),
-            _ => panic!("the writer's error is lost"),
+            Err(e) => assert_eq!(e.to_string(), "disk full"),
+            Ok(_) => panic!("the writer's error is lost"),
         }
     }
 }

@@ -26,6 +26,7 @@ use crate::error::{Error, Result};
 
 mod checksum;
 mod compressed;
+mod deflate;
 mod desi;
 mod gzip;
 mod inflate;
