@@ -79,8 +79,11 @@ def _stand_in_for_specter() -> None:
 
 
 _stand_in_for_specter()
-# desispec imports need no desimodel data for these tests.
-os.environ.setdefault("DESIMODEL", tempfile.mkdtemp(prefix="desimodel-"))
+# desispec imports need no desimodel data for these tests: an empty directory, removed when
+# the process ends.
+if "DESIMODEL" not in os.environ:
+    _EMPTY_DESIMODEL = tempfile.TemporaryDirectory(prefix="desimodel-")
+    os.environ["DESIMODEL"] = _EMPTY_DESIMODEL.name
 
 
 def spex_program() -> Path:
