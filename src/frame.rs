@@ -144,6 +144,14 @@ impl Frame {
         self.ivar *= &dw.mapv(|d| d * d);
     }
 
+    /// About the bytes of the file [`Frame::write`] makes of `plan`'s frame with `ndiag`
+    /// diagonals each side: its arrays, and a megabyte for the tables and headers.
+    pub fn file_bytes(plan: &Plan, ndiag: usize) -> usize {
+        let (nspec, nwave) = (plan.options.nspec, plan.nwave());
+        // FLUX, IVAR, MASK and CHI2PIX, RESOLUTION (4 bytes a value), WAVELENGTH (8)
+        4 * nspec * nwave * (4 + 2 * ndiag + 1) + 8 * nwave + (1 << 20)
+    }
+
     /// Writes the frame atomically: a temporary file in the same directory, renamed into place
     /// only when complete. `meta` supplies the header and the FIBERMAP source. A frame with a
     /// non-finite FLUX, IVAR or RESOLUTION value (after conversion to float32) is refused

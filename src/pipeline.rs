@@ -486,6 +486,14 @@ pub fn solve(
     backend.extract(input, patches, progress)
 }
 
+/// Maps the memory of the file of `plan`'s frame on a thread of its own, for its write after
+/// the solve ([`crate::fits::prepare_block`]): a process's first frame would build its file in
+/// fresh memory.
+pub fn prepare_write(plan: &Plan, inputs: &Inputs) {
+    let bytes = Frame::file_bytes(plan, inputs.psf.hsizey);
+    std::thread::spawn(move || crate::fits::prepare_block(bytes));
+}
+
 /// Stitches the results of every patch of `plan` into a frame.
 ///
 /// Under a barycentric correction the frame carries the requested grid, as desispec's does,
@@ -758,6 +766,7 @@ pub fn extract_frame(
         plan.summary(),
         backend.describe()
     );
+    prepare_write(&plan, &inputs);
     let all = 0..plan.patches.len();
     let results = timings.time("solve", || {
         solve(request, &inputs, &plan, all, backend, progress)

@@ -38,6 +38,7 @@ mod written;
 pub use desi::fits_float;
 pub use keywords::is_structural_card;
 pub use memory::{inflate_gzip, inflate_in_chunks, is_gzip, KeepAlive};
+pub use written::prepare_block;
 
 const READONLY: c_int = 0;
 const ANY_HDU: c_int = -1;

@@ -64,6 +64,9 @@ unsafe extern "C" fn grow(ptr: *mut c_void, size: usize) -> *mut c_void {
     // SAFETY: `ptr` is null or a block this function returned before.
     unsafe {
         if ptr.is_null() {
+            if let Some(ahead) = take_ahead(size) {
+                return ahead;
+            }
             return libmimalloc_sys::mi_malloc(size.max(LAST_BLOCK.load(Ordering::Relaxed)));
         }
         if size <= libmimalloc_sys::mi_usable_size(ptr) {
@@ -71,6 +74,42 @@ unsafe extern "C" fn grow(ptr: *mut c_void, size: usize) -> *mut c_void {
         }
         libmimalloc_sys::mi_realloc(ptr, size)
     }
+}
+
+/// A block of [`prepare_block`], its pages mapped, for the next file built in memory.
+static AHEAD: std::sync::Mutex<Option<Block>> = std::sync::Mutex::new(None);
+
+/// Allocates a block of `bytes` and maps its pages, for the next file built in memory, unless
+/// a file as large was built before (whose freed block the next one reuses). A process's
+/// first frame otherwise builds its file in fresh memory: on the developer machine its build
+/// took 0.08-0.09 s against 0.03 s for the next files of the same size. The caller runs this
+/// where the host waits, as for the device's solve of the frame.
+pub fn prepare_block(bytes: usize) {
+    // cfitsio asks for GROWTH bytes first.
+    let bytes = bytes.max(GROWTH);
+    if LAST_BLOCK.load(Ordering::Relaxed) >= bytes {
+        return;
+    }
+    // SAFETY: a fresh allocation (null on failure), handed to `AHEAD`, whose `Block` frees it.
+    let ptr = unsafe { libmimalloc_sys::mi_malloc(bytes) }.cast::<u8>();
+    if ptr.is_null() {
+        return;
+    }
+    for offset in (0..bytes).step_by(4096) {
+        // SAFETY: within the `bytes` just allocated; a write maps the page.
+        unsafe { ptr.add(offset).write_volatile(0) };
+    }
+    let block = Block {
+        ptr: ptr.cast(),
+        size: bytes,
+    };
+    *AHEAD.lock().unwrap_or_else(|p| p.into_inner()) = Some(block);
+}
+
+/// The block [`prepare_block`] made, if it holds `size` bytes (a smaller one is freed).
+fn take_ahead(size: usize) -> Option<*mut c_void> {
+    let block = AHEAD.lock().unwrap_or_else(|p| p.into_inner()).take()?;
+    (block.size >= size).then(|| std::mem::ManuallyDrop::new(block).ptr)
 }
 
 impl Fits {
@@ -367,6 +406,27 @@ mod tests {
                 "file {k} differs"
             );
         }
+    }
+
+    #[test]
+    fn a_prepared_block_is_taken_by_the_next_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = dir.path().join("disk.fits");
+        let mut reference = create_on_disk(&disk);
+        write_hdus(&mut reference);
+        reference.close().unwrap();
+        // larger than any file of these tests, so that one is made
+        prepare_block(2 * GROWTH);
+        let memory = dir.path().join("memory.fits");
+        let mut fits = Fits::create(&memory).unwrap();
+        write_hdus(&mut fits);
+        fits.close().unwrap();
+        assert!(std::fs::read(&memory).unwrap() == std::fs::read(&disk).unwrap());
+        // this file took it, or another test's that started meanwhile
+        assert!(
+            AHEAD.lock().unwrap().is_none(),
+            "the prepared block is left"
+        );
     }
 
     #[test]

@@ -233,7 +233,7 @@ impl GroupContext<'_> {
             Progress::silent()
         };
         let t0 = Instant::now();
-        match solve_share(request, inputs, backend, share, &shown) {
+        match solve_share(request, inputs, backend, share, &shown, is_writer) {
             Ok(results) => Contribution::Solved {
                 // The writer needs the header only when it did not read.
                 header: (share.worker == 0 && !is_writer)

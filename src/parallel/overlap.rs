@@ -274,7 +274,7 @@ fn solve<'a>(
         rank,
     };
     let t0 = Instant::now();
-    match solve_share(request, &inputs, backend, &share, progress) {
+    match solve_share(request, &inputs, backend, &share, progress, false) {
         Ok(results) => Solved {
             request,
             solved: Some((

@@ -71,15 +71,20 @@ pub(super) struct Share {
     pub rank: usize,
 }
 
-/// Solves a worker's block of patches.
+/// Solves a worker's block of patches; a worker that then `writes` the frame has its file's
+/// memory mapped meanwhile.
 pub(super) fn solve_share(
     request: &ExtractRequest,
     inputs: &Inputs,
     backend: &mut dyn Backend,
     share: &Share,
     progress: &Progress,
+    writes: bool,
 ) -> Result<Vec<PatchResult>> {
     let plan = request.plan_for(inputs)?;
+    if writes {
+        pipeline::prepare_write(&plan, inputs);
+    }
     let block = patch_block(plan.patches.len(), share.nworkers, share.worker);
     tracing::debug!(
         "frame {}: rank {} solves patches {:?} on {}",
