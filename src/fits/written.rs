@@ -380,16 +380,21 @@ mod tests {
         assert!(verified.iter().all(|&v| v == (1, 1)), "{verified:?}");
     }
 
+    /// The bytes of [`write_hdus`]' file as cfitsio writes it to disk, in `dir`.
+    fn written_on_disk(dir: &Path) -> Vec<u8> {
+        let disk = dir.join("disk.fits");
+        let mut reference = create_on_disk(&disk);
+        write_hdus(&mut reference);
+        reference.close().unwrap();
+        std::fs::read(&disk).unwrap()
+    }
+
     #[test]
     fn a_file_built_after_a_larger_one_has_the_bytes_cfitsio_writes_to_disk() {
         // The larger file's block, freed, is likely the one the next file starts in: its HDUs
         // must not show through.
         let dir = tempfile::tempdir().unwrap();
-        let disk = dir.path().join("disk.fits");
-        let mut reference = create_on_disk(&disk);
-        write_hdus(&mut reference);
-        reference.close().unwrap();
-        let expected = std::fs::read(&disk).unwrap();
+        let expected = written_on_disk(dir.path());
         for k in 0..3 {
             let mut large = Fits::create(&dir.path().join(format!("large-{k}.fits"))).unwrap();
             write_hdus(&mut large);
@@ -411,17 +416,14 @@ mod tests {
     #[test]
     fn a_prepared_block_is_taken_by_the_next_file() {
         let dir = tempfile::tempdir().unwrap();
-        let disk = dir.path().join("disk.fits");
-        let mut reference = create_on_disk(&disk);
-        write_hdus(&mut reference);
-        reference.close().unwrap();
+        let expected = written_on_disk(dir.path());
         // larger than any file of these tests, so that one is made
         prepare_block(2 * GROWTH);
         let memory = dir.path().join("memory.fits");
         let mut fits = Fits::create(&memory).unwrap();
         write_hdus(&mut fits);
         fits.close().unwrap();
-        assert!(std::fs::read(&memory).unwrap() == std::fs::read(&disk).unwrap());
+        assert!(std::fs::read(&memory).unwrap() == expected);
         // this file took it, or another test's that started meanwhile
         assert!(
             AHEAD.lock().unwrap().is_none(),
