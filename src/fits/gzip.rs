@@ -3,16 +3,16 @@
 //! desi_proc names its frames `.fits.gz`. cfitsio would compress such a file on one thread
 //! when it closes it, which takes longer than extracting the frame on a GPU; instead the
 //! plain file, built in memory (see `written`), is compressed here by independent chunks on
-//! rayon's pool (the rank's cores), pigz's scheme: each chunk is deflated on its own, every chunk but the last ended by a sync
-//! flush (an empty stored block, so that the next chunk starts on a byte boundary), and the
-//! chunks are joined into one gzip member whose CRC-32 is combined from theirs. One member,
-//! not one per chunk: cfitsio reads only the first member of a file, while astropy and
-//! fitsio read this one as any other.
+//! rayon's pool (the rank's cores), pigz's scheme: each chunk is deflated on its own, every
+//! chunk but the last ended by a sync flush (an empty stored block, so that the next chunk
+//! starts on a byte boundary), and the chunks are joined into one gzip member whose CRC-32
+//! is combined from theirs. One member, not one per chunk: cfitsio reads only the first
+//! member of a file, while astropy and fitsio read this one as any other.
 //!
 //! The chunks are deflated by `deflate`, literals and runs under each block's own Huffman
-//! codes: on a frame it takes 40% of the CPU time of miniz_oxide's fastest level (flate2's
-//! default backend, used before), for a file 3% larger (docs/benchmarks.md, "The frame's
-//! deflate").
+//! codes: on a frame it takes under 40% of the CPU time of miniz_oxide's fastest level
+//! (flate2's default backend, used before), for a file 4% larger (docs/benchmarks.md,
+//! "Current figures").
 
 use std::io::Write;
 use std::path::Path;
