@@ -490,8 +490,7 @@ pub fn solve(
 /// the solve ([`crate::fits::prepare_block`]): a process's first frame would build its file in
 /// fresh memory.
 pub fn prepare_write(plan: &Plan, inputs: &Inputs) {
-    let bytes = Frame::file_bytes(plan, inputs.psf.hsizey);
-    std::thread::spawn(move || crate::fits::prepare_block(bytes));
+    crate::fits::prepare_block(Frame::file_bytes(plan, inputs.psf.hsizey));
 }
 
 /// Stitches the results of every patch of `plan` into a frame.
