@@ -47,9 +47,11 @@ extern "C" __global__ void core_pixels(const double* __restrict__ spots,
 // instead of 1.91 (an H200; the first PSF's 500 x 801 frame of docs/benchmarks.md).
 #define SPEX_TEST_THREADS 1024
 
-// A flag of `rejected` during a test: a pixel rejected by this pass (1 is a pixel rejected
-// before it, which has weight zero).
+// Flags of `rejected` during a test (1 is a pixel rejected before it, which has weight zero):
+// a pixel this pass grew into, one of its seeds, one it took for its contrast.
 #define SPEX_NEW_OUTLIER 2
+#define SPEX_SEED 3
+#define SPEX_CONTRAST 4
 
 // The key of a double in the total order of Rust's f64::total_cmp, as an unsigned integer.
 __device__ __forceinline__ unsigned long long total_order_key(double v) {
@@ -62,6 +64,29 @@ __device__ __forceinline__ double from_total_order_key(unsigned long long k) {
     return __longlong_as_double((long long)b);
 }
 
+// The pixels of a box that a thread visits, strided by the block, with their row and column
+// (kept up to date without a division per pixel: the test's passes were bound by them).
+struct PixelWalk {
+    int q, r, c, sr, sc, width;
+    __device__ __forceinline__ explicit PixelWalk(int width_) : q(threadIdx.x), width(width_) {
+        r = q / width;
+        c = q - r * width;
+        sr = blockDim.x / width;
+        sc = blockDim.x - sr * width;
+    }
+    __device__ __forceinline__ void next() {
+        q += blockDim.x;
+        c += sc;
+        r += sr;
+        if (c >= width) {
+            c -= width;
+            r += 1;
+        }
+    }
+};
+
+#define SPEX_FOR_PIXELS(t, px) for (PixelWalk px((t).width); px.q < (t).len; px.next())
+
 // What the test of one patch reads: its box on the CCD and in the box arrays, the image.
 struct TestedBox {
     const double* model;
@@ -71,33 +96,111 @@ struct TestedBox {
     const float* ivar;
     int r0, c0, width, len, sub_row0, sub_col0, sub_w;
 
-    __device__ size_t image_index(int q) const {
-        return (size_t)(r0 + q / width - sub_row0) * sub_w + (c0 + q % width - sub_col0);
+    __device__ int height() const { return len / width; }
+    __device__ size_t image_index(int r, int c) const {
+        return (size_t)(r0 + r - sub_row0) * sub_w + (c0 + c - sub_col0);
     }
     // The pixel's weight at the start of the pass: 0 where rejected before.
-    __device__ double weight(int q) const {
-        return rejected[q] == 1 ? 0.0 : (double)ivar[image_index(q)];
+    __device__ double weight(int q, int r, int c) const {
+        return rejected[q] == 1 ? 0.0 : (double)ivar[image_index(r, c)];
     }
+    __device__ bool weighted(int q, int r, int c) const { return weight(q, r, c) > 0.0; }
+    __device__ bool tested(int q, int r, int c) const { return core[q] && weighted(q, r, c); }
     // outliers::find_outliers' pull, with its operations in its order (no fused multiply-add).
-    __device__ double pull(int q, double rn2, double psferr) const {
+    __device__ double pull(int q, int r, int c, double rn2, double psferr) const {
         double m = model[q], pm = __dmul_rn(psferr, m);
         double var = __dadd_rn(__dadd_rn(rn2, fmax(m, 0.0)), __dmul_rn(pm, pm));
-        return ((double)pix[image_index(q)] - m) / sqrt(var);
+        return ((double)pix[image_index(r, c)] - m) / sqrt(var);
     }
-    __device__ bool tested(int q) const { return core[q] && weight(q) > 0.0; }
-    // Whether a pixel of the 8 around q (within the box) is an outlier of this pass.
-    __device__ bool touches_new(int q) const {
-        int r = q / width, c = q % width;
+    // Whether the pass has taken q by growth (seeds included); not those of its contrast.
+    __device__ bool taken(int q) const {
+        return rejected[q] == SPEX_NEW_OUTLIER || rejected[q] == SPEX_SEED;
+    }
+    // Whether a pixel of the 8 around (r, c) (within the box) is taken.
+    __device__ bool touches_taken(int r, int c) const {
+        int h = height();
         for (int dr = -1; dr <= 1; dr++)
             for (int dc = -1; dc <= 1; dc++) {
                 int rr = r + dr, cc = c + dc;
-                if ((dr || dc) && rr >= 0 && cc >= 0 && cc < width && rr * width + cc < len &&
-                    rejected[rr * width + cc] == SPEX_NEW_OUTLIER)
+                if ((dr || dc) && rr >= 0 && cc >= 0 && cc < width && rr < h &&
+                    taken(rr * width + cc))
                     return true;
             }
         return false;
     }
+    // Whether a seed lies within `reach` rows and columns of (r, c).
+    __device__ bool near_seed(int r, int c, int reach) const {
+        int h = height();
+        for (int rr = max(r - reach, 0); rr <= min(r + reach, h - 1); rr++)
+            for (int cc = max(c - reach, 0); cc <= min(c + reach, width - 1); cc++)
+                if (rejected[rr * width + cc] == SPEX_SEED) return true;
+        return false;
+    }
 };
+
+// The rules of a positive pass beyond the growth (outliers.rs' constants).
+struct PassRules {
+    double nsigma, grow_nsigma, sharp_nsigma, sharp_fraction, contrast_nsigma;
+    int reach, edge;
+};
+
+// The median of the pulls of (r, c)'s neighbours (within the box) that `counts`, into
+// `median`; false for none. outliers::median: sorted in the total order of f64::total_cmp, the
+// mean of the middle two for an even count.
+template <typename Counts>
+__device__ bool neighbour_median(const TestedBox& t, int r, int c, double rn2, double psferr,
+                                 Counts counts, double* median) {
+    double v[8];
+    unsigned long long k[8];
+    int n = 0, h = t.height();
+    for (int dr = -1; dr <= 1; dr++)
+        for (int dc = -1; dc <= 1; dc++) {
+            int rr = r + dr, cc = c + dc, x = rr * t.width + cc;
+            if (!(dr || dc) || rr < 0 || cc < 0 || cc >= t.width || rr >= h ||
+                !counts(x, rr, cc))
+                continue;
+            double pl = t.pull(x, rr, cc, rn2, psferr);
+            unsigned long long key = total_order_key(pl);
+            int i = n++;
+            for (; i > 0 && k[i - 1] > key; i--) {
+                k[i] = k[i - 1];
+                v[i] = v[i - 1];
+            }
+            k[i] = key;
+            v[i] = pl;
+        }
+    if (n == 0) return false;
+    *median = (n & 1) ? v[n / 2] : __dmul_rn(__dadd_rn(v[n / 2 - 1], v[n / 2]), 0.5);
+    return true;
+}
+
+// outliers::Pulls::sharp: an untested pixel (pull `pl`) that is a seed.
+__device__ bool sharp(const TestedBox& t, int q, int r, int c, double pl, double rn2,
+                      double psferr, const PassRules& rules) {
+    int e = rules.edge;
+    if (t.core[q] || pl <= rules.sharp_nsigma) return false;
+    if (r < e || r + e >= t.height() || c < e || c + e >= t.width) return false;
+    double m;
+    auto weighted = [&](int x, int rr, int cc) { return t.weighted(x, rr, cc); };
+    return neighbour_median(t, r, c, rn2, psferr, weighted, &m) &&
+           m < __dmul_rn(rules.sharp_fraction, pl);
+}
+
+// Whether the pixel (q, r, c), not taken, joins the growth.
+__device__ __forceinline__ bool grows_into(const TestedBox& t, int q, int r, int c, double rn2,
+                                           double psferr, const PassRules& rules) {
+    return t.weighted(q, r, c) && t.pull(q, r, c, rn2, psferr) > rules.grow_nsigma &&
+           (t.core[q] || t.near_seed(r, c, rules.reach));
+}
+
+// Whether the tested pixel (q, r, c), next to a taken one, stands out of its own neighbours.
+__device__ __forceinline__ bool stands_out(const TestedBox& t, int q, int r, int c, double rn2,
+                                           double psferr, const PassRules& rules) {
+    auto untaken = [&](int x, int rr, int cc) { return t.tested(x, rr, cc) && !t.taken(x); };
+    double m;
+    return neighbour_median(t, r, c, rn2, psferr, untaken, &m) &&
+           __dsub_rn(t.pull(q, r, c, rn2, psferr), m) > rules.contrast_nsigma;
+}
 
 // Buckets of a round of the median's selection, SPEX_MEDIAN_BUCKETS / SPEX_TEST_THREADS a
 // thread, and log2 of it.
@@ -114,10 +217,11 @@ struct MedianRange {
 };
 
 // The key of 1/ivar - max(model, 0) at q; false where the pixel has no weight.
-__device__ __forceinline__ bool noise_key(const TestedBox& t, int q, unsigned long long* key) {
-    double iv = t.weight(q);
+__device__ __forceinline__ bool noise_key(const TestedBox& t, const PixelWalk& px,
+                                          unsigned long long* key) {
+    double iv = t.weight(px.q, px.r, px.c);
     if (!(iv > 0.0)) return false;
-    *key = total_order_key(1.0 / iv - fmax(t.model[q], 0.0));
+    *key = total_order_key(1.0 / iv - fmax(t.model[px.q], 0.0));
     return true;
 }
 
@@ -147,9 +251,9 @@ __device__ void narrow(const TestedBox& t, MedianRange& r, unsigned int* hist,
     int shift = max(64 - __clzll(hi - lo) - SPEX_MEDIAN_BUCKET_BITS, 0);
     for (int i = threadIdx.x; i < SPEX_MEDIAN_BUCKETS; i += blockDim.x) hist[i] = 0;
     __syncthreads();
-    for (int q = threadIdx.x; q < t.len; q += blockDim.x) {
+    SPEX_FOR_PIXELS(t, px) {
         unsigned long long key;
-        if (noise_key(t, q, &key) && key >= lo && key <= hi)
+        if (noise_key(t, px, &key) && key >= lo && key <= hi)
             atomicAdd(&hist[(key - lo) >> shift], 1u);
     }
     __syncthreads();
@@ -182,9 +286,9 @@ __device__ unsigned long long rank_in_range(const TestedBox& t, const MedianRang
     if (threadIdx.x == 0) s_count = 0;
     __syncthreads();
     unsigned long long lo = r.lo, hi = r.hi;
-    for (int q = threadIdx.x; q < t.len; q += blockDim.x) {
+    SPEX_FOR_PIXELS(t, px) {
         unsigned long long key;
-        if (noise_key(t, q, &key) && key >= lo && key <= hi) keys[atomicAdd(&s_count, 1u)] = key;
+        if (noise_key(t, px, &key) && key >= lo && key <= hi) keys[atomicAdd(&s_count, 1u)] = key;
     }
     __syncthreads();
     unsigned int count = s_count, rank = r.rank;
@@ -223,9 +327,9 @@ __device__ bool read_noise_median(const TestedBox& t, double* median) {
     __syncthreads();
     unsigned int mine = 0;
     unsigned long long lo = ~0ull, hi = 0;
-    for (int q = threadIdx.x; q < t.len; q += blockDim.x) {
+    SPEX_FOR_PIXELS(t, px) {
         unsigned long long key;
-        if (!noise_key(t, q, &key)) continue;
+        if (!noise_key(t, px, &key)) continue;
         mine++;
         lo = min(lo, key);
         hi = max(hi, key);
@@ -261,54 +365,174 @@ __device__ unsigned int block_count(unsigned int v, unsigned int* total) {
     return all;
 }
 
+// Pixels taken by a pass that its growth keeps in a list (shared memory), and the box
+// pixels a bitmap can mark as claimed; a pass with more, or a larger box, grows by rounds
+// over the whole box instead.
+#define SPEX_TAKEN_LIST 4096
+#define SPEX_CLAIM_PIXELS 65536
+
+// A pass's taken pixels in the order they were taken (seeds first) and the bitmap of the
+// pixels its growth has claimed, in shared memory.
+struct Frontier {
+    int* list;
+    unsigned int* len;
+    unsigned int* claimed;
+    int* over;
+
+    // Adds q to the list; past its end, marks the list as overflowed.
+    __device__ void add(int q) const {
+        unsigned int i = atomicAdd(len, 1u);
+        if (i < SPEX_TAKEN_LIST)
+            list[i] = q;
+        else
+            *over = 1;
+    }
+    // Whether this thread is the first to claim q.
+    __device__ bool claim(int q) const {
+        unsigned int bit = 1u << (q & 31);
+        return !(atomicOr(&claimed[q >> 5], bit) & bit);
+    }
+};
+
+// Neighbour k (0-7) of the box pixel p as a row and column offset.
+__device__ __forceinline__ void neighbour(int k, int* dr, int* dc) {
+    int cell = k < 4 ? k : k + 1;
+    *dr = cell / 3 - 1;
+    *dc = cell % 3 - 1;
+}
+
+// The growth from the seeds in `f`, ring by ring: each round looks only at the 8 neighbours
+// of the pixels the round before took, so that a pass costs the track's pixels, not the box
+// times the rounds. The same pixels as the rounds over the box (a closure does not depend on
+// the order). False, in every thread, when the list overflowed (some taken pixels are not in
+// it).
+__device__ bool grow_by_frontier(const TestedBox& t, double rn2, double psferr,
+                                 const PassRules& rules, const Frontier& f) {
+    int h = t.height();
+    unsigned int from = 0;
+    for (;;) {
+        __syncthreads();
+        unsigned int to = min(*f.len, (unsigned int)SPEX_TAKEN_LIST);
+        bool over = *f.over;
+        __syncthreads();
+        if (over) return false;
+        if (from == to) return true;
+        for (unsigned int i = threadIdx.x; i < 8 * (to - from); i += blockDim.x) {
+            int p = f.list[from + i / 8], dr, dc;
+            neighbour(i % 8, &dr, &dc);
+            int r = p / t.width + dr, c = p % t.width + dc, q = r * t.width + c;
+            if (r < 0 || c < 0 || c >= t.width || r >= h || t.rejected[q] != 0) continue;
+            if (grows_into(t, q, r, c, rn2, psferr, rules) && f.claim(q)) {
+                t.rejected[q] = SPEX_NEW_OUTLIER;
+                f.add(q);
+            }
+        }
+        from = to;
+    }
+}
+
+// The growth by rounds over the whole box until none joins, and the contrast rule over the
+// whole box: where the frontier's list overflowed.
+__device__ void grow_by_rounds(const TestedBox& t, double rn2, double psferr,
+                               const PassRules& rules) {
+    int joined;
+    do {
+        joined = 0;
+        SPEX_FOR_PIXELS(t, px) {
+            if (t.rejected[px.q] == 0 && t.touches_taken(px.r, px.c) &&
+                grows_into(t, px.q, px.r, px.c, rn2, psferr, rules)) {
+                t.rejected[px.q] = SPEX_NEW_OUTLIER;
+                joined = 1;
+            }
+        }
+    } while (__syncthreads_or(joined));
+    SPEX_FOR_PIXELS(t, px) {
+        if (t.rejected[px.q] == 0 && t.tested(px.q, px.r, px.c) && t.touches_taken(px.r, px.c) &&
+            stands_out(t, px.q, px.r, px.c, rn2, psferr, rules))
+            t.rejected[px.q] = SPEX_CONTRAST;
+    }
+    __syncthreads();
+}
+
+// The contrast rule over the neighbours of the listed taken pixels: each candidate is judged
+// against the taken pixels alone (a pixel of the contrast does not count as taken), so that
+// the threads' order, and a candidate met twice, do not matter.
+__device__ void contrast_by_list(const TestedBox& t, double rn2, double psferr,
+                                 const PassRules& rules, const Frontier& f) {
+    int h = t.height();
+    unsigned int n = *f.len;
+    for (unsigned int i = threadIdx.x; i < 8 * n; i += blockDim.x) {
+        int p = f.list[i / 8], dr, dc;
+        neighbour(i % 8, &dr, &dc);
+        int r = p / t.width + dr, c = p % t.width + dc, q = r * t.width + c;
+        if (r < 0 || c < 0 || c >= t.width || r >= h || t.rejected[q] != 0) continue;
+        if (t.tested(q, r, c) && stands_out(t, q, r, c, rn2, psferr, rules))
+            t.rejected[q] = SPEX_CONTRAST;
+    }
+    __syncthreads();
+}
+
 // One block per tested patch: outliers::find_outliers on its box (the same pixels), the
-// outliers flagged in `rejected` for its next solve and counted in `counts[p]`. The positive
-// outliers grow into the 8-connected pixels beyond `grow_nsigma`, round by round over the box
-// until none joins; without one, the pixels below -nsigma are the outliers.
+// outliers flagged in `rejected` for its next solve and counted in `counts[p]`. The seeds (the
+// tested pixels beyond nsigma and the sharp untested ones) grow into the 8-connected pixels
+// beyond `grow_nsigma`; then the contrast rule takes the neighbours that stand out of theirs.
+// Without a seed, the tested pixels below -nsigma are the outliers.
 extern "C" __global__ void __launch_bounds__(SPEX_TEST_THREADS) outlier_test(
     const double* __restrict__ model, const unsigned char* __restrict__ core,
     unsigned char* rejected, const int* __restrict__ boxes,
     const long long* __restrict__ boxoff, const float* __restrict__ pix,
     const float* __restrict__ ivar, int sub_row0, int sub_col0, int sub_w, double nsigma,
-    double psferr, double grow_nsigma, int* __restrict__ counts) {
-    __shared__ unsigned int s_total;
+    double psferr, double grow_nsigma, double sharp_nsigma, double sharp_fraction,
+    double contrast_nsigma, int reach, int edge, int* __restrict__ counts) {
+    __shared__ unsigned int s_total, s_len;
+    __shared__ int s_over;
+    __shared__ int s_list[SPEX_TAKEN_LIST];
+    __shared__ unsigned int s_claimed[SPEX_CLAIM_PIXELS / 32];
     int p = blockIdx.x;
     int r0 = boxes[4 * p], r1 = boxes[4 * p + 1], c0 = boxes[4 * p + 2], c1 = boxes[4 * p + 3];
     size_t at = boxoff[p];
     TestedBox t{model + at, core + at, rejected + at, pix, ivar, r0, c0, c1 - c0,
                 (r1 - r0) * (c1 - c0), sub_row0, sub_col0, sub_w};
+    PassRules rules{nsigma, grow_nsigma, sharp_nsigma, sharp_fraction, contrast_nsigma, reach,
+                    edge};
+    Frontier f{s_list, &s_len, s_claimed, &s_over};
     double median;
     if (!read_noise_median(t, &median)) {
         if (threadIdx.x == 0) counts[p] = 0;
         return;
     }
+    if (threadIdx.x == 0) {
+        s_len = 0;
+        s_over = t.len > SPEX_CLAIM_PIXELS;
+    }
+    for (int i = threadIdx.x; i < SPEX_CLAIM_PIXELS / 32; i += blockDim.x) s_claimed[i] = 0;
+    __syncthreads();
     double rn2 = fmax(median, 0.0);
-    unsigned int mine = 0;
-    for (int q = threadIdx.x; q < t.len; q += blockDim.x)
-        if (t.tested(q) && t.pull(q, rn2, psferr) > nsigma) {
-            t.rejected[q] = SPEX_NEW_OUTLIER;
-            mine++;
+    SPEX_FOR_PIXELS(t, px) {
+        if (!t.weighted(px.q, px.r, px.c)) continue;
+        double pl = t.pull(px.q, px.r, px.c, rn2, psferr);
+        if ((t.core[px.q] && pl > nsigma) ||
+            sharp(t, px.q, px.r, px.c, pl, rn2, psferr, rules)) {
+            t.rejected[px.q] = SPEX_SEED;
+            f.add(px.q);
         }
-    bool seeds = block_count(mine, &s_total) > 0;
-    if (seeds) {
-        int joined;
-        do {
-            joined = 0;
-            for (int q = threadIdx.x; q < t.len; q += blockDim.x)
-                if (t.rejected[q] == 0 && t.tested(q) && t.touches_new(q) &&
-                    t.pull(q, rn2, psferr) > grow_nsigma) {
-                    t.rejected[q] = SPEX_NEW_OUTLIER;
-                    joined = 1;
-                }
-        } while (__syncthreads_or(joined));
+    }
+    __syncthreads();
+    if (s_len > 0) {
+        if (grow_by_frontier(t, rn2, psferr, rules, f))
+            contrast_by_list(t, rn2, psferr, rules, f);
+        else
+            grow_by_rounds(t, rn2, psferr, rules);
     } else {
-        for (int q = threadIdx.x; q < t.len; q += blockDim.x)
-            if (t.tested(q) && t.pull(q, rn2, psferr) < -nsigma) t.rejected[q] = SPEX_NEW_OUTLIER;
+        SPEX_FOR_PIXELS(t, px) {
+            if (t.tested(px.q, px.r, px.c) && t.pull(px.q, px.r, px.c, rn2, psferr) < -nsigma)
+                t.rejected[px.q] = SPEX_NEW_OUTLIER;
+        }
         __syncthreads();
     }
-    mine = 0;
+    unsigned int mine = 0;
     for (int q = threadIdx.x; q < t.len; q += blockDim.x)
-        if (t.rejected[q] == SPEX_NEW_OUTLIER) {
+        if (t.rejected[q] > 1) {
             t.rejected[q] = 1;
             mine++;
         }

@@ -21,6 +21,19 @@
 //! left the rest of the track in the flux after the last pass. On a frame without cosmics a
 //! pixel is beyond 2 sigma with probability 0.023, so a chance outlier takes 0.2 neighbours on
 //! average.
+//!
+//! Three more rules of a positive pass end most of the passes that would follow it. Each later
+//! pass used to find mostly clean pixels pushed past `NSIGMA` by track pixels the fit still
+//! held: those outside the tested footprint, never tested, and those at a trace's centre that
+//! the first fit absorbed. So a pass also takes
+//! - untested pixels (weighted, outside the core footprint) connected to an outlier beyond
+//!   [`GROW_NSIGMA`], within [`UNTESTED_REACH`] rows and columns of a seed;
+//! - as seeds, sharp untested pixels: beyond [`SHARP_NSIGMA`], with the median pull of their 8
+//!   neighbours below [`SHARP_FRACTION`] of their own (a track, not a spot's light from an
+//!   unsolved bin), at least [`SHARP_EDGE`] pixels inside the box;
+//! - the tested pixels next to an outlier whose pull exceeds the median pull of their own
+//!   tested, untaken neighbours by [`CONTRAST_NSIGMA`] (a track's pixel that the fit absorbed
+//!   stands out of its neighbours, not of the model).
 
 use ndarray::Array2;
 
@@ -28,11 +41,32 @@ use crate::extract::PatchResult;
 use crate::frame::Frame;
 use crate::plan::Plan;
 
-/// How many times a patch is solved again at most, after its first solve.
-pub const MAX_RESOLVES: usize = 3;
+/// How many times a patch is solved again at most, after its first solve. With the first
+/// pass's rules below a third re-solve was worth little on the simulated frames of
+/// docs/benchmarks.md (bins beyond 5 sigma 0, 0, 0 and 7 with it, 0, 0, 0 and 8 without; the
+/// pulls' std within 4e-4), while on the GPU each pass is a wave that the frame's end waits
+/// for.
+pub const MAX_RESOLVES: usize = 2;
 
 /// Pull above which a pixel connected to a positive outlier is rejected with it.
 pub const GROW_NSIGMA: f64 = 2.0;
+
+/// Rows and columns from a seed within which untested pixels join its growth.
+pub const UNTESTED_REACH: usize = 8;
+
+/// Pull above which an untested pixel may be a seed, when it is sharp.
+pub const SHARP_NSIGMA: f64 = 15.0;
+
+/// A sharp pixel's neighbours' median pull is below this fraction of its own.
+pub const SHARP_FRACTION: f64 = 0.2;
+
+/// Pixels between a sharp seed and the box's edge at least, so that its 8 neighbours are in
+/// the box and their light comes from bins the patch solves.
+pub const SHARP_EDGE: usize = 3;
+
+/// Pull above the median of its neighbours' at which a tested pixel next to an outlier goes
+/// with it.
+pub const CONTRAST_NSIGMA: f64 = 8.0;
 
 /// Default `NSIGMA` of `--reject-outliers` given without a value.
 pub const DEFAULT_NSIGMA: f64 = 5.0;
@@ -62,38 +96,152 @@ pub fn find_outliers(
     let Some(rn2) = read_noise_variance(ivar, model) else {
         return Vec::new();
     };
-    let pull = |p: usize| {
-        let m = model[p];
-        let var = rn2 + m.max(0.0) + (psferr * m) * (psferr * m);
-        (pix[p] - m) / var.sqrt()
-    };
-    let tested = |p: usize| core[p] && ivar[p] > 0.0;
-    let high: Vec<usize> = (0..pix.len())
-        .filter(|&p| tested(p) && pull(p) > nsigma)
+    let b = Pulls::new(pix, ivar, model, core, width, (rn2, psferr));
+    let seeds: Vec<usize> = (0..b.len())
+        .filter(|&p| (b.tested(p) && b.pull[p] > nsigma) || b.sharp(p))
         .collect();
-    if high.is_empty() {
-        return (0..pix.len())
-            .filter(|&p| tested(p) && pull(p) < -nsigma)
+    if seeds.is_empty() {
+        return (0..b.len())
+            .filter(|&p| b.tested(p) && b.pull[p] < -nsigma)
             .collect();
     }
-    grow(high, width, pix.len(), |p| {
-        tested(p) && pull(p) > GROW_NSIGMA
-    })
+    let near = b.near(&seeds, UNTESTED_REACH);
+    let mut out = grow(seeds, &b, |p| {
+        b.weighted(p) && (core[p] || near[p]) && b.pull[p] > GROW_NSIGMA
+    });
+    let contrast = b.contrast(&out);
+    out.extend(contrast);
+    out
+}
+
+/// The pulls of a patch's box and what the rules ask of its pixels.
+struct Pulls<'a> {
+    pull: Vec<f64>,
+    ivar: &'a [f64],
+    core: &'a [bool],
+    width: usize,
+    height: usize,
+}
+
+impl<'a> Pulls<'a> {
+    fn new(
+        pix: &[f64],
+        ivar: &'a [f64],
+        model: &[f64],
+        core: &'a [bool],
+        width: usize,
+        (rn2, psferr): (f64, f64),
+    ) -> Self {
+        let pull = pix
+            .iter()
+            .zip(model)
+            .map(|(&d, &m)| {
+                let var = rn2 + m.max(0.0) + (psferr * m) * (psferr * m);
+                (d - m) / var.sqrt()
+            })
+            .collect();
+        let height = pix.len() / width;
+        Pulls {
+            pull,
+            ivar,
+            core,
+            width,
+            height,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.pull.len()
+    }
+
+    fn weighted(&self, p: usize) -> bool {
+        self.ivar[p] > 0.0
+    }
+
+    fn tested(&self, p: usize) -> bool {
+        self.core[p] && self.weighted(p)
+    }
+
+    /// The 8 neighbours of `p` within the box.
+    fn around(&self, p: usize) -> impl Iterator<Item = usize> + '_ {
+        let (r, c) = (p / self.width, p % self.width);
+        let rows = r.saturating_sub(1)..=(r + 1).min(self.height - 1);
+        let cols = c.saturating_sub(1)..=(c + 1).min(self.width - 1);
+        rows.flat_map(move |r| cols.clone().map(move |c| r * self.width + c))
+            .filter(move |&q| q != p)
+    }
+
+    /// An untested pixel that is a seed: far beyond the tested threshold, far above its
+    /// neighbours, and away from the box's edges.
+    fn sharp(&self, p: usize) -> bool {
+        let (r, c) = (p / self.width, p % self.width);
+        let inside = |i: usize, n: usize| i >= SHARP_EDGE && i + SHARP_EDGE < n;
+        if self.core[p] || !self.weighted(p) || self.pull[p] <= SHARP_NSIGMA {
+            return false;
+        }
+        if !inside(r, self.height) || !inside(c, self.width) {
+            return false;
+        }
+        let others = self.around(p).filter(|&q| self.weighted(q));
+        median(others.map(|q| self.pull[q]).collect())
+            .is_some_and(|m| m < SHARP_FRACTION * self.pull[p])
+    }
+
+    /// Whether each pixel lies within `reach` rows and columns of one of `seeds`.
+    fn near(&self, seeds: &[usize], reach: usize) -> Vec<bool> {
+        let mut near = vec![false; self.len()];
+        for &s in seeds {
+            let (r, c) = (s / self.width, s % self.width);
+            let rows = r.saturating_sub(reach)..=(r + reach).min(self.height - 1);
+            for rr in rows {
+                let cols = c.saturating_sub(reach)..=(c + reach).min(self.width - 1);
+                near[rr * self.width + cols.start()..=rr * self.width + cols.end()].fill(true);
+            }
+        }
+        near
+    }
+
+    /// The tested pixels next to `taken` ones that stand out of their tested, untaken
+    /// neighbours by [`CONTRAST_NSIGMA`]; each is judged against `taken` alone, so that the
+    /// order does not matter.
+    fn contrast(&self, taken: &[usize]) -> Vec<usize> {
+        let mut is_taken = vec![false; self.len()];
+        for &p in taken {
+            is_taken[p] = true;
+        }
+        let free = |q: usize| self.tested(q) && !is_taken[q];
+        (0..self.len())
+            .filter(|&p| free(p) && self.around(p).any(|q| is_taken[q]))
+            .filter(|&p| {
+                let others = self.around(p).filter(|&q| free(q));
+                median(others.map(|q| self.pull[q]).collect())
+                    .is_some_and(|m| self.pull[p] - m > CONTRAST_NSIGMA)
+            })
+            .collect()
+    }
+}
+
+/// The median of a few values (the mean of the middle two for an even count); `None` for
+/// none.
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    v.sort_unstable_by(f64::total_cmp);
+    let n = v.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(v[n / 2]),
+        _ => Some((v[n / 2 - 1] + v[n / 2]) * 0.5),
+    }
 }
 
 /// `seeds` with every pixel connected to them through 8-neighbours that `takes`: a flood
-/// fill over a box of `len` pixels, `width` wide.
-fn grow(seeds: Vec<usize>, width: usize, len: usize, takes: impl Fn(usize) -> bool) -> Vec<usize> {
+/// fill over the box.
+fn grow(seeds: Vec<usize>, b: &Pulls<'_>, takes: impl Fn(usize) -> bool) -> Vec<usize> {
     let mut taken: std::collections::HashSet<usize> = seeds.iter().copied().collect();
     let mut out = seeds.clone();
     let mut stack = seeds;
     while let Some(p) = stack.pop() {
-        let (r, c) = (p / width, p % width);
-        let rows = r.saturating_sub(1)..=r + 1;
-        let cols = c.saturating_sub(1)..=(c + 1).min(width - 1);
-        let around = rows.flat_map(|r| cols.clone().map(move |c| r * width + c));
-        for q in around.filter(|&q| q < len) {
-            if q != p && !taken.contains(&q) && takes(q) {
+        for q in b.around(p) {
+            if !taken.contains(&q) && takes(q) {
                 taken.insert(q);
                 out.push(q);
                 stack.push(q);
@@ -234,5 +382,97 @@ mod tests {
         let mut found = find_outliers(&pix, &ivar, &model, &core, w, (5.0, 0.0));
         found.sort_unstable();
         assert_eq!(found, [2 * w + 2, 3 * w + 3, 4 * w + 3]);
+    }
+
+    /// A flat box of `w` x `h` pixels with read noise 3 on a model of 16, every pixel tested
+    /// but where `core` says otherwise, and a setter of pulls.
+    struct Flat {
+        w: usize,
+        model: Vec<f64>,
+        ivar: Vec<f64>,
+        core: Vec<bool>,
+        pix: Vec<f64>,
+    }
+
+    impl Flat {
+        fn new(w: usize, h: usize) -> Self {
+            let model = vec![16.0; w * h];
+            Flat {
+                w,
+                ivar: vec![1.0 / 25.0; w * h],
+                core: vec![true; w * h],
+                pix: model.clone(),
+                model,
+            }
+        }
+        fn set(&mut self, r: usize, c: usize, pull: f64) {
+            self.pix[r * self.w + c] = 16.0 + pull * 5.0;
+        }
+        fn outliers(&self) -> Vec<usize> {
+            let (b, w) = (self, self.w);
+            let mut found = find_outliers(&b.pix, &b.ivar, &b.model, &b.core, w, (5.0, 0.0));
+            found.sort_unstable();
+            found
+        }
+    }
+
+    /// Untested pixels join a seed's growth within reach of it, not beyond.
+    #[test]
+    fn growth_takes_untested_pixels_near_a_seed() {
+        let mut b = Flat::new(30, 6);
+        for p in 0..30 * 6 {
+            b.core[p] = p % 30 < 10;
+        }
+        b.set(2, 8, 6.0);
+        for c in 9..22 {
+            b.set(2, c, 3.0);
+        }
+        let reach = (8 + UNTESTED_REACH).min(29);
+        let want: Vec<usize> = (8..=reach).map(|c| 2 * 30 + c).collect();
+        assert_eq!(b.outliers(), want);
+        // without the seed nothing is tested beyond 5 sigma: no outlier
+        b.set(2, 8, 0.0);
+        assert!(b.outliers().is_empty());
+    }
+
+    /// An untested pixel far beyond 5 sigma is a seed when it stands alone, not when its
+    /// neighbours share its light, nor near the box's edge.
+    #[test]
+    fn a_sharp_untested_pixel_is_a_seed() {
+        let mut b = Flat::new(12, 12);
+        b.core = vec![false; 144];
+        b.set(6, 6, 20.0);
+        assert_eq!(b.outliers(), [6 * 12 + 6]);
+        for (r, c) in [(5, 5), (5, 6), (5, 7), (6, 5), (6, 7)] {
+            b.set(r, c, 5.0);
+        }
+        assert!(b.outliers().is_empty(), "a broad bump is not sharp");
+        let mut b = Flat::new(12, 12);
+        b.core = vec![false; 144];
+        b.set(SHARP_EDGE - 1, 6, 20.0);
+        assert!(b.outliers().is_empty(), "too near the edge");
+    }
+
+    /// A tested pixel next to an outlier is taken when it stands out of its other tested
+    /// neighbours by more than 8 sigma, though its own pull is small.
+    #[test]
+    fn a_neighbour_standing_out_of_its_own_goes_with_an_outlier() {
+        let around = [(2, 3), (2, 4), (2, 5), (3, 5), (4, 3), (4, 4), (4, 5)];
+        for (low, taken) in [(-8.0, true), (-6.0, false)] {
+            let mut b = Flat::new(8, 8);
+            b.set(3, 3, 6.0);
+            b.set(3, 4, 1.0);
+            for (r, c) in around {
+                b.set(r, c, low);
+            }
+            let want: &[usize] = if taken {
+                &[3 * 8 + 3, 3 * 8 + 4]
+            } else {
+                &[3 * 8 + 3]
+            };
+            assert_eq!(b.outliers(), want, "neighbours at {low}");
+        }
+        assert_eq!(median(vec![3.0, -1.0, 2.0, 0.0]), Some(1.0));
+        assert_eq!(median(vec![]), None);
     }
 }

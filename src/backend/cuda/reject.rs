@@ -37,7 +37,10 @@ use super::workspace::{Region, Slot, Workspace};
 use crate::backend::{FrameInput, Progress};
 use crate::error::{Error, Result};
 use crate::extract::PatchResult;
-use crate::outliers::{GROW_NSIGMA, MAX_RESOLVES};
+use crate::outliers::{
+    CONTRAST_NSIGMA, GROW_NSIGMA, MAX_RESOLVES, SHARP_EDGE, SHARP_FRACTION, SHARP_NSIGMA,
+    UNTESTED_REACH,
+};
 use crate::plan::Patch;
 use resolves::{Bounds, Pending};
 
@@ -236,6 +239,11 @@ fn test(g: Gpu<'_>, ws: &Workspace, n: usize, region: Region) -> Result<()> {
             .f64(nsigma)
             .f64(psferr)
             .f64(GROW_NSIGMA)
+            .f64(SHARP_NSIGMA)
+            .f64(SHARP_FRACTION)
+            .f64(CONTRAST_NSIGMA)
+            .i32(UNTESTED_REACH as i32)
+            .i32(SHARP_EDGE as i32)
             .ptr(b.counts.get().at(b.live_at)),
     )
 }
