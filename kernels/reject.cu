@@ -394,7 +394,7 @@ struct Frontier {
     }
 };
 
-// Neighbour k (0-7) of the box pixel p as a row and column offset.
+// Neighbour k (0-7) of a pixel, as a row and column offset.
 __device__ __forceinline__ void neighbour(int k, int* dr, int* dc) {
     int cell = k < 4 ? k : k + 1;
     *dr = cell / 3 - 1;
@@ -403,7 +403,8 @@ __device__ __forceinline__ void neighbour(int k, int* dr, int* dc) {
 
 // The growth from the seeds in `f`, ring by ring: each round looks only at the 8 neighbours
 // of the pixels the round before took, so that a pass costs the track's pixels, not the box
-// times the rounds. The same pixels as the rounds over the box (a closure does not depend on
+// times the rounds (with the walk without divisions, the test of a 650-patch wave took 468 us
+// instead of 821 on an H200, docs/benchmarks.md). The same pixels as the rounds over the box (a closure does not depend on
 // the order). False, in every thread, when the list overflowed (some taken pixels are not in
 // it).
 __device__ bool grow_by_frontier(const TestedBox& t, double rn2, double psferr,
