@@ -365,9 +365,9 @@ __device__ unsigned int block_count(unsigned int v, unsigned int* total) {
     return all;
 }
 
-// Pixels taken by a pass that its growth keeps in a list (shared memory), and the box
-// pixels a bitmap can mark as claimed; a pass with more, or a larger box, grows by rounds
-// over the whole box instead.
+// Pixels taken by a pass that its growth keeps in a list (shared memory; `list_cap` of them,
+// at most), and the box pixels a bitmap can mark as claimed; a pass with more, or a larger
+// box, grows by rounds over the whole box instead.
 #define SPEX_TAKEN_LIST 4096
 #define SPEX_CLAIM_PIXELS 65536
 
@@ -375,6 +375,7 @@ __device__ unsigned int block_count(unsigned int v, unsigned int* total) {
 // pixels its growth has claimed, in shared memory.
 struct Frontier {
     int* list;
+    unsigned int cap;
     unsigned int* len;
     unsigned int* claimed;
     int* over;
@@ -382,7 +383,7 @@ struct Frontier {
     // Adds q to the list; past its end, marks the list as overflowed.
     __device__ void add(int q) const {
         unsigned int i = atomicAdd(len, 1u);
-        if (i < SPEX_TAKEN_LIST)
+        if (i < cap)
             list[i] = q;
         else
             *over = 1;
@@ -413,7 +414,7 @@ __device__ bool grow_by_frontier(const TestedBox& t, double rn2, double psferr,
     unsigned int from = 0;
     for (;;) {
         __syncthreads();
-        unsigned int to = min(*f.len, (unsigned int)SPEX_TAKEN_LIST);
+        unsigned int to = min(*f.len, f.cap);
         bool over = *f.over;
         __syncthreads();
         if (over) return false;
@@ -484,7 +485,7 @@ extern "C" __global__ void __launch_bounds__(SPEX_TEST_THREADS) outlier_test(
     const long long* __restrict__ boxoff, const float* __restrict__ pix,
     const float* __restrict__ ivar, int sub_row0, int sub_col0, int sub_w, double nsigma,
     double psferr, double grow_nsigma, double sharp_nsigma, double sharp_fraction,
-    double contrast_nsigma, int reach, int edge, int* __restrict__ counts) {
+    double contrast_nsigma, int reach, int edge, int list_cap, int* __restrict__ counts) {
     __shared__ unsigned int s_total, s_len;
     __shared__ int s_over;
     __shared__ int s_list[SPEX_TAKEN_LIST];
@@ -496,7 +497,8 @@ extern "C" __global__ void __launch_bounds__(SPEX_TEST_THREADS) outlier_test(
                 (r1 - r0) * (c1 - c0), sub_row0, sub_col0, sub_w};
     PassRules rules{nsigma, grow_nsigma, sharp_nsigma, sharp_fraction, contrast_nsigma, reach,
                     edge};
-    Frontier f{s_list, &s_len, s_claimed, &s_over};
+    Frontier f{s_list, (unsigned int)min(max(list_cap, 0), SPEX_TAKEN_LIST), &s_len, s_claimed,
+               &s_over};
     double median;
     if (!read_noise_median(t, &median)) {
         if (threadIdx.x == 0) counts[p] = 0;

@@ -245,6 +245,12 @@ impl CudaBackend {
         self.tuning.poison = on;
     }
 
+    /// Limits the outlier test's list of taken pixels (for tests of the growth by rounds over
+    /// the box, which a pass takes when its list is full; None: the default).
+    pub fn set_outlier_list(&mut self, pixels: Option<u32>) {
+        self.tuning.outlier_list = pixels.map_or(reject::TAKEN_LIST, |n| n.min(reject::TAKEN_LIST));
+    }
+
     /// Limits the number of patches of a wave (for tests of the waves; the default follows the
     /// memory budget).
     pub fn set_max_wave(&mut self, patches: Option<usize>) {
@@ -489,10 +495,11 @@ impl CudaBackend {
         };
         if input.options.reject_outliers.is_some() {
             let tuning = &self.tuning;
-            return reject::finish_frame(gpu, tuning, ws, input, patches, host, queued, &mut sink);
-        }
-        for q in queued {
-            solve::finish_wave(gpu, ws, input, host, q, &mut sink)?;
+            reject::finish_frame(gpu, tuning, ws, input, patches, host, queued, &mut sink)?;
+        } else {
+            for q in queued {
+                solve::finish_wave(gpu, ws, input, host, q, &mut sink)?;
+            }
         }
         sink.timings.reached("every wave unpacked", started);
         Ok(())
@@ -559,7 +566,10 @@ impl CudaBackend {
         let frame_spots = nbundles * sh.bundle_spot_bytes();
         let keep_spots = reject::keeps_spots(rejecting, frame_spots, self.budget);
         let (nsigma, psferr) = (input.options.reject_outliers, input.options.psferr);
-        self.workspace.reject.start(nsigma, psferr, keep_spots);
+        let list = self.tuning.outlier_list;
+        self.workspace
+            .reject
+            .start(nsigma, psferr, keep_spots, list);
         let kept = if keep_spots { frame_spots } else { 0 };
         let size = self.wave_size(&sh, image_bytes + tables + kept + patches.len() * out_bytes);
         let buffers = self
@@ -611,6 +621,7 @@ impl CudaBackend {
         }
         // every wave is done (or the device synchronised above)
         self.dev.free_retired();
+        timings.reached("retired buffers freed", t0);
         let mut buffers = host.buffers;
         solved?;
         // later frames upload from pinned buffers, pinned in the background

@@ -58,6 +58,8 @@ pub(crate) struct Boxes {
     pass: usize,
     /// The test's NSIGMA and the PSF error of its noise.
     limits: (f64, f64),
+    /// Taken pixels the test's growth keeps in its list (`Tuning::outlier_list`).
+    list: u32,
     /// Where the wave being queued starts in the arrays.
     wave_at: usize,
     /// Where the wave being queued starts among the frame's live patches (in `counts`).
@@ -81,6 +83,7 @@ impl Boxes {
             keep_spots: false,
             pass: 0,
             limits: (0.0, 0.0),
+            list: TAKEN_LIST,
             wave_at: 0,
             live_at: 0,
             fit: Slot::new("model boxes of the outlier test"),
@@ -93,9 +96,10 @@ impl Boxes {
 
     /// Starts a frame: rejection at `nsigma` (None: off) with the noise's PSF error
     /// `psferr`, first pass; its spots kept for the re-solves where `keep_spots` (see
-    /// [`keeps_spots`]).
-    pub(crate) fn start(&mut self, nsigma: Option<f64>, psferr: f64, keep_spots: bool) {
+    /// [`keeps_spots`]); the test's growth keeps `list` taken pixels in its list.
+    pub(crate) fn start(&mut self, nsigma: Option<f64>, psferr: f64, keep_spots: bool, list: u32) {
         self.on = nsigma.is_some();
+        self.list = list;
         self.limits = (nsigma.unwrap_or(0.0), psferr);
         self.keep_spots = self.on && keep_spots;
         self.pass = 0;
@@ -213,6 +217,10 @@ pub(crate) fn keep_fit(
 /// Threads of a block of `outlier_test` (`SPEX_TEST_THREADS` in kernels/reject.cu).
 const TEST_THREADS: u32 = 1024;
 
+/// The most taken pixels the test's growth keeps in its list (`SPEX_TAKEN_LIST` in
+/// kernels/reject.cu, the size of its array in shared memory).
+pub(crate) const TAKEN_LIST: u32 = 4096;
+
 /// The outlier test of the wave's `n` patches on their model boxes, a block each: outliers
 /// flagged in `rejected`, how many in `counts`.
 fn test(g: Gpu<'_>, ws: &Workspace, n: usize, region: Region) -> Result<()> {
@@ -244,6 +252,7 @@ fn test(g: Gpu<'_>, ws: &Workspace, n: usize, region: Region) -> Result<()> {
             .f64(CONTRAST_NSIGMA)
             .i32(UNTESTED_REACH as i32)
             .i32(SHARP_EDGE as i32)
+            .i32(b.list as i32)
             .ptr(b.counts.get().at(b.live_at)),
     )
 }

@@ -65,6 +65,9 @@ pub(crate) struct Tuning {
     /// Fill icov with NaN before each wave's assembly (for tests: an entry that a kernel
     /// reads but the assembly did not write then shows in the results).
     pub poison: bool,
+    /// Taken pixels the outlier test's growth keeps in its list (at most
+    /// [`super::reject::TAKEN_LIST`]); a pass that takes more grows by rounds over its box.
+    pub outlier_list: u32,
 }
 
 impl Tuning {
@@ -106,6 +109,7 @@ impl Tuning {
             jacobi_tol: var("SPEX_GPU_JACOBI_TOL", 1e-14)?,
             jacobi_threads: var("SPEX_GPU_JACOBI_THREADS", 512)?,
             poison: false,
+            outlier_list: super::reject::TAKEN_LIST,
         })
     }
 }

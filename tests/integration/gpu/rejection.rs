@@ -85,6 +85,16 @@ fn gpu_rejects_the_pixels_the_cpu_rejects() {
     }
     gpu.set_solve(Solve::Schur);
     gpu.set_max_wave(None);
+    // The test's growth by rounds over the box, which a pass takes where its list of taken
+    // pixels is full (a long track, a large box): with no room in the list every pass with
+    // outliers takes it, and must take the same pixels as the frontier.
+    gpu.set_outlier_list(Some(0));
+    let (frame, r) = solve_on(&mut gpu, &hit, Some(5.0), true);
+    gpu.set_outlier_list(None);
+    say(&format!("growth by rounds over the box: {:?}", count(&r)));
+    assert_eq!(count(&r), count(&c), "growth by rounds");
+    assert_eq!(frame.mask, c_frame.mask, "growth by rounds");
+    assert_agree(&r, &c);
 
     let before = compare::pulls(&plain, &truth).unwrap();
     let after = compare::pulls(&g_frame, &truth).unwrap();
