@@ -64,24 +64,16 @@ __device__ __forceinline__ double from_total_order_key(unsigned long long k) {
     return __longlong_as_double((long long)b);
 }
 
-// The pixels of a box that a thread visits, strided by the block, with their row and column
-// (kept up to date without a division per pixel: the test's passes were bound by them).
-struct PixelWalk {
-    int q, r, c, sr, sc, width;
-    __device__ __forceinline__ explicit PixelWalk(int width_) : q(threadIdx.x), width(width_) {
-        r = q / width;
-        c = q - r * width;
-        sr = blockDim.x / width;
-        sc = blockDim.x - sr * width;
-    }
+// The pixels of a box that a thread visits, strided by the block: a StridedWalk (row and
+// column kept up to date without a division per pixel, which bound the test's passes) with
+// the pixel's index.
+struct PixelWalk : StridedWalk {
+    int q;
+    __device__ __forceinline__ explicit PixelWalk(int width)
+        : StridedWalk(threadIdx.x, blockDim.x, width), q(threadIdx.x) {}
     __device__ __forceinline__ void next() {
         q += blockDim.x;
-        c += sc;
-        r += sr;
-        if (c >= width) {
-            c -= width;
-            r += 1;
-        }
+        StridedWalk::next();
     }
 };
 
@@ -219,7 +211,7 @@ struct MedianRange {
 // The key of 1/ivar - max(model, 0) at q; false where the pixel has no weight.
 __device__ __forceinline__ bool noise_key(const TestedBox& t, const PixelWalk& px,
                                           unsigned long long* key) {
-    double iv = t.weight(px.q, px.r, px.c);
+    double iv = t.weight(px.q, px.row, px.col);
     if (!(iv > 0.0)) return false;
     *key = total_order_key(1.0 / iv - fmax(t.model[px.q], 0.0));
     return true;
@@ -395,22 +387,25 @@ struct Frontier {
     }
 };
 
-// Neighbour k (0-7) of a pixel, as a row and column offset.
-__device__ __forceinline__ void neighbour(int k, int* dr, int* dc) {
+// Neighbour k (0-7) of the box pixel p, as its row, column and index: false where it lies
+// outside the box or has a flag already (rejected before, or taken by this pass).
+__device__ __forceinline__ bool free_neighbour(const TestedBox& t, int p, int k, int* r, int* c,
+                                               int* q) {
     int cell = k < 4 ? k : k + 1;
-    *dr = cell / 3 - 1;
-    *dc = cell % 3 - 1;
+    *r = p / t.width + cell / 3 - 1;
+    *c = p % t.width + cell % 3 - 1;
+    *q = *r * t.width + *c;
+    return *r >= 0 && *c >= 0 && *c < t.width && *r < t.height() && t.rejected[*q] == 0;
 }
 
 // The growth from the seeds in `f`, ring by ring: each round looks only at the 8 neighbours
 // of the pixels the round before took, so that a pass costs the track's pixels, not the box
 // times the rounds (with the walk without divisions, the test of a 650-patch wave took 468 us
-// instead of 821 on an H200, docs/benchmarks.md). The same pixels as the rounds over the box (a closure does not depend on
-// the order). False, in every thread, when the list overflowed (some taken pixels are not in
-// it).
+// instead of 821 on an H200, docs/benchmarks.md). The same pixels as the rounds over the box
+// (a closure does not depend on the order). False, in every thread, when the list overflowed
+// (some taken pixels are not in it).
 __device__ bool grow_by_frontier(const TestedBox& t, double rn2, double psferr,
                                  const PassRules& rules, const Frontier& f) {
-    int h = t.height();
     unsigned int from = 0;
     for (;;) {
         __syncthreads();
@@ -420,10 +415,8 @@ __device__ bool grow_by_frontier(const TestedBox& t, double rn2, double psferr,
         if (over) return false;
         if (from == to) return true;
         for (unsigned int i = threadIdx.x; i < 8 * (to - from); i += blockDim.x) {
-            int p = f.list[from + i / 8], dr, dc;
-            neighbour(i % 8, &dr, &dc);
-            int r = p / t.width + dr, c = p % t.width + dc, q = r * t.width + c;
-            if (r < 0 || c < 0 || c >= t.width || r >= h || t.rejected[q] != 0) continue;
+            int r, c, q;
+            if (!free_neighbour(t, f.list[from + i / 8], i % 8, &r, &c, &q)) continue;
             if (grows_into(t, q, r, c, rn2, psferr, rules) && f.claim(q)) {
                 t.rejected[q] = SPEX_NEW_OUTLIER;
                 f.add(q);
@@ -441,16 +434,16 @@ __device__ void grow_by_rounds(const TestedBox& t, double rn2, double psferr,
     do {
         joined = 0;
         SPEX_FOR_PIXELS(t, px) {
-            if (t.rejected[px.q] == 0 && t.touches_taken(px.r, px.c) &&
-                grows_into(t, px.q, px.r, px.c, rn2, psferr, rules)) {
+            if (t.rejected[px.q] == 0 && t.touches_taken(px.row, px.col) &&
+                grows_into(t, px.q, px.row, px.col, rn2, psferr, rules)) {
                 t.rejected[px.q] = SPEX_NEW_OUTLIER;
                 joined = 1;
             }
         }
     } while (__syncthreads_or(joined));
     SPEX_FOR_PIXELS(t, px) {
-        if (t.rejected[px.q] == 0 && t.tested(px.q, px.r, px.c) && t.touches_taken(px.r, px.c) &&
-            stands_out(t, px.q, px.r, px.c, rn2, psferr, rules))
+        if (t.rejected[px.q] == 0 && t.tested(px.q, px.row, px.col) && t.touches_taken(px.row, px.col) &&
+            stands_out(t, px.q, px.row, px.col, rn2, psferr, rules))
             t.rejected[px.q] = SPEX_CONTRAST;
     }
     __syncthreads();
@@ -461,13 +454,10 @@ __device__ void grow_by_rounds(const TestedBox& t, double rn2, double psferr,
 // the threads' order, and a candidate met twice, do not matter.
 __device__ void contrast_by_list(const TestedBox& t, double rn2, double psferr,
                                  const PassRules& rules, const Frontier& f) {
-    int h = t.height();
     unsigned int n = *f.len;
     for (unsigned int i = threadIdx.x; i < 8 * n; i += blockDim.x) {
-        int p = f.list[i / 8], dr, dc;
-        neighbour(i % 8, &dr, &dc);
-        int r = p / t.width + dr, c = p % t.width + dc, q = r * t.width + c;
-        if (r < 0 || c < 0 || c >= t.width || r >= h || t.rejected[q] != 0) continue;
+        int r, c, q;
+        if (!free_neighbour(t, f.list[i / 8], i % 8, &r, &c, &q)) continue;
         if (t.tested(q, r, c) && stands_out(t, q, r, c, rn2, psferr, rules))
             t.rejected[q] = SPEX_CONTRAST;
     }
@@ -512,10 +502,10 @@ extern "C" __global__ void __launch_bounds__(SPEX_TEST_THREADS) outlier_test(
     __syncthreads();
     double rn2 = fmax(median, 0.0);
     SPEX_FOR_PIXELS(t, px) {
-        if (!t.weighted(px.q, px.r, px.c)) continue;
-        double pl = t.pull(px.q, px.r, px.c, rn2, psferr);
+        if (!t.weighted(px.q, px.row, px.col)) continue;
+        double pl = t.pull(px.q, px.row, px.col, rn2, psferr);
         if ((t.core[px.q] && pl > nsigma) ||
-            sharp(t, px.q, px.r, px.c, pl, rn2, psferr, rules)) {
+            sharp(t, px.q, px.row, px.col, pl, rn2, psferr, rules)) {
             t.rejected[px.q] = SPEX_SEED;
             f.add(px.q);
         }
@@ -528,7 +518,7 @@ extern "C" __global__ void __launch_bounds__(SPEX_TEST_THREADS) outlier_test(
             grow_by_rounds(t, rn2, psferr, rules);
     } else {
         SPEX_FOR_PIXELS(t, px) {
-            if (t.tested(px.q, px.r, px.c) && t.pull(px.q, px.r, px.c, rn2, psferr) < -nsigma)
+            if (t.tested(px.q, px.row, px.col) && t.pull(px.q, px.row, px.col, rn2, psferr) < -nsigma)
                 t.rejected[px.q] = SPEX_NEW_OUTLIER;
         }
         __syncthreads();

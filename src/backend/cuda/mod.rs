@@ -246,9 +246,10 @@ impl CudaBackend {
     }
 
     /// Limits the outlier test's list of taken pixels (for tests of the growth by rounds over
-    /// the box, which a pass takes when its list is full; None: the default).
+    /// the box, which a pass takes when its list is full; None: the default). The kernel holds
+    /// it to its list's size.
     pub fn set_outlier_list(&mut self, pixels: Option<u32>) {
-        self.tuning.outlier_list = pixels.map_or(reject::TAKEN_LIST, |n| n.min(reject::TAKEN_LIST));
+        self.tuning.outlier_list = pixels.unwrap_or(reject::TAKEN_LIST);
     }
 
     /// Limits the number of patches of a wave (for tests of the waves; the default follows the
