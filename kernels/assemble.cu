@@ -49,13 +49,16 @@ __device__ __forceinline__ double overlap_sum(const double* w, const double* b, 
 // the column is empty, spot -1); `w1` is j1's weighted spot, (x1, y1) its corner. The warp
 // screens 32 entries at once (a ballot of the overlapping ones), then computes the overlaps
 // two at a time, one per half-warp (half the reduction steps per overlap), each stored by the
-// lane that holds it. Entry `tdiag` is the diagonal, which also goes to `diag0`.
+// lane that holds it. Entry `tdiag` is the diagonal, which also goes to `diag0`. Where
+// `from` is given (a downdate: w1 holds only the pixels a test rejected since), each entry is
+// `from`'s less the overlap, and the diagonal `d0_from` less it.
 template <typename Spot>
 __device__ __forceinline__ void overlap_columns(const double* __restrict__ spots,
                                                 const int* __restrict__ corners,
                                                 const double* w1, int x1, int y1, int nx, int ny,
                                                 int tdiag, int lo, int hi, Spot spot,
-                                                double* icol, double* diag0, int lane) {
+                                                double* icol, double* diag0,
+                                                const double* from, double d0_from, int lane) {
     int size = nx * ny;
     int half = lane / SPEX_HALF, hl = lane % SPEX_HALF;
     for (int g = lo; g < hi; g += SPEX_WARP) {
@@ -69,7 +72,7 @@ __device__ __forceinline__ void overlap_columns(const double* __restrict__ spots
             dy = corners[2 * sid2 + 1] - y1;
             hit = dx < nx && dx > -nx && dy < ny && dy > -ny;
         }
-        if (mine && !hit) icol[t] = 0.0;
+        if (mine && !hit) icol[t] = from ? from[t] : 0.0;
         unsigned mask = __ballot_sync(0xffffffffu, hit);
         while (mask) {
             int b0 = __ffs(mask) - 1;
@@ -89,8 +92,8 @@ __device__ __forceinline__ void overlap_columns(const double* __restrict__ spots
             }
             for (int o = SPEX_HALF / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
             if (hl == 0 && b >= 0) {
-                icol[g + b] = sum;
-                if (g + b == tdiag) *diag0 = sum;
+                icol[g + b] = from ? from[g + b] - sum : sum;
+                if (g + b == tdiag) *diag0 = from ? d0_from - sum : sum;
             }
         }
     }
@@ -123,21 +126,57 @@ extern "C" __global__ void column_table(const int* __restrict__ first, int nb, i
 // `boxoff`; a flagged pixel has weight zero in that patch only (boxes overlap, and the image
 // is shared).
 //
+// `Kept` (a downdate, kernel `downdate_f64`): the patch starts from the equations it kept
+// after its last test (its slot of `kept`, `kept_slots[p]`, kernels/common.cuh KeptLayout)
+// and subtracts the terms of the pixels that test rejected (SPEX_FRESH) alone: the columns
+// whose spots lost none (most of them: the slot lists those pixels) copy their row as kept. Without it (`assemble_f64`) a patch that has a
+// slot is left to the downdate.
+//
 // Blocks of 128 threads, 12 per SM, which caps the kernel at 40 registers: the kernel waits
 // on L1 (Nsight Compute: 92% of its throughput), and at the 32 registers of 16 blocks per SM
 // it spilled (68 million local-memory requests in one 784-patch assembly) and took 11.6 ms per
 // full frame on an H100 against 11.1; at 48 registers, 10 blocks, it took 11.4.
 #define SPEX_COLUMNS 4
-extern "C" __global__ void __launch_bounds__(SPEX_COLUMNS * SPEX_WARP, 12) assemble_f64(
-    const double* __restrict__ spots, const int* __restrict__ corners,
-    const int* __restrict__ colspot, const int* __restrict__ boxes,
-    const int* __restrict__ patch_ids,
-    const float* __restrict__ pix, const float* __restrict__ ivar,
-    const long long* __restrict__ boxoff, const unsigned char* __restrict__ rejected,
-    int sub_row0, int sub_col0, int sub_w,
-    int m, int nx, int ny, int nwavetot, int ncore, int wavepad, int nwavestep, int band,
-    double* __restrict__ icov, double* __restrict__ y, double* __restrict__ fw,
-    double* __restrict__ diag0, double* __restrict__ pixmask) {
+#define SPEX_ASSEMBLY_ARGS                                                                       \
+    const double *__restrict__ spots, const int *__restrict__ corners,                          \
+        const int *__restrict__ colspot, const int *__restrict__ boxes,                          \
+        const int *__restrict__ patch_ids, const float *__restrict__ pix,                        \
+        const float *__restrict__ ivar, const long long *__restrict__ boxoff,                    \
+        const unsigned char *__restrict__ rejected, int sub_row0, int sub_col0, int sub_w, int m, \
+        int nx, int ny, int nwavetot, int ncore, int wavepad, int nwavestep, int band,           \
+        double *__restrict__ icov, double *__restrict__ y, double *__restrict__ fw,              \
+        double *__restrict__ diag0, double *__restrict__ pixmask,                                \
+        const int *__restrict__ kept_slots, const double *__restrict__ kept
+#define SPEX_ASSEMBLY_PASS                                                                       \
+    spots, corners, colspot, boxes, patch_ids, pix, ivar, boxoff, rejected, sub_row0, sub_col0, \
+        sub_w, m, nx, ny, nwavetot, ncore, wavepad, nwavestep, band, icov, y, fw, diag0,          \
+        pixmask, kept_slots, kept
+
+// Where column j1's masked weight goes among a patch's pixmask values (core columns of the
+// kept bins), -1 for a column of a padding fiber or bin.
+__device__ __forceinline__ int pixmask_index(int j1, int m, int nwavetot, int ncore, int wavepad,
+                                             int nwavestep) {
+    int c = j1 / nwavetot - (m / nwavetot - ncore), j = j1 % nwavetot - wavepad;
+    return c >= 0 && j >= 0 && j < nwavestep ? c * nwavestep + j : -1;
+}
+
+// Whether a pixel of the kept list of the pixels rejected since (row << 16 | column within the
+// box, kernels/reject.cu keep_equations) lies in the spot whose corner is (x, y) in box
+// coordinates; true where the list overflowed. For the calling warp.
+__device__ __forceinline__ bool spot_lost_pixels(const double* list, int x, int y, int nx, int ny,
+                                                 int lane) {
+    int len = (int)list[0];
+    if (len > SPEX_KEPT_LIST) return true;
+    bool hit = false;
+    for (int i = lane; i < len; i += SPEX_WARP) {
+        int e = (int)list[1 + i], r = e >> 16, c = e & 0xffff;
+        hit |= r >= y && r < y + ny && c >= x && c < x + nx;
+    }
+    return __any_sync(0xffffffffu, hit);
+}
+
+template <bool Kept>
+__device__ __forceinline__ void assemble_column(SPEX_ASSEMBLY_ARGS) {
     extern __shared__ double sm[];
     int size = nx * ny;
     int lane = threadIdx.x % SPEX_WARP, warp = threadIdx.x / SPEX_WARP;
@@ -146,9 +185,13 @@ extern "C" __global__ void __launch_bounds__(SPEX_COLUMNS * SPEX_WARP, 12) assem
     int j1 = blockIdx.x * SPEX_COLUMNS + warp;
     int p = patch_of(patch_ids, blockIdx.y);
     if (p < 0 || j1 >= m) return;
+    int slot = kept_slots ? kept_slots[p] : -1;
+    if (Kept != (slot >= 0)) return;
     const int* cs = colspot + (size_t)p * m;
     int row_len = icov_row_len(band, m, nwavetot);
     double* icol = icov + ((size_t)p * m + j1) * row_len;
+    KeptLayout kl{m, row_len, ncore * nwavestep};
+    const double* base = Kept ? kept + (size_t)slot * kl.size() : nullptr;
     int sid1 = cs[j1];
     if (sid1 < 0) {
         for (int j2 = band ? lane : j1 + lane; j2 < row_len; j2 += SPEX_WARP) icol[j2] = 0.0;
@@ -162,6 +205,20 @@ extern "C" __global__ void __launch_bounds__(SPEX_COLUMNS * SPEX_WARP, 12) assem
     int r0 = boxes[4 * p], r1 = boxes[4 * p + 1], c0 = boxes[4 * p + 2], c1 = boxes[4 * p + 3];
     int x1 = corners[2 * sid1], y1 = corners[2 * sid1 + 1];
     const double* a1 = spots + (size_t)sid1 * size;
+    if (Kept && !spot_lost_pixels(base + kl.fresh(), x1 - c0, y1 - r0, nx, ny, lane)) {
+        // no pixel of this column's spot was rejected since: all as kept
+        const double* from = base + (size_t)j1 * row_len;
+        for (int t = lane; t < row_len; t += SPEX_WARP) icol[t] = from[t];
+        if (lane == 0) {
+            size_t at = (size_t)p * m + j1;
+            y[at] = base[kl.y() + j1];
+            fw[at] = base[kl.fw() + j1];
+            diag0[at] = base[kl.diag0() + j1];
+            int pm = pixmask_index(j1, m, nwavetot, ncore, wavepad, nwavestep);
+            if (pm >= 0) pixmask[(size_t)p * kl.nmask + pm] = base[kl.pixmask() + pm];
+        }
+        return;
+    }
 
     double sy = 0.0, sw = 0.0, smask = 0.0;
     StridedWalk px(lane, SPEX_WARP, nx);
@@ -171,44 +228,44 @@ extern "C" __global__ void __launch_bounds__(SPEX_COLUMNS * SPEX_WARP, 12) assem
         double w = 0.0;
         if (rr >= r0 && rr < r1 && cc >= c0 && cc < c1) {
             size_t k = (size_t)(rr - sub_row0) * sub_w + (cc - sub_col0);
-            double iv = rejected_pixel(rejected, boxoff, p, rr - r0, cc - c0, c1 - c0)
-                            ? 0.0
-                            : (double)ivar[k];
+            unsigned char f = rejected_flag(rejected, boxoff, p, rr - r0, cc - c0, c1 - c0);
+            // a downdate weighs the pixels rejected since the kept equations alone
+            double iv = (Kept ? f == SPEX_FRESH : f == 0) ? (double)ivar[k] : 0.0;
             double a = a1[s];
             w = a * iv;
             sy += w * (double)pix[k];
             sw += w;
-            if (iv == 0.0) smask += a;
+            if ((iv == 0.0) != Kept) smask += a;
         }
         w1[s] = w;
     }
     sy = warp_sum(sy);
     sw = warp_sum(sw);
     smask = warp_sum(smask);
-    int blk = j1 / nwavetot;
     if (lane == 0) {
-        y[(size_t)p * m + j1] = sy;
-        fw[(size_t)p * m + j1] = sw;
-        int w = j1 % nwavetot;
-        int nblk = m / nwavetot;
-        int c = blk - (nblk - ncore);
-        int j = w - wavepad;
-        if (c >= 0 && j >= 0 && j < nwavestep) pixmask[((size_t)p * ncore + c) * nwavestep + j] = smask;
+        size_t at = (size_t)p * m + j1;
+        y[at] = Kept ? base[kl.y() + j1] - sy : sy;
+        fw[at] = Kept ? base[kl.fw() + j1] - sw : sw;
+        int pm = pixmask_index(j1, m, nwavetot, ncore, wavepad, nwavestep);
+        if (pm >= 0)
+            pixmask[(size_t)p * kl.nmask + pm] = Kept ? base[kl.pixmask() + pm] + smask : smask;
     }
     // the weighted spot, to every lane of the warp
     __syncwarp();
 
     double* d0 = diag0 + (size_t)p * m + j1;
+    const double* from = Kept ? base + (size_t)j1 * row_len : nullptr;
+    double d0_from = Kept ? base[kl.diag0() + j1] : 0.0;
     if (!band) {
         overlap_columns(spots, corners, w1, x1, y1, nx, ny, j1, j1, m,
-                        [&](int t) { return cs[t]; }, icol, d0, lane);
+                        [&](int t) { return cs[t]; }, icol, d0, from, d0_from, lane);
         return;
     }
     // band: the rest of j1's own block, then the blocks of the next two fibers along the CCD,
     // one run of entries (those of fibers that do not exist are left out); a block's spots
     // are consecutive, from its first
     int n = nwavetot, nb = m / n;
-    int own = cs[blk * n];
+    int own = cs[(j1 / n) * n];
     int next = next_fiber_spot(cs, n, nb, own, lane);
     int after = next_fiber_spot(cs, n, nb, next, lane);
     int hi = next < 0 ? n : after < 0 ? 2 * n : 3 * n;
@@ -217,7 +274,17 @@ extern "C" __global__ void __launch_bounds__(SPEX_COLUMNS * SPEX_WARP, 12) assem
                         int slot = t >= n ? (t >= 2 * n ? 2 : 1) : 0;
                         return (slot == 0 ? own : slot == 1 ? next : after) + t - slot * n;
                     },
-                    icol, d0, lane);
+                    icol, d0, from, d0_from, lane);
+}
+
+extern "C" __global__ void __launch_bounds__(SPEX_COLUMNS* SPEX_WARP, 12)
+    assemble_f64(SPEX_ASSEMBLY_ARGS) {
+    assemble_column<false>(SPEX_ASSEMBLY_PASS);
+}
+
+extern "C" __global__ void __launch_bounds__(SPEX_COLUMNS* SPEX_WARP, 12)
+    downdate_f64(SPEX_ASSEMBLY_ARGS) {
+    assemble_column<true>(SPEX_ASSEMBLY_PASS);
 }
 
 // Step 2 of the solve, one block per patch: icov += diag(alpha^2 + 1e-15) from the

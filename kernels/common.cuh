@@ -99,11 +99,50 @@ __device__ __forceinline__ int patch_of(const int* patch_ids, int i) {
 // Whether outlier rejection gave pixel (row, col) of patch p's box, `width` wide, weight zero:
 // `rejected` holds a flag per pixel of every box, patch p's from `boxoff[p]` on; null when
 // outliers are not rejected.
+__device__ __forceinline__ unsigned char rejected_flag(const unsigned char* rejected,
+                                                      const long long* boxoff, int p, int row,
+                                                      int col, int width) {
+    return rejected ? rejected[boxoff[p] + (size_t)row * width + col] : 0;
+}
+
 __device__ __forceinline__ bool rejected_pixel(const unsigned char* rejected,
                                                const long long* boxoff, int p, int row, int col,
                                                int width) {
-    return rejected && rejected[boxoff[p] + (size_t)row * width + col];
+    return rejected_flag(rejected, boxoff, p, row, col, width) != 0;
 }
+
+// Whether column j of a patch is one the outlier test looks at: the core fibers' bins but the
+// outer half of the wavelength padding on each side (`tested_columns` in
+// src/backend/cpu/reject.rs); the core fibers are the last `ncore` blocks of `nwavetot`
+// columns of the m.
+__device__ __forceinline__ bool tested_column(int j, int m, int nwavetot, int ncore,
+                                              int wavepad) {
+    int w = j % nwavetot;
+    return j / nwavetot >= m / nwavetot - ncore && w >= wavepad / 2 &&
+           w < nwavetot - wavepad / 2;
+}
+
+// Flags of a rejected pixel between tests (kernels/reject.cu has those within a test):
+// rejected by the last test (SPEX_FRESH), whose terms a patch's next solve subtracts from its
+// kept normal equations, or by one before it (SPEX_REJECTED). Any flag is weight zero.
+#define SPEX_REJECTED 1
+#define SPEX_FRESH 5
+
+// Where a slot of the normal equations kept for a patch's next solve (`reject::kept`) holds
+// each part: icov's stored rows (m x row_len), y, fluxweight and diag0 (m each), the masked
+// weight of each core spot (nmask = ncore x nwavestep), as the assembly wrote them; then the
+// pixels the test rejected, their number and up to SPEX_KEPT_LIST of them (row << 16 |
+// column within the box; a longer list is not kept, and every column is downdated).
+#define SPEX_KEPT_LIST 512
+struct KeptLayout {
+    int m, row_len, nmask;
+    __device__ size_t y() const { return (size_t)m * row_len; }
+    __device__ size_t fw() const { return y() + m; }
+    __device__ size_t diag0() const { return y() + 2 * (size_t)m; }
+    __device__ size_t pixmask() const { return y() + 3 * (size_t)m; }
+    __device__ size_t fresh() const { return pixmask() + nmask; }
+    __device__ size_t size() const { return fresh() + 1 + SPEX_KEPT_LIST; }
+};
 
 // icov's storage, written by kernels/assemble.cu. Only one triangle of the symmetric matrix is
 // stored, each overlap computed once.

@@ -1,44 +1,8 @@
-// Outlier rejection (`--reject-outliers`, src/backend/cuda/reject.rs): the pixels of each
-// patch's box that the outlier test looks at, and the test itself, on the model boxes the
-// finalize step projects (kernels/finalize.cu).
+// Outlier rejection (`--reject-outliers`, src/backend/cuda/reject.rs): the outlier test, on
+// the model boxes the finalize step projects (kernels/finalize.cu), which also flags the
+// pixels the test looks at; the normal equations kept for the re-solves.
 
 #include "common.cuh"
-
-// One block per (tested column, patch): flags the box pixels where the spot of a tested
-// column is positive. The tested columns are the core fibers' bins but the outer half of the
-// wavelength padding on each side (`tested_columns` in src/backend/cpu/reject.rs); the core
-// fibers are the last `ncore` blocks of `nwavetot` columns. The grid holds the tested columns
-// alone, `ncore` times `tested_waves(nwavetot, wavepad)` (`tested_columns` in
-// src/backend/cuda/reject.rs): a block per column of the patch, most of which returned at
-// once, took 0.54 ms instead of 0.38 on a full-width frame.
-__device__ __forceinline__ int tested_waves(int nwavetot, int wavepad) {
-    return nwavetot - 2 * (wavepad / 2);
-}
-
-extern "C" __global__ void core_pixels(const double* __restrict__ spots,
-                                       const int* __restrict__ corners,
-                                       const int* __restrict__ colspot,
-                                       const int* __restrict__ boxes,
-                                       const long long* __restrict__ boxoff, int m, int nx,
-                                       int ny, int nwavetot, int ncore, int wavepad,
-                                       unsigned char* __restrict__ core) {
-    int per = tested_waves(nwavetot, wavepad), p = blockIdx.y;
-    int nblk = m / nwavetot, b = nblk - ncore + (int)blockIdx.x / per;
-    int j = b * nwavetot + wavepad / 2 + (int)blockIdx.x % per;
-    int sid = colspot[(size_t)p * m + j];
-    if (sid < 0) return;
-    int r0 = boxes[4 * p], r1 = boxes[4 * p + 1], c0 = boxes[4 * p + 2], c1 = boxes[4 * p + 3];
-    int width = c1 - c0;
-    int xc = corners[2 * sid], yc = corners[2 * sid + 1];
-    const double* a = spots + (size_t)sid * nx * ny;
-    unsigned char* out = core + boxoff[p];
-    StridedWalk px(threadIdx.x, blockDim.x, nx);
-    for (int s = threadIdx.x; s < nx * ny; s += blockDim.x, px.next()) {
-        int rr = yc + px.row, cc = xc + px.col;
-        if (a[s] > 0.0 && rr >= r0 && rr < r1 && cc >= c0 && cc < c1)
-            out[(size_t)(rr - r0) * width + (cc - c0)] = 1;
-    }
-}
 
 // Threads of a block of outlier_test: as many as a block takes. A test is a chain of passes
 // over its box (the median's rounds, the pulls, each round of growth), and the last waves of
@@ -47,8 +11,9 @@ extern "C" __global__ void core_pixels(const double* __restrict__ spots,
 // instead of 1.91 (an H200; the first PSF's 500 x 801 frame of docs/benchmarks.md).
 #define SPEX_TEST_THREADS 1024
 
-// Flags of `rejected` during a test (1 is a pixel rejected before it, which has weight zero):
-// a pixel this pass grew into, one of its seeds, one it took for its contrast.
+// Flags of `rejected` during a test (SPEX_REJECTED and SPEX_FRESH, kernels/common.cuh, are
+// pixels rejected before it, which have weight zero): a pixel this pass grew into, one of its
+// seeds, one it took for its contrast.
 #define SPEX_NEW_OUTLIER 2
 #define SPEX_SEED 3
 #define SPEX_CONTRAST 4
@@ -94,7 +59,9 @@ struct TestedBox {
     }
     // The pixel's weight at the start of the pass: 0 where rejected before.
     __device__ double weight(int q, int r, int c) const {
-        return rejected[q] == 1 ? 0.0 : (double)ivar[image_index(r, c)];
+        return rejected[q] == SPEX_REJECTED || rejected[q] == SPEX_FRESH
+                   ? 0.0
+                   : (double)ivar[image_index(r, c)];
     }
     __device__ bool weighted(int q, int r, int c) const { return weight(q, r, c) > 0.0; }
     __device__ bool tested(int q, int r, int c) const { return core[q] && weighted(q, r, c); }
@@ -523,12 +490,98 @@ extern "C" __global__ void __launch_bounds__(SPEX_TEST_THREADS) outlier_test(
         }
         __syncthreads();
     }
+    // the last test's outliers are in this solve's equations; this one's go to the next
     unsigned int mine = 0;
-    for (int q = threadIdx.x; q < t.len; q += blockDim.x)
-        if (t.rejected[q] > 1) {
-            t.rejected[q] = 1;
+    for (int q = threadIdx.x; q < t.len; q += blockDim.x) {
+        unsigned char r = t.rejected[q];
+        if (r == SPEX_FRESH) {
+            t.rejected[q] = SPEX_REJECTED;
+        } else if (r > SPEX_REJECTED) {
+            t.rejected[q] = SPEX_FRESH;
             mine++;
         }
+    }
     unsigned int found = block_count(mine, &s_total);
     if (threadIdx.x == 0) counts[p] = (int)found;
+}
+
+// After a test, before its patches' equations are overwritten by the next wave: a slot of
+// `kept` for each of the wave's `n` patches with outliers (counts[p] > 0), in the wave's
+// order from the frame's count `next` on, -1 for the others and beyond `capacity` (those are
+// assembled again). The order, not the device's timing, decides which patches get one. One
+// block; each thread takes a run of consecutive patches.
+extern "C" __global__ void __launch_bounds__(1024) kept_slots(const int* __restrict__ counts,
+                                                              int n, int capacity,
+                                                              int* __restrict__ next,
+                                                              int* __restrict__ slots) {
+    __shared__ int s_scan[1024];
+    int per = (n + (int)blockDim.x - 1) / (int)blockDim.x;
+    int lo = min(n, (int)threadIdx.x * per), hi = min(n, lo + per);
+    int mine = 0;
+    for (int i = lo; i < hi; i++) mine += counts[i] > 0;
+    s_scan[threadIdx.x] = mine;
+    __syncthreads();
+    for (int off = 1; off < (int)blockDim.x; off <<= 1) {
+        int v = (int)threadIdx.x >= off ? s_scan[threadIdx.x - off] : 0;
+        __syncthreads();
+        s_scan[threadIdx.x] += v;
+        __syncthreads();
+    }
+    int base = *next;
+    int at = base + s_scan[threadIdx.x] - mine;
+    for (int i = lo; i < hi; i++) {
+        bool with = counts[i] > 0;
+        slots[i] = with && at < capacity ? at : -1;
+        at += with;
+    }
+    __syncthreads();
+    if (threadIdx.x == blockDim.x - 1) *next = base + s_scan[threadIdx.x];
+}
+
+// Copies the normal equations of the wave's patch blockIdx.y, as its assembly left them
+// (icov's regularised diagonal aside, which diag0 restores), into its slot of `kept` where it
+// has one (kernels/common.cuh, KeptLayout), and lists there the pixels of its box the test
+// just rejected (SPEX_FRESH), in any order: the downdate only asks whether a spot holds one.
+// No kernel of the Schur route writes the equations after the assembly: its sweeps and the
+// decorrelation have their own buffers.
+extern "C" __global__ void keep_equations(const int* __restrict__ slots,
+                                          const double* __restrict__ icov,
+                                          const double* __restrict__ y,
+                                          const double* __restrict__ fw,
+                                          const double* __restrict__ diag0,
+                                          const double* __restrict__ pixmask,
+                                          const unsigned char* __restrict__ rejected,
+                                          const int* __restrict__ boxes,
+                                          const long long* __restrict__ boxoff, int m,
+                                          int row_len, int nmask, double* __restrict__ kept) {
+    __shared__ int s_len;
+    int p = blockIdx.y, slot = slots[p];
+    if (slot < 0) return;
+    KeptLayout k{m, row_len, nmask};
+    double* to = kept + (size_t)slot * k.size();
+    if (blockIdx.x == 0) {
+        if (threadIdx.x == 0) s_len = 0;
+        __syncthreads();
+        int width = boxes[4 * p + 3] - boxes[4 * p + 2];
+        int len = (boxes[4 * p + 1] - boxes[4 * p]) * width;
+        const unsigned char* flags = rejected + boxoff[p];
+        for (int q = threadIdx.x; q < len; q += blockDim.x) {
+            if (flags[q] != SPEX_FRESH) continue;
+            int at = atomicAdd(&s_len, 1);
+            if (at < SPEX_KEPT_LIST) to[k.fresh() + 1 + at] = (double)((q / width) << 16 | q % width);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) to[k.fresh()] = (double)s_len;
+    }
+    size_t step = (size_t)gridDim.x * blockDim.x;
+    size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const double* a = icov + (size_t)p * k.y();
+    for (size_t i = first; i < k.y(); i += step) to[i] = a[i];
+    for (size_t i = first; i < (size_t)m; i += step) {
+        to[k.y() + i] = y[(size_t)p * m + i];
+        to[k.fw() + i] = fw[(size_t)p * m + i];
+        to[k.diag0() + i] = diag0[(size_t)p * m + i];
+    }
+    for (size_t i = first; i < (size_t)nmask; i += step)
+        to[k.pixmask() + i] = pixmask[(size_t)p * nmask + i];
 }

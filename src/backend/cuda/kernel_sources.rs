@@ -28,7 +28,12 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
     (
         "assemble.cu",
         include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/assemble.cu")),
-        &["column_table", "assemble_f64", "regularize_f64"],
+        &[
+            "column_table",
+            "assemble_f64",
+            "downdate_f64",
+            "regularize_f64",
+        ],
     ),
     (
         "factor.cu",
@@ -66,7 +71,7 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
     (
         "reject.cu",
         include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/reject.cu")),
-        &["core_pixels", "outlier_test"],
+        &["outlier_test", "kept_slots", "keep_equations"],
     ),
 ];
 

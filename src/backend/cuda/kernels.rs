@@ -247,6 +247,7 @@ pub(crate) struct Kernels {
     pub spots: CudaFunction,
     pub column_table: CudaFunction,
     pub assemble: CudaFunction,
+    pub downdate: CudaFunction,
     pub regularize: CudaFunction,
     pub eye: CudaFunction,
     pub schur_sweep: CudaFunction,
@@ -257,8 +258,9 @@ pub(crate) struct Kernels {
     pub decorrelate: CudaFunction,
     pub project: CudaFunction,
     pub chi2pix: CudaFunction,
-    pub core_pixels: CudaFunction,
     pub outlier_test: CudaFunction,
+    pub kept_slots: CudaFunction,
+    pub keep_equations: CudaFunction,
 }
 
 impl Kernels {
@@ -306,6 +308,7 @@ impl Kernels {
             spots: take("spots_f64"),
             column_table: take("column_table"),
             assemble: take("assemble_f64"),
+            downdate: take("downdate_f64"),
             regularize: take("regularize_f64"),
             eye: take("eye_f64"),
             schur_sweep: take("schur_sweep_f64"),
@@ -316,8 +319,9 @@ impl Kernels {
             decorrelate: take("decorrelate_f64"),
             project: take("project_f64"),
             chi2pix: take("chi2pix_f64"),
-            core_pixels: take("core_pixels"),
             outlier_test: take("outlier_test"),
+            kept_slots: take("kept_slots"),
+            keep_equations: take("keep_equations"),
             _modules: modules,
         })
     }
@@ -458,7 +462,7 @@ mod cache {
 
 /// Kernel arguments, each stored in an 8-byte slot (pointers, i32, i64, f64); the driver reads
 /// as many bytes from a slot as the kernel's parameter has (little-endian).
-#[derive(Default)]
+#[derive(Default, Clone)]
 pub(crate) struct Args {
     slots: Vec<u64>,
 }

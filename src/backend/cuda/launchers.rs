@@ -116,42 +116,57 @@ pub(crate) fn assemble(
     let band = i32::from(solve == Solve::Schur);
     let size = sh.nx * sh.ny;
     let ids_ptr = ids.map_or(0, |b| b.ptr);
-    launch(
-        g.dev,
-        &g.k.assemble,
-        "assemble_f64",
-        (m.div_ceil(ASSEMBLY_COLUMNS) as u32, n as u32, 1),
-        // a warp per column, the kernel's launch bounds
-        32 * ASSEMBLY_COLUMNS as u32,
-        // a weighted spot per warp
-        ASSEMBLY_COLUMNS * size * 8,
-        Args::new()
-            .ptr(ws.spots_ptr())
-            .ptr(ws.view.corners)
-            .ptr(ws.colspot.get().ptr)
-            .ptr(ws.view.boxes)
-            .ptr(ids_ptr)
-            .ptr(ws.view.pix)
-            .ptr(ws.view.ivar)
-            .ptr(ws.view.boxoff)
-            .ptr(ws.reject.rejected_ptr())
-            .i32(region.row0 as i32)
-            .i32(region.col0 as i32)
-            .i32(region.width as i32)
-            .i32(m as i32)
-            .i32(sh.nx as i32)
-            .i32(sh.ny as i32)
-            .i32(sh.nt as i32)
-            .i32(sh.ncore as i32)
-            .i32(sh.wavepad as i32)
-            .i32(sh.nws as i32)
-            .i32(band)
-            .ptr(ws.icov.get().ptr)
-            .ptr(ws.y.get().ptr)
-            .ptr(ws.fw.get().ptr)
-            .ptr(ws.diag0.get().ptr)
-            .ptr(ws.pixmask.get().ptr),
-    )?;
+    let (kept_slots, kept) = ws.reject.kept_args();
+    let args = Args::new()
+        .ptr(ws.spots_ptr())
+        .ptr(ws.view.corners)
+        .ptr(ws.colspot.get().ptr)
+        .ptr(ws.view.boxes)
+        .ptr(ids_ptr)
+        .ptr(ws.view.pix)
+        .ptr(ws.view.ivar)
+        .ptr(ws.view.boxoff)
+        .ptr(ws.reject.weights_ptr())
+        .i32(region.row0 as i32)
+        .i32(region.col0 as i32)
+        .i32(region.width as i32)
+        .i32(m as i32)
+        .i32(sh.nx as i32)
+        .i32(sh.ny as i32)
+        .i32(sh.nt as i32)
+        .i32(sh.ncore as i32)
+        .i32(sh.wavepad as i32)
+        .i32(sh.nws as i32)
+        .i32(band)
+        .ptr(ws.icov.get().ptr)
+        .ptr(ws.y.get().ptr)
+        .ptr(ws.fw.get().ptr)
+        .ptr(ws.diag0.get().ptr)
+        .ptr(ws.pixmask.get().ptr)
+        .ptr(kept_slots)
+        .ptr(kept);
+    // the patches that start from kept equations (a re-solve), then the others
+    let kernels: &[(&_, &str)] = if kept_slots != 0 {
+        &[
+            (&g.k.downdate, "downdate_f64"),
+            (&g.k.assemble, "assemble_f64"),
+        ]
+    } else {
+        &[(&g.k.assemble, "assemble_f64")]
+    };
+    for (k, name) in kernels {
+        launch(
+            g.dev,
+            k,
+            name,
+            (m.div_ceil(ASSEMBLY_COLUMNS) as u32, n as u32, 1),
+            // a warp per column, the kernel's launch bounds
+            32 * ASSEMBLY_COLUMNS as u32,
+            // a weighted spot per warp
+            ASSEMBLY_COLUMNS * size * 8,
+            args.clone(),
+        )?;
+    }
     launch(
         g.dev,
         &g.k.regularize,
@@ -329,7 +344,13 @@ pub(crate) fn jacobi(
 }
 
 /// Adds A x of the `n` patches into their model boxes.
-pub(crate) fn project(g: Gpu<'_>, n: usize, ws: &Workspace, x: &DevBuf<f64>) -> Result<()> {
+pub(crate) fn project(
+    g: Gpu<'_>,
+    n: usize,
+    ws: &Workspace,
+    x: &DevBuf<f64>,
+    core: u64,
+) -> Result<()> {
     let sh = g.sh;
     let m = sh.m();
     launch(
@@ -349,7 +370,11 @@ pub(crate) fn project(g: Gpu<'_>, n: usize, ws: &Workspace, x: &DevBuf<f64>) -> 
             .i32(m as i32)
             .i32(sh.nx as i32)
             .i32(sh.ny as i32)
-            .ptr(ws.model.get().ptr),
+            .ptr(ws.model.get().ptr)
+            .ptr(core)
+            .i32(sh.nt as i32)
+            .i32(sh.ncore as i32)
+            .i32(sh.wavepad as i32),
     )
 }
 
@@ -363,6 +388,7 @@ pub(crate) fn chi2pix(
     ws: &Workspace,
     region: Region,
     psferr: f64,
+    outliers: u64,
 ) -> Result<()> {
     let sh = g.sh;
     launch(
@@ -381,7 +407,7 @@ pub(crate) fn chi2pix(
             .ptr(ws.model.get().ptr)
             .ptr(ws.view.pix)
             .ptr(ws.view.ivar)
-            .ptr(ws.reject.rejected_ptr())
+            .ptr(ws.reject.weights_ptr())
             .i32(region.row0 as i32)
             .i32(region.col0 as i32)
             .i32(region.width as i32)
@@ -394,6 +420,7 @@ pub(crate) fn chi2pix(
             .i32(sh.wavepad as i32)
             .i32(sh.nws as i32)
             .f64(psferr)
+            .ptr(outliers)
             .ptr(ws.chi2.get().ptr),
     )
 }

@@ -252,6 +252,12 @@ impl CudaBackend {
         self.tuning.outlier_list = pixels.unwrap_or(reject::TAKEN_LIST);
     }
 
+    /// Limits the slots of normal equations kept for outlier rejection's re-solves (for tests
+    /// of the re-solves that assemble theirs again; None: the default).
+    pub fn set_kept_slots(&mut self, slots: Option<usize>) {
+        self.tuning.kept_slots = slots;
+    }
+
     /// Limits the number of patches of a wave (for tests of the waves; the default follows the
     /// memory budget).
     pub fn set_max_wave(&mut self, patches: Option<usize>) {
@@ -572,7 +578,13 @@ impl CudaBackend {
             .reject
             .start(nsigma, psferr, keep_spots, list);
         let kept = if keep_spots { frame_spots } else { 0 };
-        let size = self.wave_size(&sh, image_bytes + tables + kept + patches.len() * out_bytes);
+        let route = solve::route(self.tuning.solve, &sh);
+        let slot_len = reject::kept::slot_len(&sh, route);
+        let slots =
+            reject::kept::capacity(rejecting, route, patches.len(), 8 * slot_len, self.budget)
+                .min(self.tuning.kept_slots.unwrap_or(usize::MAX));
+        let frame_bytes = image_bytes + tables + kept + 8 * slots * slot_len;
+        let size = self.wave_size(&sh, frame_bytes + patches.len() * out_bytes);
         let buffers = self
             .uploads
             .take()
@@ -591,6 +603,11 @@ impl CudaBackend {
         if self.workspace.spots.ensure(&self.dev, spots)? {
             self.workspace.last_spots = None;
         }
+        let npatches = host.npatches();
+        self.workspace
+            .reject
+            .kept
+            .start(&self.dev, slots, slot_len, npatches)?;
         // by position in the frame's order
         let mut results: Vec<Option<PatchResult>> = vec![None; patches.len()];
         timings.reached("frame set up", t0);

@@ -3,7 +3,7 @@
 //!
 //! Each wave keeps, beside its results, the model `A xflux` of each patch over its box (the
 //! finalize step projects it for chi2pix) and, in the first pass, a flag per box pixel that
-//! the test looks at (`core_pixels` in kernels/reject.cu). Right after, in the wave's own
+//! the test looks at (set by the projection, `project_f64` in kernels/finalize.cu). Right after, in the wave's own
 //! queue, the device tests its patches (`outlier_test`: the CPU's
 //! [`crate::outliers::find_outliers`], pixel for pixel) and gives the outliers weight zero in
 //! a flag per box pixel (`rejected`), which the assembly and chi2pix read: in that patch only,
@@ -15,10 +15,11 @@
 //! of finished waves), while their spots and model boxes stay where the first pass left them
 //! (`Wave::picked`), so that the kernels find each patch's box and rejected pixels there. A
 //! re-solve is tested in turn, and so on until a test finds no outlier or [`MAX_RESOLVES`]
-//! solves have been added, as on the CPU. A wave is decorrelated after its test, only for
-//! its patches without outliers (only a patch's last solution is kept). Only patches with new
-//! outliers are tested after a re-solve; a patch the CPU reference solved (a failed or
-//! coupled one) was tested there already.
+//! solves have been added, as on the CPU. A re-solve starts from the normal equations its
+//! patch kept after the test, less the outliers' terms ([`kept`]). A wave's chi2pix and
+//! decorrelation come after its test, only for its patches without outliers (only a patch's
+//! last solution is kept). Only patches with new outliers are tested after a re-solve; a
+//! patch the CPU reference solved (a failed or coupled one) was tested there already.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -44,6 +45,7 @@ use crate::outliers::{
 use crate::plan::Patch;
 use resolves::{Bounds, Pending};
 
+pub(crate) mod kept;
 mod resolves;
 
 /// The device's share of rejection: frame-sized arrays over every patch's box, in the order
@@ -74,6 +76,8 @@ pub(crate) struct Boxes {
     counts: Slot<i32>,
     /// Their host copy (pinned from the second frame on).
     counts_back: Staging<i32>,
+    /// The normal equations kept for the re-solves.
+    pub(crate) kept: kept::Kept,
 }
 
 impl Boxes {
@@ -91,6 +95,7 @@ impl Boxes {
             rejected: Slot::new("rejected pixels"),
             counts: Slot::new("outlier counts"),
             counts_back: pinned_later(&ctx),
+            kept: kept::Kept::new(ctx.clone()),
         }
     }
 
@@ -112,6 +117,38 @@ impl Boxes {
             self.rejected.get().at(self.wave_at)
         } else {
             0
+        }
+    }
+
+    /// The flags that the assembly and chi2pix of the wave being queued read: none in its
+    /// patches' first solve, whose boxes have none yet (a patch its test flags is solved
+    /// again, and its first chi2pix is not kept). Reading them took the first solve's
+    /// assembly 0.28 ms more on a full-width frame.
+    pub(crate) fn weights_ptr(&self) -> u64 {
+        if self.pass > 0 {
+            self.rejected_ptr()
+        } else {
+            0
+        }
+    }
+
+    /// Where the projection of the wave being queued flags the pixels the test looks at: in
+    /// its patches' first solve (0: none).
+    pub(crate) fn core_ptr(&self) -> u64 {
+        if self.on && self.pass == 0 {
+            self.core.get().at(self.wave_at)
+        } else {
+            0
+        }
+    }
+
+    /// The assembly's arguments for the kept equations of the wave being queued (0 in its
+    /// patches' first solve and where none are kept).
+    pub(crate) fn kept_args(&self) -> (u64, u64) {
+        if self.on {
+            self.kept.args(self.pass > 0, self.live_at)
+        } else {
+            (0, 0)
         }
     }
 }
@@ -184,12 +221,13 @@ pub(crate) fn prepare_wave(
     Ok(())
 }
 
-/// After chi2pix: keeps the wave's model values (`A xflux`, in `ws.model`) for the test, those
+/// After the projection: keeps the wave's model values (`A xflux`, in `ws.model`) for the test, those
 /// from `skip` to `len` (a wave solved again may start after its boxes' first patch; the boxes
-/// of the patches between its own get zeros, which no test reads), in the first pass flags
-/// the pixels the test looks at, and tests the wave's `n` patches but after the last pass.
+/// of the patches between its own get zeros, which no test reads), and tests the wave's `n`
+/// patches but after the last pass, keeping the equations of those with outliers.
 /// Returns the device address of the test's counts, nonzero for the patches solved again,
-/// whose decorrelation waits for their last solve (0: no test ran, every patch is kept).
+/// whose chi2pix and decorrelation wait for their last solve (0: no test ran, every patch is
+/// kept).
 pub(crate) fn keep_fit(
     g: Gpu<'_>,
     ws: &Workspace,
@@ -204,14 +242,13 @@ pub(crate) fn keep_fit(
     let at = b.wave_at + skip;
     g.dev
         .dtod_at(b.fit.get(), at, ws.model.get(), skip, len - skip)?;
-    if b.pass == 0 {
-        flag_tested_pixels(g, ws, n)?;
-    }
     if b.pass == MAX_RESOLVES {
         return Ok(0);
     }
     test(g, ws, n, region)?;
-    Ok(b.counts.get().at(b.live_at))
+    let counts = b.counts.get().at(b.live_at);
+    kept::Kept::keep(g, ws, n, b.live_at, counts)?;
+    Ok(counts)
 }
 
 /// Threads of a block of `outlier_test` (`SPEX_TEST_THREADS` in kernels/reject.cu).
@@ -257,45 +294,13 @@ fn test(g: Gpu<'_>, ws: &Workspace, n: usize, region: Region) -> Result<()> {
     )
 }
 
-/// Flags the pixels of the wave's `n` boxes that the test looks at.
-fn flag_tested_pixels(g: Gpu<'_>, ws: &Workspace, n: usize) -> Result<()> {
-    let b = &ws.reject;
-    let sh = g.sh;
-    kernels::launch(
-        g.dev,
-        &g.k.core_pixels,
-        "core_pixels",
-        (tested_columns(sh) as u32, n as u32, 1),
-        64,
-        0,
-        kernels::Args::new()
-            .ptr(ws.spots_ptr())
-            .ptr(ws.view.corners)
-            .ptr(ws.colspot.get().ptr)
-            .ptr(ws.view.boxes)
-            .ptr(ws.view.boxoff)
-            .i32(sh.m() as i32)
-            .i32(sh.nx as i32)
-            .i32(sh.ny as i32)
-            .i32(sh.nt as i32)
-            .i32(sh.ncore as i32)
-            .i32(sh.wavepad as i32)
-            .ptr(b.core.get().at(b.wave_at)),
-    )
-}
-
-/// Columns of a patch whose spots the test looks at: the core fibers' bins but the outer half
-/// of the wavelength padding on each side (`core_pixels`' grid, as `tested_waves` in
-/// kernels/reject.cu).
-fn tested_columns(sh: &super::shape::Shape) -> usize {
-    sh.ncore * (sh.nt - 2 * (sh.wavepad / 2))
-}
-
 /// What rejection did to one live patch, as `backend::cpu::reject` reports it.
 #[derive(Clone, Debug, Default)]
 struct Done {
     nrejected: usize,
     nresolves: usize,
+    /// The slot of the equations its next solve starts from (-1: assembled again).
+    kept: i32,
     /// The masked fraction of each core spot after the first solve.
     before: Vec<f64>,
 }
@@ -365,7 +370,8 @@ pub(crate) fn finish_frame<'a>(
         let t_test = Instant::now();
         let tested = on_device(&ci, sink.results, f.tested);
         let changed = read_counts(g.dev, ws, &host.waves[wi], &tested)?;
-        for &(li, n) in &changed {
+        for &(li, n, slot) in &changed {
+            done[li].kept = slot;
             done[li].nrejected += n;
             done[li].nresolves += 1;
             pending.add(li, done[li].nresolves);
@@ -388,7 +394,9 @@ pub(crate) fn finish_frame<'a>(
             };
             // the waves queued from now on are solved again
             ws.reject.pass = if r.last { MAX_RESOLVES } else { 1 };
-            let queued = queue_again(g, tuning, ws, input, patches, host, r.wave)?;
+            let kept: Vec<i32> = r.wave.picked.iter().map(|&li| done[li].kept).collect();
+            sink.timings.downdated += kept.iter().filter(|&&s| s >= 0).count();
+            let queued = queue_again(g, tuning, ws, input, patches, host, (r.wave, &kept))?;
             fifo.push_back(InFlight {
                 queued,
                 first: false,
@@ -464,14 +472,15 @@ fn finish(
 }
 
 /// The patches of `tested` (live patches of the finished wave `w`) whose test on the device
-/// found outliers, and how many, in the order of the wave's batch: the wave's counts copied
-/// back on the stream of the copies back, which the wave's finish has taken past its test.
+/// found outliers, how many and the slot of their kept equations, in the order of the
+/// wave's batch: the wave's counts and slots copied back on the stream of the copies back,
+/// which the wave's finish has taken past its test.
 fn read_counts(
     dev: &Device,
     ws: &mut Workspace,
     w: &Wave,
     tested: &[usize],
-) -> Result<Vec<(usize, usize)>> {
+) -> Result<Vec<(usize, usize, i32)>> {
     if tested.is_empty() {
         return Ok(Vec::new());
     }
@@ -479,6 +488,7 @@ fn read_counts(
     let n = w.len();
     let back = b.counts_back.current_mut(n);
     dev.copy_back(back, b.counts.get(), w.live.start, "outlier counts")?;
+    b.kept.copy_back(dev, w.live.start, n)?;
     dev.sync_back()?;
     let mut sorted = tested.to_vec();
     sorted.sort_unstable();
@@ -486,13 +496,15 @@ fn read_counts(
     Ok(w.patches()
         .into_iter()
         .zip(counts)
-        .filter(|&(li, &c)| c > 0 && sorted.binary_search(&li).is_ok())
-        .map(|(li, &c)| (li, c as usize))
+        .enumerate()
+        .filter(|&(_, (li, &c))| c > 0 && sorted.binary_search(&li).is_ok())
+        .map(|(i, (li, &c))| (li, c as usize, b.kept.read(i)))
         .collect())
 }
 
 /// Queues the re-solve wave `again`, appended to `host.waves`: its tables, gathered on the
-/// host, uploaded to its places, whose waves are finished.
+/// host, and the slots of its patches' kept equations (`kept`, in its order) uploaded to its
+/// places, whose waves are finished.
 #[allow(clippy::too_many_arguments)]
 fn queue_again<'a>(
     g: Gpu<'a>,
@@ -501,11 +513,12 @@ fn queue_again<'a>(
     input: &FrameInput<'_>,
     patches: &[&'a Patch],
     host: &mut FrameHost,
-    again: Wave,
+    (again, kept): (Wave, &[i32]),
 ) -> Result<Queued<'a>> {
     let tables = host.picked_tables(g.sh, &again);
     ws.input
         .upload_picked(g.dev, g.sh, again.live.start, &tables)?;
+    ws.reject.kept.upload(g.dev, again.live.start, kept)?;
     host.waves.push(again);
     let again = host.waves.len() - 1;
     solve::queue_wave(g, tuning, ws, input, patches, host, again)

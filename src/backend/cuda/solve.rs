@@ -181,16 +181,18 @@ fn finalize(
     ws.model.ensure(g.dev, boxes)?;
     ws.chi2.ensure(g.dev, ws.sized(n) * g.sh.ncore * g.sh.nws)?;
     g.dev.zero_prefix(ws.model.get(), boxes)?;
-    launchers::project(g, n, ws, ws.x.get())?;
-    launchers::chi2pix(g, n, ws, region, input.options.psferr)?;
-    super::reject::keep_fit(g, ws, n, (skip, boxes), region)
+    launchers::project(g, n, ws, ws.x.get(), ws.reject.core_ptr())?;
+    let outliers = super::reject::keep_fit(g, ws, n, (skip, boxes), region)?;
+    // after the test: a patch solved again gets its chi2pix from its last solve
+    launchers::chi2pix(g, n, ws, region, input.options.psferr, outliers)?;
+    Ok(outliers)
 }
 
 /// After step 6: the model image of the core flux, when asked, for the wave's `n` patches
 /// and their `boxes` model values.
 fn model_image(g: Gpu<'_>, ws: &Workspace, (n, boxes): (usize, usize)) -> Result<()> {
     g.dev.zero_prefix(ws.model.get(), boxes)?;
-    launchers::project(g, n, ws, ws.fluxcol.get())
+    launchers::project(g, n, ws, ws.fluxcol.get(), 0)
 }
 
 /// Step 7: the wave's pixmask and chi2pix, verdicts (polar steps, Jacobi sweeps, on the Schur

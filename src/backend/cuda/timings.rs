@@ -44,6 +44,9 @@ pub struct GpuTimings {
     /// Largest second-neighbour coupling of any patch on the Schur route (|A_ij| of blocks two
     /// fibers apart over sqrt(A_ii A_jj)).
     pub max_coupling: f64,
+    /// Re-solves of outlier rejection that started from their patch's kept normal equations
+    /// rather than assembling them again (`reject::kept`).
+    pub downdated: usize,
     /// Whether steps 2-3 took the dense route (asked for, or blocks too large for the Schur
     /// sweeps).
     pub dense_route: bool,

@@ -68,6 +68,10 @@ pub(crate) struct Tuning {
     /// Taken pixels the outlier test's growth keeps in its list (at most
     /// [`super::reject::TAKEN_LIST`]); a pass that takes more grows by rounds over its box.
     pub outlier_list: u32,
+    /// Most slots of normal equations kept for outlier rejection's re-solves (None: as the
+    /// frame and the memory budget allow, `reject::kept::capacity`); a re-solve without one
+    /// assembles its equations again.
+    pub kept_slots: Option<usize>,
 }
 
 impl Tuning {
@@ -110,6 +114,7 @@ impl Tuning {
             jacobi_threads: var("SPEX_GPU_JACOBI_THREADS", 512)?,
             poison: false,
             outlier_list: super::reject::TAKEN_LIST,
+            kept_slots: None,
         })
     }
 }

@@ -36,6 +36,7 @@ fn gpu_rejects_the_pixels_the_cpu_rejects() {
     let mut cpu = CpuBackend::new(2).unwrap();
     let (plain, _) = solve_on(&mut gpu, &hit, None, false);
     let (g_frame, g) = solve_on(&mut gpu, &hit, Some(5.0), true);
+    let downdated = gpu.timings().downdated;
     let (c_frame, c) = solve_on(&mut cpu, &hit, Some(5.0), true);
     let count = |r: &[spex::extract::PatchResult]| -> (usize, usize, usize) {
         (
@@ -69,6 +70,23 @@ fn gpu_rejects_the_pixels_the_cpu_rejects() {
     }
     assert_eq!(g_frame.mask, c_frame.mask, "MASK of the two backends");
     assert_agree(&g, &c);
+    // A re-solve starts from the normal equations its patch kept after its test, less the
+    // rejected pixels' terms, where a slot was left for them (one for every other patch of
+    // the frame: 13 here, fewer than the re-solves), and assembles them again where none was:
+    // the run above did both. With no slot every re-solve assembles again, to the same pixels.
+    say(&format!("re-solves from kept equations: {downdated}"));
+    assert!(
+        downdated > 0 && downdated < count(&g).2,
+        "{downdated} of {} re-solves from kept equations",
+        count(&g).2
+    );
+    gpu.set_kept_slots(Some(0));
+    let (frame, a) = solve_on(&mut gpu, &hit, Some(5.0), true);
+    assert_eq!(gpu.timings().downdated, 0);
+    gpu.set_kept_slots(None);
+    assert_eq!(count(&a), count(&c), "every re-solve assembled again");
+    assert_eq!(frame.mask, c_frame.mask, "every re-solve assembled again");
+    assert_agree(&a, &c);
     // In waves of at most four (8 waves of the 25 patches), on both routes of the solve: a
     // re-solve is a wave of the patches with new outliers gathered from the finished waves
     // (up to four, from several waves), whose tables and results take free places of the
