@@ -267,17 +267,20 @@ impl CudaBackend {
     /// Most patches per wave: at most [`MAX_WAVE`] (or the number set), and a wave's buffers
     /// must fit in the budget once the frame's `frame_bytes` (image, results) are held. A
     /// wave's spots are those of the bundles it touches: a share of a bundle's spots per
-    /// patch, and two bundles more for the bundles a wave starts and ends within.
-    fn wave_size(&self, sh: &Shape, frame_bytes: usize) -> usize {
+    /// patch, and two bundles more for the bundles a wave starts and ends within. Also the
+    /// bytes of the budget such waves leave.
+    fn wave_size(&self, sh: &Shape, frame_bytes: usize) -> (usize, usize) {
         let spots = sh.bundle_spot_bytes();
         let per = sh.bytes_per_patch(solve::route(self.tuning.solve, sh))
             + MODEL_BOX_BYTES
             + spots.div_ceil(sh.patches_per_bundle());
-        let fit = self.budget.saturating_sub(frame_bytes + 2 * spots) / per;
-        match self.max_wave {
+        let held = frame_bytes + 2 * spots;
+        let fit = self.budget.saturating_sub(held) / per;
+        let size = match self.max_wave {
             Some(max) => max.min(fit).max(1),
             None => fit.clamp(1, MAX_WAVE),
-        }
+        };
+        (size, self.budget.saturating_sub(held + size * per))
     }
 
     /// The decorrelation matrices Q of `count` symmetric positive definite blocks of order `n`
@@ -578,13 +581,18 @@ impl CudaBackend {
             .reject
             .start(nsigma, psferr, keep_spots, list);
         let kept = if keep_spots { frame_spots } else { 0 };
+        let (size, left) =
+            self.wave_size(&sh, image_bytes + tables + kept + patches.len() * out_bytes);
+        // the normal equations kept for re-solves take what the waves leave of the budget
         let route = solve::route(self.tuning.solve, &sh);
         let slot_len = reject::kept::slot_len(&sh, route);
-        let slots =
-            reject::kept::capacity(rejecting, route, patches.len(), 8 * slot_len, self.budget)
-                .min(self.tuning.kept_slots.unwrap_or(usize::MAX));
-        let frame_bytes = image_bytes + tables + kept + 8 * slots * slot_len;
-        let size = self.wave_size(&sh, frame_bytes + patches.len() * out_bytes);
+        let slots = reject::kept::capacity(rejecting, route, patches.len(), 8 * slot_len, left)
+            .min(self.tuning.kept_slots.unwrap_or(usize::MAX));
+        tracing::debug!(
+            "waves of {size} patches leave {:.2} GB of the budget: {slots} slots of kept equations ({:.2} MB each)",
+            left as f64 / 1e9,
+            (8 * slot_len) as f64 / 1e6
+        );
         let buffers = self
             .uploads
             .take()
