@@ -129,8 +129,8 @@ extern "C" __global__ void column_table(const int* __restrict__ first, int nb, i
 // `Kept` (a downdate, kernel `downdate_f64`): the patch starts from the equations it kept
 // after its last test (its slot of `kept`, `kept_slots[p]`, kernels/common.cuh KeptLayout)
 // and subtracts the terms of the pixels that test rejected (SPEX_FRESH) alone: the columns
-// whose spots lost none (most of them: the slot lists those pixels) copy their row as kept. Without it (`assemble_f64`) a patch that has a
-// slot is left to the downdate.
+// whose spots lost none (the slot lists those pixels) copy their row as kept. Without it
+// (`assemble_f64`) a patch that has a slot is left to the downdate.
 //
 // Blocks of 128 threads, 12 per SM, which caps the kernel at 40 registers: the kernel waits
 // on L1 (Nsight Compute: 92% of its throughput), and at the 32 registers of 16 blocks per SM

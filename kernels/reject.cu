@@ -568,7 +568,8 @@ extern "C" __global__ void keep_equations(const int* __restrict__ slots,
         for (int q = threadIdx.x; q < len; q += blockDim.x) {
             if (flags[q] != SPEX_FRESH) continue;
             int at = atomicAdd(&s_len, 1);
-            if (at < SPEX_KEPT_LIST) to[k.fresh() + 1 + at] = (double)((q / width) << 16 | q % width);
+            if (at < SPEX_KEPT_LIST)
+                to[k.fresh() + 1 + at] = (double)((q / width) << 16 | q % width);
         }
         __syncthreads();
         if (threadIdx.x == 0) to[k.fresh()] = (double)s_len;

@@ -3,8 +3,8 @@
 //!
 //! Each wave keeps, beside its results, the model `A xflux` of each patch over its box (the
 //! finalize step projects it for chi2pix) and, in the first pass, a flag per box pixel that
-//! the test looks at (set by the projection, `project_f64` in kernels/finalize.cu). Right after, in the wave's own
-//! queue, the device tests its patches (`outlier_test`: the CPU's
+//! the test looks at (set by the projection, `project_f64` in kernels/finalize.cu). Right
+//! after, in the wave's own queue, the device tests its patches (`outlier_test`: the CPU's
 //! [`crate::outliers::find_outliers`], pixel for pixel) and gives the outliers weight zero in
 //! a flag per box pixel (`rejected`), which the assembly and chi2pix read: in that patch only,
 //! since boxes overlap and the image is shared. The host reads back only how many outliers
@@ -221,10 +221,11 @@ pub(crate) fn prepare_wave(
     Ok(())
 }
 
-/// After the projection: keeps the wave's model values (`A xflux`, in `ws.model`) for the test, those
-/// from `skip` to `len` (a wave solved again may start after its boxes' first patch; the boxes
-/// of the patches between its own get zeros, which no test reads), and tests the wave's `n`
-/// patches but after the last pass, keeping the equations of those with outliers.
+/// After the projection: keeps the wave's model values (`A xflux`, in `ws.model`) for the
+/// test, those from `skip` to `len` (a wave solved again may start after its boxes' first
+/// patch; the boxes of the patches between its own get zeros, which no test reads), and tests
+/// the wave's `n` patches but after the last pass, keeping the equations of those with
+/// outliers.
 /// Returns the device address of the test's counts, nonzero for the patches solved again,
 /// whose chi2pix and decorrelation wait for their last solve (0: no test ran, every patch is
 /// kept).
@@ -299,8 +300,8 @@ fn test(g: Gpu<'_>, ws: &Workspace, n: usize, region: Region) -> Result<()> {
 struct Done {
     nrejected: usize,
     nresolves: usize,
-    /// The slot of the equations its next solve starts from (-1: assembled again).
-    kept: i32,
+    /// The slot of the equations its next solve starts from (None: assembled again).
+    kept: Option<i32>,
     /// The masked fraction of each core spot after the first solve.
     before: Vec<f64>,
 }
@@ -371,7 +372,7 @@ pub(crate) fn finish_frame<'a>(
         let tested = on_device(&ci, sink.results, f.tested);
         let changed = read_counts(g.dev, ws, &host.waves[wi], &tested)?;
         for &(li, n, slot) in &changed {
-            done[li].kept = slot;
+            done[li].kept = (slot >= 0).then_some(slot);
             done[li].nrejected += n;
             done[li].nresolves += 1;
             pending.add(li, done[li].nresolves);
@@ -394,7 +395,12 @@ pub(crate) fn finish_frame<'a>(
             };
             // the waves queued from now on are solved again
             ws.reject.pass = if r.last { MAX_RESOLVES } else { 1 };
-            let kept: Vec<i32> = r.wave.picked.iter().map(|&li| done[li].kept).collect();
+            let kept: Vec<i32> = r
+                .wave
+                .picked
+                .iter()
+                .map(|&li| done[li].kept.unwrap_or(-1))
+                .collect();
             sink.timings.downdated += kept.iter().filter(|&&s| s >= 0).count();
             let queued = queue_again(g, tuning, ws, input, patches, host, (r.wave, &kept))?;
             fifo.push_back(InFlight {
