@@ -514,28 +514,21 @@ extern "C" __global__ void __launch_bounds__(1024) kept_slots(const int* __restr
                                                               int n, int capacity,
                                                               int* __restrict__ next,
                                                               int* __restrict__ slots) {
-    __shared__ int s_scan[1024];
+    __shared__ unsigned int s_warps[32];
     int per = (n + (int)blockDim.x - 1) / (int)blockDim.x;
     int lo = min(n, (int)threadIdx.x * per), hi = min(n, lo + per);
-    int mine = 0;
+    unsigned int mine = 0;
     for (int i = lo; i < hi; i++) mine += counts[i] > 0;
-    s_scan[threadIdx.x] = mine;
-    __syncthreads();
-    for (int off = 1; off < (int)blockDim.x; off <<= 1) {
-        int v = (int)threadIdx.x >= off ? s_scan[threadIdx.x - off] : 0;
-        __syncthreads();
-        s_scan[threadIdx.x] += v;
-        __syncthreads();
-    }
+    unsigned int before = block_sum_before(mine, s_warps);
     int base = *next;
-    int at = base + s_scan[threadIdx.x] - mine;
+    int at = base + (int)before;
     for (int i = lo; i < hi; i++) {
         bool with = counts[i] > 0;
         slots[i] = with && at < capacity ? at : -1;
         at += with;
     }
     __syncthreads();
-    if (threadIdx.x == blockDim.x - 1) *next = base + s_scan[threadIdx.x];
+    if (threadIdx.x == blockDim.x - 1) *next = at;
 }
 
 // Copies the normal equations of the wave's patch blockIdx.y, as its assembly left them

@@ -221,16 +221,10 @@ impl<'a> Pulls<'a> {
     }
 }
 
-/// The median of a few values (the mean of the middle two for an even count); `None` for
-/// none.
-fn median(mut v: Vec<f64>) -> Option<f64> {
-    v.sort_unstable_by(f64::total_cmp);
-    let n = v.len();
-    match n {
-        0 => None,
-        _ if n % 2 == 1 => Some(v[n / 2]),
-        _ => Some((v[n / 2 - 1] + v[n / 2]) * 0.5),
-    }
+/// [`crate::frame::median`] of a few values (the mean of the middle two for an even count,
+/// as the device's test takes it), `None` for none.
+fn median(v: Vec<f64>) -> Option<f64> {
+    (!v.is_empty()).then(|| crate::frame::median(v))
 }
 
 /// `seeds` with every pixel connected to them through 8-neighbours that `takes`: a flood

@@ -20,6 +20,27 @@ pub(crate) struct Gpu<'a> {
     pub sh: &'a Shape,
 }
 
+impl Args {
+    /// The uploaded region of the CCD as the kernels take it: first row, first column, width.
+    pub(crate) fn region(self, r: Region) -> Self {
+        self.i32(r.row0 as i32)
+            .i32(r.col0 as i32)
+            .i32(r.width as i32)
+    }
+
+    /// A patch's shape as the kernels that walk its spots over the image take it: m, the
+    /// spot's nx and ny, nwavetot, ncore, wavepad, nwavestep.
+    fn patch_shape(self, sh: &Shape) -> Self {
+        self.i32(sh.m() as i32)
+            .i32(sh.nx as i32)
+            .i32(sh.ny as i32)
+            .i32(sh.nt as i32)
+            .i32(sh.ncore as i32)
+            .i32(sh.wavepad as i32)
+            .i32(sh.nws as i32)
+    }
+}
+
 /// Where a decorrelation kernel writes, per core block: flux, ivar and resolution diagonals
 /// (`nwavestep` each) and the core flux by column (for the core model).
 #[derive(Clone, Copy)]
@@ -127,16 +148,8 @@ pub(crate) fn assemble(
         .ptr(ws.view.ivar)
         .ptr(ws.view.boxoff)
         .ptr(ws.reject.weights_ptr())
-        .i32(region.row0 as i32)
-        .i32(region.col0 as i32)
-        .i32(region.width as i32)
-        .i32(m as i32)
-        .i32(sh.nx as i32)
-        .i32(sh.ny as i32)
-        .i32(sh.nt as i32)
-        .i32(sh.ncore as i32)
-        .i32(sh.wavepad as i32)
-        .i32(sh.nws as i32)
+        .region(region)
+        .patch_shape(sh)
         .i32(band)
         .ptr(ws.icov.get().ptr)
         .ptr(ws.y.get().ptr)
@@ -408,17 +421,9 @@ pub(crate) fn chi2pix(
             .ptr(ws.view.pix)
             .ptr(ws.view.ivar)
             .ptr(ws.reject.weights_ptr())
-            .i32(region.row0 as i32)
-            .i32(region.col0 as i32)
-            .i32(region.width as i32)
+            .region(region)
             .ptr(ws.view.nkeep)
-            .i32(sh.m() as i32)
-            .i32(sh.nx as i32)
-            .i32(sh.ny as i32)
-            .i32(sh.nt as i32)
-            .i32(sh.ncore as i32)
-            .i32(sh.wavepad as i32)
-            .i32(sh.nws as i32)
+            .patch_shape(sh)
             .f64(psferr)
             .ptr(outliers)
             .ptr(ws.chi2.get().ptr),
