@@ -8,7 +8,9 @@
 // over its box (the median's rounds, the pulls, each round of growth), and the last waves of
 // a frame's re-solves hold a few dozen patches, a block each, whose test is the wave's
 // latency: with 1024 threads instead of 256 the tests of a full-width frame took 1.18 ms
-// instead of 1.91 (an H200; the first PSF's 500 x 801 frame of docs/benchmarks.md).
+// instead of 1.91 (an H200; the first PSF's 500 x 801 frame of docs/benchmarks.md). Two
+// blocks share an SM (32 registers, some spilled): with one, the tests of a full r frame
+// took 4.32 ms instead of 4.02-4.05 (ncu, an H200), the block's barriers idling the SM.
 #define SPEX_TEST_THREADS 1024
 
 // Flags of `rejected` during a test (SPEX_REJECTED and SPEX_FRESH, kernels/common.cuh, are
@@ -436,7 +438,7 @@ __device__ void contrast_by_list(const TestedBox& t, double rn2, double psferr,
 // tested pixels beyond nsigma and the sharp untested ones) grow into the 8-connected pixels
 // beyond `grow_nsigma`; then the contrast rule takes the neighbours that stand out of theirs.
 // Without a seed, the tested pixels below -nsigma are the outliers.
-extern "C" __global__ void __launch_bounds__(SPEX_TEST_THREADS) outlier_test(
+extern "C" __global__ void __launch_bounds__(SPEX_TEST_THREADS, 2) outlier_test(
     const double* __restrict__ model, const unsigned char* __restrict__ core,
     unsigned char* rejected, const int* __restrict__ boxes,
     const long long* __restrict__ boxoff, const float* __restrict__ pix,
