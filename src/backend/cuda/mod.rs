@@ -10,12 +10,12 @@
 //! A frame is one chunk: each part of its host tables and image is built and uploaded once,
 //! by the first wave that needs it, while the device runs the wave before; the device walks
 //! its patches in waves of up to 800, through per-patch buffers reused from wave to wave
-//! within the memory budget (`SPEX_GPU_MEMORY_GB`, default 4 GB per backend). Every wave is
-//! queued before the host reads any result, and each wave's results land in frame-sized
-//! buffers on the device, so that on the default (Schur) route the device never waits for the
-//! host within a frame: even the retry of failed factorisations is decided on the device. The
-//! host copies each wave's results back and unpacks them while the device runs the waves
-//! after.
+//! within the memory budget (`SPEX_GPU_MEMORY_GB`, by default a tenth of the device's memory
+//! and at least 4 GB per backend, `tuning::memory_budget`). Every wave is queued before the
+//! host reads any result, and each wave's results land in frame-sized buffers on the device,
+//! so that on the default (Schur) route the device never waits for the host within a frame:
+//! even the retry of failed factorisations is decided on the device. The host copies each
+//! wave's results back and unpacks them while the device runs the waves after.
 //! Device and pinned buffers are kept between calls (a process extracts frame after frame).
 //!
 //! The code is split by concern: `device` (context, streams, allocation and copies),
@@ -74,9 +74,6 @@ use launchers::{CoreIn, CoreOut, Gpu};
 use shape::Shape;
 use timings::PhaseClock;
 use tuning::Tuning;
-
-/// Default budget of device memory per backend, in bytes.
-const DEFAULT_BUDGET: f64 = 4e9;
 
 /// Solves patches on one CUDA device.
 pub struct CudaBackend {
@@ -148,16 +145,7 @@ impl CudaBackend {
         let origin = kernels::describe_origins(cubins.iter().map(|c| c.1));
         let kernels = Kernels::load(&dev, arch, cubins)?;
         let t_kernels = t0.elapsed().as_secs_f64();
-        let budget = match std::env::var("SPEX_GPU_MEMORY_GB") {
-            Ok(v) => {
-                let gb: f64 = v
-                    .trim()
-                    .parse()
-                    .map_err(|_| Error::Gpu(format!("SPEX_GPU_MEMORY_GB={v:?} is not a number")))?;
-                (gb * 1e9) as usize
-            }
-            Err(_) => DEFAULT_BUDGET as usize,
-        };
+        let budget = tuning::memory_budget(dev.mem_info()?.1)?;
         let max_wave = std::env::var("SPEX_GPU_WAVE")
             .ok()
             .and_then(|v| v.trim().parse().ok());

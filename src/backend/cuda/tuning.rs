@@ -3,6 +3,35 @@
 
 use crate::error::{Error, Result};
 
+/// Least default memory budget of a backend, in bytes.
+const LEAST_BUDGET: usize = 4_000_000_000;
+
+/// Backends that the default budget lets share one device, as processes or threads: a tenth
+/// of its memory each, at least [`LEAST_BUDGET`] (4.2 GB on a 40 GB A100, 8.5 GB on an 80 GB
+/// H100, 14 GB on an H200). Only outlier rejection uses more than 4 GB: where the budget holds
+/// them, it keeps a full frame's spots and the normal equations of its patches with outliers
+/// for their re-solves (a frame without it takes about 2.5 GB).
+const BACKENDS_PER_DEVICE: usize = 10;
+
+/// The device memory a backend's buffers may take on a device of `total` bytes:
+/// `SPEX_GPU_MEMORY_GB` when set, else the default share.
+pub(crate) fn memory_budget(total: usize) -> Result<usize> {
+    match std::env::var("SPEX_GPU_MEMORY_GB") {
+        Ok(v) => {
+            let gb: f64 = v
+                .trim()
+                .parse()
+                .map_err(|_| Error::Gpu(format!("SPEX_GPU_MEMORY_GB={v:?} is not a number")))?;
+            Ok((gb * 1e9) as usize)
+        }
+        Err(_) => Ok(default_budget(total)),
+    }
+}
+
+fn default_budget(total: usize) -> usize {
+    (total / BACKENDS_PER_DEVICE).max(LEAST_BUDGET)
+}
+
 /// Which kernel decorrelates the blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Route {
@@ -116,5 +145,20 @@ impl Tuning {
             outlier_list: super::reject::TAKEN_LIST,
             kept_slots: None,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tenth of the device's memory, never under 4 GB.
+    #[test]
+    fn the_default_budget_is_a_tenth_of_the_device() {
+        assert_eq!(default_budget(42_400_000_000), 4_240_000_000);
+        assert_eq!(default_budget(85_000_000_000), 8_500_000_000);
+        assert_eq!(default_budget(150_000_000_000), 15_000_000_000);
+        assert_eq!(default_budget(16_000_000_000), 4_000_000_000);
+        assert_eq!(default_budget(0), 4_000_000_000);
     }
 }
