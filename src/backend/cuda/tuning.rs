@@ -6,9 +6,9 @@ use crate::error::{Error, Result};
 /// Least default memory budget of a backend, in bytes.
 const LEAST_BUDGET: usize = 4_000_000_000;
 
-/// Backends that the default budget lets share one device, as processes or threads: a tenth
-/// of its memory each, at least [`LEAST_BUDGET`] (4.2 GB on a 40 GB A100, 8.5 GB on an 80 GB
-/// H100, 14 GB on an H200). Only outlier rejection uses more than 4 GB: where the budget holds
+/// Backends that the default budget lets share one device of 40 GB or more, as processes or
+/// threads: a tenth of its memory each, at least [`LEAST_BUDGET`] (4.2 GB on a 40 GB A100, 8.5
+/// GB on an 80 GB H100, 14 GB on an H200). Only outlier rejection uses more than 4 GB: where the budget holds
 /// them, it keeps a full frame's spots and the normal equations of its patches with outliers
 /// for their re-solves (a frame without it takes about 2.5 GB).
 const BACKENDS_PER_DEVICE: usize = 10;
