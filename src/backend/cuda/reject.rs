@@ -30,6 +30,7 @@ use cudarc::driver::CudaContext;
 use super::device::Device;
 use super::kernels;
 use super::launchers::Gpu;
+use super::schur;
 use super::solve::{self, Queued, Sink};
 use super::staging::Staging;
 use super::tables::{FrameHost, Wave};
@@ -358,17 +359,13 @@ pub(crate) fn finish_frame<'a>(
     let (mut test_ms, mut queue_ms) = (0.0, 0.0);
     while let Some(f) = fifo.pop_front() {
         let wi = f.queued.wave();
-        let t_finish = Instant::now();
-        finish(g, ws, input, host, f.queued, sink, f.first)?;
-        let finish_ms = t_finish.elapsed().as_secs_f64() * 1e3;
-        if f.first {
-            for li in f.tested.iter().copied() {
-                done[li].before = pixmask_of(sink.results, ci[li]);
-            }
-        }
+        // the test's counts as soon as the device has passed it, so that the re-solves are
+        // queued while the device decorrelates the wave
         let t_test = Instant::now();
-        let tested = on_device(&ci, sink.results, f.tested);
-        let changed = read_counts(g.dev, ws, &host.waves[wi], &tested)?;
+        let Tested {
+            changed,
+            on_device: tested,
+        } = read_counts(g.dev, ws, &host.waves[wi], &f.queued, &f.tested)?;
         for &(li, n, slot) in &changed {
             done[li].kept = (slot >= 0).then_some(slot);
             done[li].nrejected += n;
@@ -377,13 +374,30 @@ pub(crate) fn finish_frame<'a>(
         }
         let round_test_ms = t_test.elapsed().as_secs_f64() * 1e3;
         test_ms += round_test_ms;
+        // A wave whose model boxes are copied back is finished first: a re-solve wave zeroes
+        // the boxes between its patches'. Otherwise it holds its places until it is.
+        let mut unfinished = Some(f.queued);
+        let mut finish_ms = 0.0;
+        if input.options.model {
+            if let Some(q) = unfinished.take() {
+                finish_ms = finish(g, ws, input, host, q, sink, f.first)?;
+            }
+        }
         let t_queue = Instant::now();
-        let resolves = if pending.len() >= bounds.patches || fifo.len() <= ahead {
-            let busy: Vec<&Wave> = fifo.iter().map(|f| &host.waves[f.queued.wave()]).collect();
-            pending.take(host, &busy, bounds)
-        } else {
-            Vec::new()
-        };
+        let mut resolves = Vec::new();
+        if pending.len() >= bounds.patches || fifo.len() <= ahead {
+            let queued: Vec<&Wave> = fifo.iter().map(|f| &host.waves[f.queued.wave()]).collect();
+            let this = unfinished.as_ref().map(|_| &host.waves[wi]);
+            let places: Vec<&Wave> = queued.iter().copied().chain(this).collect();
+            resolves = pending.take(host, (&places, &queued), bounds);
+            // with no other wave in flight, the places of this one once it is finished
+            if resolves.is_empty() && pending.len() > 0 && queued.is_empty() {
+                if let Some(q) = unfinished.take() {
+                    finish_ms = finish(g, ws, input, host, q, sink, f.first)?;
+                }
+                resolves = pending.take(host, (&[], &[]), bounds);
+            }
+        }
         let sizes: Vec<usize> = resolves.iter().map(|r| r.wave.len()).collect();
         for r in resolves {
             let tested = if r.last {
@@ -409,6 +423,14 @@ pub(crate) fn finish_frame<'a>(
         }
         let round_queue_ms = t_queue.elapsed().as_secs_f64() * 1e3;
         queue_ms += round_queue_ms;
+        if let Some(q) = unfinished.take() {
+            finish_ms = finish(g, ws, input, host, q, sink, f.first)?;
+        }
+        if f.first {
+            for li in f.tested.iter().copied() {
+                done[li].before = pixmask_of(sink.results, ci[li]);
+            }
+        }
         // while the device runs the waves queued: the wave's patches solved for the last time
         let mut again: Vec<usize> = changed.iter().map(|c| c.0).collect();
         again.sort_unstable();
@@ -418,7 +440,7 @@ pub(crate) fn finish_frame<'a>(
             }
         }
         tracing::debug!(
-            "outliers of wave {wi}: {} patches tested, {} with new outliers, {} pending; re-solve waves of {sizes:?} queued; finished in {finish_ms:.2} ms, counts read in {round_test_ms:.2} ms, re-solves queued in {round_queue_ms:.2} ms",
+            "outliers of wave {wi}: {} patches tested, {} with new outliers, {} pending; counts read in {round_test_ms:.2} ms, re-solve waves of {sizes:?} queued in {round_queue_ms:.2} ms; finished in {finish_ms:.2} ms",
             tested.len(),
             changed.len(),
             pending.len(),
@@ -452,7 +474,7 @@ fn gather_ahead(keep_spots: bool) -> usize {
 }
 
 /// Finishes a queued wave into `sink`; a wave solved again adds no progress (its patches were
-/// counted by their first solve).
+/// counted by their first solve). Returns how long the host waited and worked, in ms.
 fn finish(
     g: Gpu<'_>,
     ws: &mut Workspace,
@@ -461,49 +483,92 @@ fn finish(
     q: Queued<'_>,
     sink: &mut Sink<'_>,
     first: bool,
-) -> Result<()> {
+) -> Result<f64> {
+    let t0 = Instant::now();
     if first {
-        return solve::finish_wave(g, ws, input, host, q, sink);
+        solve::finish_wave(g, ws, input, host, q, sink)?;
+    } else {
+        let silent = Progress::silent();
+        let mut again = Sink {
+            results: &mut *sink.results,
+            last_mark: &mut *sink.last_mark,
+            timings: &mut *sink.timings,
+            progress: &silent,
+        };
+        solve::finish_wave(g, ws, input, host, q, &mut again)?;
     }
-    let silent = Progress::silent();
-    let mut again = Sink {
-        results: &mut *sink.results,
-        last_mark: &mut *sink.last_mark,
-        timings: &mut *sink.timings,
-        progress: &silent,
-    };
-    solve::finish_wave(g, ws, input, host, q, &mut again)
+    Ok(t0.elapsed().as_secs_f64() * 1e3)
 }
 
-/// The patches of `tested` (live patches of the finished wave `w`) whose test on the device
-/// found outliers, how many and the slot of their kept equations, in the order of the
-/// wave's batch: the wave's counts and slots copied back on the stream of the copies back,
-/// which the wave's finish has taken past its test.
+/// The patches of `tested` (live patches of wave `w`, queued as `q`) whose test on the device
+/// found outliers, how many and the slot of their kept equations, in the order of the wave's
+/// batch; and the patches of `tested` that the device solved (the CPU reference tests those it
+/// solves itself, the failed and the coupled: the sweeps' verdicts tell them). Read on the
+/// stream of the copies back once the device has passed the wave's test, before its
+/// decorrelation.
 fn read_counts(
     dev: &Device,
     ws: &mut Workspace,
     w: &Wave,
+    q: &Queued<'_>,
     tested: &[usize],
-) -> Result<Vec<(usize, usize, i32)>> {
+) -> Result<Tested> {
     if tested.is_empty() {
-        return Ok(Vec::new());
+        return Ok(Tested::default());
+    }
+    let n = w.len();
+    dev.back_after(q.tested())?;
+    let mut verdicts = vec![0; schur::VERDICTS_PER_PATCH * n];
+    let mut coupling = vec![0.0; n];
+    if q.on_schur_route() {
+        let out = &ws.out;
+        let from = schur::DeviceVerdicts {
+            first: out.first_info.get(),
+            last: out.info.get(),
+            masked: out.masked.get(),
+            coupling: out.coupling.get(),
+        };
+        from.copy(dev, w.live.start, &mut verdicts, &mut coupling)?;
     }
     let b = &mut ws.reject;
-    let n = w.len();
     let back = b.counts_back.current_mut(n);
     dev.copy_back(back, b.counts.get(), w.live.start, "outlier counts")?;
     b.kept.copy_back(dev, w.live.start, n)?;
     dev.sync_back()?;
-    let mut sorted = tested.to_vec();
+    let batch = w.patches();
+    let to_cpu: Vec<usize> = q
+        .to_cpu(&verdicts, &coupling)
+        .into_iter()
+        .map(|i| batch[i])
+        .collect();
+    let mut sorted: Vec<usize> = tested
+        .iter()
+        .copied()
+        .filter(|li| !to_cpu.contains(li))
+        .collect();
     sorted.sort_unstable();
     let counts = b.counts_back.current(n);
-    Ok(w.patches()
+    let changed = batch
         .into_iter()
         .zip(counts)
         .enumerate()
         .filter(|&(_, (li, &c))| c > 0 && sorted.binary_search(&li).is_ok())
         .map(|(i, (li, &c))| (li, c as usize, b.kept.read(i)))
-        .collect())
+        .collect();
+    Ok(Tested {
+        changed,
+        on_device: sorted,
+    })
+}
+
+/// What the test of a wave found ([`read_counts`]).
+#[derive(Default)]
+struct Tested {
+    /// The patches with new outliers: live patch, outliers, slot of its kept equations (-1
+    /// for none).
+    changed: Vec<(usize, usize, i32)>,
+    /// The live patches tested on the device.
+    on_device: Vec<usize>,
 }
 
 /// Queues the re-solve wave `again`, appended to `host.waves`: its tables, gathered on the
@@ -526,19 +591,6 @@ fn queue_again<'a>(
     host.waves.push(again);
     let again = host.waves.len() - 1;
     solve::queue_wave(g, tuning, ws, input, patches, host, again)
-}
-
-/// The live patches of `candidates` that the device solved: the CPU reference tested those
-/// it solved itself (their `rejected` is set).
-fn on_device(ci: &[usize], results: &[Option<PatchResult>], candidates: Vec<usize>) -> Vec<usize> {
-    candidates
-        .into_iter()
-        .filter(|&li| {
-            results[ci[li]]
-                .as_ref()
-                .is_some_and(|r| r.rejected.is_empty())
-        })
-        .collect()
 }
 
 /// Gives the device-solved patch `ci`, whose last solve is finished, its rejection counts and

@@ -211,6 +211,19 @@ impl DeviceVerdicts<'_> {
     }
 }
 
+/// The patches (indices in the wave's batch, ascending) that [`outcome`] gives the CPU
+/// reference, from the same verdicts and coupling, without its log lines: those with weight
+/// that failed twice, or whose coupling is over `coupling_max`.
+pub(crate) fn cpu_patches(verdicts: &[i32], coupling: &[f64], coupling_max: f64) -> Vec<usize> {
+    let n = coupling.len();
+    let (first, rest) = verdicts.split_at(n);
+    let (last, masked) = rest.split_at(n);
+    (0..n)
+        .filter(|&i| masked[i] == 0)
+        .filter(|&i| (first[i] != 0 && last[i] != 0) || !(coupling[i] <= coupling_max))
+        .collect()
+}
+
 /// Second-neighbour coupling of a wave: patches over the bound, and the largest of all.
 pub(crate) struct Coupling {
     pub patches: usize,
@@ -289,6 +302,7 @@ mod tests {
         assert_eq!(f.to_cpu, [4, 2]);
         assert_eq!(c.patches, 1);
         assert_eq!(c.largest, 1e-10);
+        assert_eq!(cpu_patches(&verdicts, &coupling, 1e-12), [2, 4]);
     }
 
     #[test]

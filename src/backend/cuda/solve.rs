@@ -217,12 +217,7 @@ fn gather(
     dev.dtod_at(out.chi2.get(), c0, ws.chi2.get(), 0, per)?;
     dev.dtod_at(out.steps.get(), b0, ws.steps.get(), 0, nb)?;
     dev.dtod_at(out.sweeps.get(), b0, ws.sweeps.get(), 0, nb)?;
-    if solve == Solve::Schur {
-        dev.dtod_at(out.first_info.get(), p0, ws.first_info.get(), 0, n)?;
-        dev.dtod_at(out.info.get(), p0, ws.info.get(), 0, n)?;
-        dev.dtod_at(out.masked.get(), p0, ws.masked.get(), 0, n)?;
-        dev.dtod_at(out.coupling.get(), p0, ws.coupling.get(), 0, n)?;
-    }
+    let _ = (p0, n, solve);
     if model && !w.boxes.is_empty() {
         let (m0, len) = (w.boxes.start, w.boxes.len());
         // a wave solved again for outliers may start after its boxes' first patch
@@ -230,6 +225,19 @@ fn gather(
         dev.dtod_at(out.model.get(), m0 + skip, ws.model.get(), skip, len - skip)?;
     }
     Ok(())
+}
+
+/// The sweeps' verdicts of wave `wi` into the frame's, as soon as the sweeps are done: outlier
+/// rejection reads them with the test's counts, before the wave's decorrelation (the patches
+/// the CPU reference will solve are not solved again on the device).
+fn sweep_verdicts(g: Gpu<'_>, ws: &Workspace, host: &FrameHost, wi: usize) -> Result<()> {
+    let at = host.waves[wi].layout(g.sh);
+    let (p0, n) = (at.patches.start, at.patches.len());
+    let (dev, out) = (g.dev, &ws.out);
+    dev.dtod_at(out.first_info.get(), p0, ws.first_info.get(), 0, n)?;
+    dev.dtod_at(out.info.get(), p0, ws.info.get(), 0, n)?;
+    dev.dtod_at(out.masked.get(), p0, ws.masked.get(), 0, n)?;
+    dev.dtod_at(out.coupling.get(), p0, ws.coupling.get(), 0, n)
 }
 
 /// Queues the copies back of wave `wi`'s results from the frame's, on the stream of the copies
@@ -371,6 +379,29 @@ impl Queued<'_> {
     pub(crate) fn wave(&self) -> usize {
         self.wave
     }
+
+    /// Where the device has tested the wave's patches for outliers and kept their equations
+    /// (the end of its finalize step), before their decorrelation.
+    pub(crate) fn tested(&self) -> Option<&CudaEvent> {
+        self.clock.first_of("finalize")
+    }
+
+    /// The live patches of the wave that the CPU reference solves, from the sweeps' verdicts
+    /// (the frame's, `verdicts` as [`schur::DeviceVerdicts::copy`] copies them, and
+    /// `coupling`) or the dense route's factorisation, in the order of the wave's batch.
+    pub(crate) fn to_cpu(&self, verdicts: &[i32], coupling: &[f64]) -> Vec<usize> {
+        match &self.steps {
+            Steps::Schur { coupling_max, .. } => {
+                schur::cpu_patches(verdicts, coupling, *coupling_max)
+            }
+            Steps::Dense(fact) => fact.to_cpu.clone(),
+        }
+    }
+
+    /// Whether the wave's patches took the Schur route (whose verdicts are on the device).
+    pub(crate) fn on_schur_route(&self) -> bool {
+        matches!(self.steps, Steps::Schur { .. })
+    }
 }
 
 /// The frame's image as the kernels index it: the whole CCD.
@@ -423,6 +454,7 @@ pub(crate) fn queue_wave<'a>(
             let capacity = schur::retry_capacity(tuning.retry_capacity, n, reg);
             schur::ensure(g, ws, n, capacity)?;
             schur::factorize(g, ws, n, region, capacity)?;
+            sweep_verdicts(g, ws, host, wi)?;
             clock.mark("sweeps")?;
             let steps = Steps::Schur {
                 capacity,

@@ -118,6 +118,14 @@ impl<'a> PhaseClock<'a> {
         self.marks.last().map(|(_, ev)| ev)
     }
 
+    /// The first mark of phase `name`.
+    pub(crate) fn first_of(&self, name: &str) -> Option<&CudaEvent> {
+        self.marks
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, ev)| ev)
+    }
+
     /// Adds to `t`, as "stream idle", the time between `before` (the last mark of the wave
     /// before, or one set when the call started) and this wave's first mark: time the call's
     /// stream had nothing queued, waiting for the host (once the device has passed both; with

@@ -53,18 +53,18 @@ impl Pending {
     }
 
     /// Takes the pending patches into re-solve waves within `bounds`, placed among the
-    /// frame's places where no wave of `busy` (queued, not finished) is, their model boxes
-    /// clear of those waves' boxes (the models of a finished wave's boxes are copied back
-    /// before another wave overwrites them). Patches that find no such place stay pending: a
-    /// frame with no wave in flight places them all.
+    /// frame's places where no wave of `busy.0` (queued, not finished) is, their model boxes
+    /// clear of the boxes of the waves of `busy.1` (whose models are copied back after this
+    /// wave overwrites them). Patches that find no such place stay pending: a frame with no
+    /// wave in flight places them all.
     pub(super) fn take(
         &mut self,
         host: &FrameHost,
-        busy: &[&Wave],
+        busy: (&[&Wave], &[&Wave]),
         bounds: Bounds,
     ) -> Vec<Resolve> {
-        let mut places: Vec<Range<usize>> = busy.iter().map(|w| w.live.clone()).collect();
-        let boxes: Vec<Range<usize>> = busy.iter().map(|w| box_span(host, w)).collect();
+        let mut places: Vec<Range<usize>> = busy.0.iter().map(|w| w.live.clone()).collect();
+        let boxes: Vec<Range<usize>> = busy.1.iter().map(|w| box_span(host, w)).collect();
         let mut out = Vec::new();
         for (last, pool) in [(false, &mut self.tested), (true, &mut self.last)] {
             pool.sort_unstable();
