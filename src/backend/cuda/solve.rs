@@ -195,21 +195,13 @@ fn model_image(g: Gpu<'_>, ws: &Workspace, (n, boxes): (usize, usize)) -> Result
     launchers::project(g, n, ws, ws.fluxcol.get(), 0)
 }
 
-/// Step 7: the wave's pixmask and chi2pix, verdicts (polar steps, Jacobi sweeps, on the Schur
-/// route those of the sweeps and the coupling) and, when asked, model boxes, into the frame's
+/// Step 7: the wave's pixmask and chi2pix, verdicts (polar steps, Jacobi sweeps; the Schur
+/// sweeps' come earlier, [`sweep_verdicts`]) and, when asked, model boxes, into the frame's
 /// results at the wave's place (the decorrelation wrote flux, ivar and resolution there).
-fn gather(
-    g: Gpu<'_>,
-    ws: &Workspace,
-    host: &FrameHost,
-    wi: usize,
-    model: bool,
-    solve: Solve,
-) -> Result<()> {
+fn gather(g: Gpu<'_>, ws: &Workspace, host: &FrameHost, wi: usize, model: bool) -> Result<()> {
     let (dev, sh) = (g.dev, g.sh);
     let w = &host.waves[wi];
     let at = w.layout(sh);
-    let (p0, n) = (at.patches.start, at.patches.len());
     let (b0, nb) = (at.blocks.start, at.blocks.len());
     let (c0, per) = (at.bins.start, at.bins.len());
     let out = &ws.out;
@@ -217,7 +209,6 @@ fn gather(
     dev.dtod_at(out.chi2.get(), c0, ws.chi2.get(), 0, per)?;
     dev.dtod_at(out.steps.get(), b0, ws.steps.get(), 0, nb)?;
     dev.dtod_at(out.sweeps.get(), b0, ws.sweeps.get(), 0, nb)?;
-    let _ = (p0, n, solve);
     if model && !w.boxes.is_empty() {
         let (m0, len) = (w.boxes.start, w.boxes.len());
         // a wave solved again for outliers may start after its boxes' first patch
@@ -479,7 +470,7 @@ pub(crate) fn queue_wave<'a>(
         model_image(g, ws, (n, w.boxes.len()))?;
         clock.mark("finalize")?;
     }
-    gather(g, ws, host, wi, input.options.model, solve)?;
+    gather(g, ws, host, wi, input.options.model)?;
     clock.mark("gather")?;
     Ok(Queued {
         wave: wi,
