@@ -434,7 +434,8 @@ __device__ void contrast_by_list(const TestedBox& t, double rn2, double psferr,
 }
 
 // One block per tested patch: outliers::find_outliers on its box (the same pixels), the
-// outliers flagged in `rejected` for its next solve and counted in `counts[p]`. The seeds (the
+// outliers flagged in `rejected` for its next solve and counted in `counts[p]`; none for a
+// patch flagged in `untested` (when given: a re-solve wave's patch whose solve is its last). The seeds (the
 // tested pixels beyond nsigma and the sharp untested ones) grow into the 8-connected pixels
 // beyond `grow_nsigma`; then the contrast rule takes the neighbours that stand out of theirs.
 // Without a seed, the tested pixels below -nsigma are the outliers.
@@ -444,12 +445,17 @@ extern "C" __global__ void __launch_bounds__(SPEX_TEST_THREADS, 2) outlier_test(
     const long long* __restrict__ boxoff, const float* __restrict__ pix,
     const float* __restrict__ ivar, int sub_row0, int sub_col0, int sub_w, double nsigma,
     double psferr, double grow_nsigma, double sharp_nsigma, double sharp_fraction,
-    double contrast_nsigma, int reach, int edge, int list_cap, int* __restrict__ counts) {
+    double contrast_nsigma, int reach, int edge, int list_cap, int* __restrict__ counts,
+    const int* __restrict__ untested) {
     __shared__ unsigned int s_total, s_len;
     __shared__ int s_over;
     __shared__ int s_list[SPEX_TAKEN_LIST];
     __shared__ unsigned int s_claimed[SPEX_CLAIM_PIXELS / 32];
     int p = blockIdx.x;
+    if (untested && untested[p]) {
+        if (threadIdx.x == 0) counts[p] = 0;
+        return;
+    }
     int r0 = boxes[4 * p], r1 = boxes[4 * p + 1], c0 = boxes[4 * p + 2], c1 = boxes[4 * p + 3];
     size_t at = boxoff[p];
     TestedBox t{model + at, core + at, rejected + at, pix, ivar, r0, c0, c1 - c0,

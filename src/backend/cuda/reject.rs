@@ -44,7 +44,7 @@ use crate::outliers::{
     UNTESTED_REACH,
 };
 use crate::plan::Patch;
-use resolves::{Bounds, Pending};
+use resolves::{Bounds, Merge, Pending};
 
 pub(crate) mod kept;
 mod resolves;
@@ -77,6 +77,10 @@ pub(crate) struct Boxes {
     counts: Slot<i32>,
     /// Their host copy (pinned from the second frame on).
     counts_back: Staging<i32>,
+    /// By place, as the counts: 1 for a patch of a re-solve wave whose solve is its last,
+    /// which the test skips; read where the wave being queued mixes them with tested ones.
+    untested: Slot<i32>,
+    mixed: bool,
     /// The normal equations kept for the re-solves.
     pub(crate) kept: kept::Kept,
 }
@@ -95,6 +99,8 @@ impl Boxes {
             core: Slot::new("tested pixels"),
             rejected: Slot::new("rejected pixels"),
             counts: Slot::new("outlier counts"),
+            untested: Slot::new("untested re-solves"),
+            mixed: false,
             counts_back: pinned_later(&ctx),
             kept: kept::Kept::new(ctx.clone()),
         }
@@ -109,6 +115,7 @@ impl Boxes {
         self.limits = (nsigma.unwrap_or(0.0), psferr);
         self.keep_spots = self.on && keep_spots;
         self.pass = 0;
+        self.mixed = false;
     }
 
     /// The device address of the wave's rejected-pixel flags, 0 (none) when rejection is off:
@@ -215,6 +222,8 @@ pub(crate) fn prepare_wave(
         b.core.grow_keeping(dev, total, boxes.start)?;
         b.rejected.grow_keeping(dev, total, boxes.start)?;
         b.counts.grow_keeping(dev, host.npatches(), w.live.start)?;
+        b.untested
+            .grow_keeping(dev, host.npatches(), w.live.start)?;
         for s in [b.core.get(), b.rejected.get()] {
             dev.fill_range(s, boxes.clone(), 0)?;
         }
@@ -290,7 +299,12 @@ fn test(g: Gpu<'_>, ws: &Workspace, n: usize, region: Region) -> Result<()> {
             .i32(UNTESTED_REACH as i32)
             .i32(SHARP_EDGE as i32)
             .i32(b.list as i32)
-            .ptr(b.counts.get().at(b.live_at)),
+            .ptr(b.counts.get().at(b.live_at))
+            .ptr(if b.mixed {
+                b.untested.get().at(b.live_at)
+            } else {
+                0
+            }),
     )
 }
 
@@ -389,24 +403,43 @@ pub(crate) fn finish_frame<'a>(
             let queued: Vec<&Wave> = fifo.iter().map(|f| &host.waves[f.queued.wave()]).collect();
             let this = unfinished.as_ref().map(|_| &host.waves[wi]);
             let places: Vec<&Wave> = queued.iter().copied().chain(this).collect();
-            resolves = pending.take(host, (&places, &queued), bounds);
+            let merge = if ws.reject.keep_spots {
+                Merge::Held {
+                    all: queued.is_empty(),
+                }
+            } else {
+                Merge::Apart
+            };
+            resolves = pending.take(host, (&places, &queued), bounds, merge);
             // with no other wave in flight, the places of this one once it is finished
             if resolves.is_empty() && pending.len() > 0 && queued.is_empty() {
                 if let Some(q) = unfinished.take() {
                     finish_ms = finish(g, ws, input, host, q, sink, f.first)?;
                 }
-                resolves = pending.take(host, (&[], &[]), bounds);
+                resolves = pending.take(host, (&[], &[]), bounds, Merge::Held { all: true });
             }
         }
         let sizes: Vec<usize> = resolves.iter().map(|r| r.wave.len()).collect();
         for r in resolves {
-            let tested = if r.last {
-                Vec::new()
-            } else {
-                r.wave.picked.clone()
-            };
-            // the waves queued from now on are solved again
-            ws.reject.pass = if r.last { MAX_RESOLVES } else { 1 };
+            let picked = &r.wave.picked;
+            let tested: Vec<usize> = picked
+                .iter()
+                .copied()
+                .filter(|li| !r.last.contains(li))
+                .collect();
+            // the waves queued from now on are solved again; a test skips the last solves
+            ws.reject.pass = if tested.is_empty() { MAX_RESOLVES } else { 1 };
+            ws.reject.mixed = !tested.is_empty() && !r.last.is_empty();
+            if ws.reject.mixed {
+                let flags: Vec<i32> = picked.iter().map(|li| r.last.contains(li) as i32).collect();
+                let b = &ws.reject;
+                g.dev.upload_at(
+                    b.untested.get(),
+                    r.wave.live.start,
+                    &flags,
+                    "untested re-solves",
+                )?;
+            }
             let kept: Vec<i32> = r
                 .wave
                 .picked

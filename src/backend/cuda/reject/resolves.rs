@@ -7,8 +7,16 @@
 //! results take free places among the frame's (those of finished waves), its bundle slots
 //! and model boxes span those of its patches, which find their spots (kept on the device for
 //! the frame), model boxes and rejected pixels where their first solve left them. Patches
-//! whose next solve is the last of [`MAX_RESOLVES`] are not tested after it and go in waves
-//! of their own.
+//! whose next solve is the last of [`MAX_RESOLVES`] are not tested after it.
+//!
+//! Each wave pays its kernels' latency whatever its size: the sweeps and the decorrelation run
+//! a patch's blocks in rounds over the device, and a wave of a few dozen patches takes a round
+//! of each. So where the frame's spots stay on the device ([`Merge::Held`]), a wave mixes
+//! patches whose solve is tested with those whose solve is the last (the test skips these),
+//! and a run of fewer than half a wave's patches waits for the patches that the waves still
+//! queued add. Without the spots kept, a wave's re-solves are queued at once and apart
+//! ([`Merge::Apart`]): they evaluate their bundles' spots again, no more bundles than a
+//! wave's.
 
 use std::ops::Range;
 
@@ -24,67 +32,81 @@ pub(super) struct Bounds {
     pub(super) span: usize,
 }
 
-/// The patches with new outliers not queued again yet, by whether their next solve is
-/// tested (`tested`) or the last (`last`).
+/// The patches with new outliers not queued again yet, each with whether its next solve is
+/// its last (not tested after it).
 #[derive(Debug, Default)]
 pub(super) struct Pending {
-    tested: Vec<usize>,
-    last: Vec<usize>,
+    patches: Vec<(usize, bool)>,
 }
 
-/// A re-solve wave to queue: whether its solve is its patches' last, and the wave.
+/// How re-solves go into waves (see the module's text).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Merge {
+    /// Tested and last solves in waves of their own, every run queued.
+    Apart,
+    /// Tested and last solves mixed; runs of fewer than half a wave's patches wait, unless
+    /// `all` (no wave queued will add to them).
+    Held { all: bool },
+}
+
+/// A re-solve wave to queue: the patches of its `wave` whose solve is their last.
 pub(super) struct Resolve {
-    pub(super) last: bool,
+    pub(super) last: Vec<usize>,
     pub(super) wave: Wave,
 }
 
 impl Pending {
     /// Adds live patch `li`, which has had `nresolves` re-solves queued, counting its next.
     pub(super) fn add(&mut self, li: usize, nresolves: usize) {
-        if nresolves >= MAX_RESOLVES {
-            self.last.push(li);
-        } else {
-            self.tested.push(li);
-        }
+        self.patches.push((li, nresolves >= MAX_RESOLVES));
     }
 
     pub(super) fn len(&self) -> usize {
-        self.tested.len() + self.last.len()
+        self.patches.len()
     }
 
     /// Takes the pending patches into re-solve waves within `bounds`, placed among the
     /// frame's places where no wave of `busy.0` (queued, not finished) is, their model boxes
     /// clear of the boxes of the waves of `busy.1` (whose models are copied back after this
-    /// wave overwrites them). Patches that find no such place stay pending: a frame with no
-    /// wave in flight places them all.
+    /// wave overwrites them). Patches that find no such place, or whose run `merge` holds
+    /// back, stay pending: a frame with no wave in flight places them all.
     pub(super) fn take(
         &mut self,
         host: &FrameHost,
         busy: (&[&Wave], &[&Wave]),
         bounds: Bounds,
+        merge: Merge,
     ) -> Vec<Resolve> {
         let mut places: Vec<Range<usize>> = busy.0.iter().map(|w| w.live.clone()).collect();
         let boxes: Vec<Range<usize>> = busy.1.iter().map(|w| box_span(host, w)).collect();
+        let all = std::mem::take(&mut self.patches);
+        let pools: Vec<Vec<(usize, bool)>> = match merge {
+            Merge::Apart => [false, true]
+                .iter()
+                .map(|&last| all.iter().copied().filter(|p| p.1 == last).collect())
+                .collect(),
+            Merge::Held { .. } => vec![all],
+        };
         let mut out = Vec::new();
-        for (last, pool) in [(false, &mut self.tested), (true, &mut self.last)] {
+        for mut pool in pools {
             pool.sort_unstable();
-            let mut left = Vec::new();
-            for chunk in chunks(pool, bounds, |li| box_end(host, li) - host.box_at[li]) {
-                let picked = pool[chunk].to_vec();
+            let sorted: Vec<usize> = pool.iter().map(|p| p.0).collect();
+            for chunk in chunks(&sorted, bounds, |li| box_end(host, li) - host.box_at[li]) {
+                let picked = sorted[chunk.clone()].to_vec();
                 let span = host.box_at[picked[0]]..box_end(host, picked[picked.len() - 1]);
+                let held = merge == Merge::Held { all: false } && 2 * picked.len() < bounds.patches;
                 let place = free_place(&places, picked.len(), host.live.len());
-                match place.filter(|_| boxes.iter().all(|b| !overlap(b, &span))) {
+                match place.filter(|_| !held && boxes.iter().all(|b| !overlap(b, &span))) {
                     Some(p) => {
                         places.push(p..p + picked.len());
                         out.push(Resolve {
-                            last,
+                            last: pool[chunk].iter().filter(|p| p.1).map(|p| p.0).collect(),
                             wave: wave_of(host, picked, p),
                         });
                     }
-                    None => left.extend(picked),
+                    None => self.patches.extend_from_slice(&pool[chunk]),
                 }
             }
-            *pool = left;
         }
         out
     }
@@ -192,16 +214,16 @@ mod tests {
         assert_eq!(free_place(&[], 11, 10), None);
     }
 
-    /// Patches whose next solve is the last go in waves of their own.
+    /// Whether a pending patch's next solve is its last.
     #[test]
-    fn last_solves_are_pending_apart() {
+    fn pending_patches_know_their_last_solve() {
         let mut p = Pending::default();
         p.add(3, 1);
         p.add(1, MAX_RESOLVES - 1);
         p.add(2, MAX_RESOLVES);
         assert_eq!(
-            (p.tested.clone(), p.last.clone(), p.len()),
-            (vec![3, 1], vec![2], 3)
+            (p.patches.clone(), p.len()),
+            (vec![(3, false), (1, false), (2, true)], 3)
         );
     }
 }
