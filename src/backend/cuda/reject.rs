@@ -8,12 +8,15 @@
 //! [`crate::outliers::find_outliers`], pixel for pixel) and gives the outliers weight zero in
 //! a flag per box pixel (`rejected`), which the assembly and chi2pix read: in that patch only,
 //! since boxes overlap and the image is shared. The host reads back only how many outliers
-//! each patch had, once the wave is finished (while the device runs the waves queued after
-//! it), and gathers the patches with new outliers of the finished waves into re-solve waves
-//! (`resolves`), queued behind the others once a single wave is left in flight: their
-//! tables, gathered on the host, and their results take free places among the frame's (those
-//! of finished waves), while their spots and model boxes stay where the first pass left them
-//! (`Wave::picked`), so that the kernels find each patch's box and rejected pixels there. A
+//! each patch had (and the sweeps' verdicts, which name the patches the CPU reference solves),
+//! as soon as the device has passed the wave's test, and gathers the patches with new
+//! outliers into re-solve waves (`resolves`), queued behind the others once a single wave is
+//! left in flight, so that the host builds them while the device decorrelates the wave:
+//! their tables, gathered on the host, and their results take free places among the frame's
+//! (not those of the waves in flight), while their spots and model boxes stay where the first
+//! pass left them (`Wave::picked`), so that the kernels find each patch's box and rejected
+//! pixels there (with `-m`, a wave is finished before its patches are placed again: a re-solve
+//! wave writes the model boxes between its patches'). A
 //! re-solve is tested in turn, and so on until a test finds no outlier or [`MAX_RESOLVES`]
 //! solves have been added, as on the CPU. A re-solve starts from the normal equations its
 //! patch kept after the test, less the outliers' terms ([`kept`]). A wave's chi2pix and
