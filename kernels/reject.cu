@@ -435,10 +435,10 @@ __device__ void contrast_by_list(const TestedBox& t, double rn2, double psferr,
 
 // One block per tested patch: outliers::find_outliers on its box (the same pixels), the
 // outliers flagged in `rejected` for its next solve and counted in `counts[p]`; none for a
-// patch flagged in `untested` (when given: a re-solve wave's patch whose solve is its last). The seeds (the
-// tested pixels beyond nsigma and the sharp untested ones) grow into the 8-connected pixels
-// beyond `grow_nsigma`; then the contrast rule takes the neighbours that stand out of theirs.
-// Without a seed, the tested pixels below -nsigma are the outliers.
+// patch flagged in `untested` (when given: a re-solve wave's patch whose solve is its last).
+// The seeds (the tested pixels beyond nsigma and the sharp untested ones) grow into the
+// 8-connected pixels beyond `grow_nsigma`; then the contrast rule takes the neighbours that
+// stand out of theirs. Without a seed, the tested pixels below -nsigma are the outliers.
 extern "C" __global__ void __launch_bounds__(SPEX_TEST_THREADS, 2) outlier_test(
     const double* __restrict__ model, const unsigned char* __restrict__ core,
     unsigned char* rejected, const int* __restrict__ boxes,

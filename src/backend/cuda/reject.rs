@@ -47,7 +47,7 @@ use crate::outliers::{
     UNTESTED_REACH,
 };
 use crate::plan::Patch;
-use resolves::{Bounds, Merge, Pending};
+use resolves::{Bounds, Merge, Pending, Resolve};
 
 pub(crate) mod kept;
 mod resolves;
@@ -424,38 +424,9 @@ pub(crate) fn finish_frame<'a>(
         }
         let sizes: Vec<usize> = resolves.iter().map(|r| r.wave.len()).collect();
         for r in resolves {
-            let picked = &r.wave.picked;
-            let tested: Vec<usize> = picked
-                .iter()
-                .copied()
-                .filter(|li| !r.last.contains(li))
-                .collect();
-            // the waves queued from now on are solved again; a test skips the last solves
-            ws.reject.pass = if tested.is_empty() { MAX_RESOLVES } else { 1 };
-            ws.reject.mixed = !tested.is_empty() && !r.last.is_empty();
-            if ws.reject.mixed {
-                let flags: Vec<i32> = picked.iter().map(|li| r.last.contains(li) as i32).collect();
-                let b = &ws.reject;
-                g.dev.upload_at(
-                    b.untested.get(),
-                    r.wave.live.start,
-                    &flags,
-                    "untested re-solves",
-                )?;
-            }
-            let kept: Vec<i32> = r
-                .wave
-                .picked
-                .iter()
-                .map(|&li| done[li].kept.unwrap_or(-1))
-                .collect();
-            sink.timings.downdated += kept.iter().filter(|&&s| s >= 0).count();
-            let queued = queue_again(g, tuning, ws, input, patches, host, (r.wave, &kept))?;
-            fifo.push_back(InFlight {
-                queued,
-                first: false,
-                tested,
-            });
+            let (again, downdated) = queue_again(g, tuning, ws, input, patches, host, (r, &done))?;
+            sink.timings.downdated += downdated;
+            fifo.push_back(again);
         }
         let round_queue_ms = t_queue.elapsed().as_secs_f64() * 1e3;
         queue_ms += round_queue_ms;
@@ -607,9 +578,10 @@ struct Tested {
     on_device: Vec<usize>,
 }
 
-/// Queues the re-solve wave `again`, appended to `host.waves`: its tables, gathered on the
-/// host, and the slots of its patches' kept equations (`kept`, in its order) uploaded to its
-/// places, whose waves are finished.
+/// Queues the re-solve wave `r`, appended to `host.waves`: its tables, gathered on the host,
+/// the slots of its patches' kept equations (`done`) and, where it mixes tested and last
+/// solves, the flags of the last ones, uploaded to its places, which no wave in flight holds.
+/// Returns it in flight, and how many of its patches start from kept equations.
 #[allow(clippy::too_many_arguments)]
 fn queue_again<'a>(
     g: Gpu<'a>,
@@ -618,15 +590,41 @@ fn queue_again<'a>(
     input: &FrameInput<'_>,
     patches: &[&'a Patch],
     host: &mut FrameHost,
-    (again, kept): (Wave, &[i32]),
-) -> Result<Queued<'a>> {
+    (r, done): (Resolve, &[Done]),
+) -> Result<(InFlight<'a>, usize)> {
+    let again = r.wave;
+    let picked = &again.picked;
+    let tested: Vec<usize> = picked
+        .iter()
+        .copied()
+        .filter(|li| !r.last.contains(li))
+        .collect();
+    // the waves queued from now on are solved again; a test skips the last solves
+    ws.reject.pass = if tested.is_empty() { MAX_RESOLVES } else { 1 };
+    ws.reject.mixed = !tested.is_empty() && !r.last.is_empty();
+    if ws.reject.mixed {
+        let last: Vec<i32> = picked.iter().map(|li| r.last.contains(li) as i32).collect();
+        let at = again.live.start;
+        g.dev
+            .upload_at(ws.reject.untested.get(), at, &last, "untested re-solves")?;
+    }
+    let kept: Vec<i32> = picked
+        .iter()
+        .map(|&li| done[li].kept.unwrap_or(-1))
+        .collect();
     let tables = host.picked_tables(g.sh, &again);
     ws.input
         .upload_picked(g.dev, g.sh, again.live.start, &tables)?;
-    ws.reject.kept.upload(g.dev, again.live.start, kept)?;
+    ws.reject.kept.upload(g.dev, again.live.start, &kept)?;
     host.waves.push(again);
-    let again = host.waves.len() - 1;
-    solve::queue_wave(g, tuning, ws, input, patches, host, again)
+    let wi = host.waves.len() - 1;
+    let queued = solve::queue_wave(g, tuning, ws, input, patches, host, wi)?;
+    let again = InFlight {
+        queued,
+        first: false,
+        tested,
+    };
+    Ok((again, kept.iter().filter(|&&s| s >= 0).count()))
 }
 
 /// Gives the device-solved patch `ci`, whose last solve is finished, its rejection counts and
