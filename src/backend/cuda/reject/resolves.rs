@@ -49,6 +49,14 @@ pub(super) enum Merge {
     Held { all: bool },
 }
 
+impl Merge {
+    /// Whether a run of `len` patches waits for more: under half a wave, while waves queued
+    /// may add to it.
+    fn holds(self, len: usize, bounds: Bounds) -> bool {
+        self == Merge::Held { all: false } && 2 * len < bounds.patches
+    }
+}
+
 /// A re-solve wave to queue: the patches of its `wave` whose solve is their last.
 pub(super) struct Resolve {
     pub(super) last: Vec<usize>,
@@ -94,7 +102,7 @@ impl Pending {
             for chunk in chunks(&sorted, bounds, |li| box_end(host, li) - host.box_at[li]) {
                 let picked = sorted[chunk.clone()].to_vec();
                 let span = host.box_at[picked[0]]..box_end(host, picked[picked.len() - 1]);
-                let held = merge == Merge::Held { all: false } && 2 * picked.len() < bounds.patches;
+                let held = merge.holds(picked.len(), bounds);
                 let place = free_place(&places, picked.len(), host.live.len());
                 match place.filter(|_| !held && boxes.iter().all(|b| !overlap(b, &span))) {
                     Some(p) => {
@@ -212,6 +220,21 @@ mod tests {
         let one: Vec<Range<usize>> = std::iter::once(4..6).collect();
         assert_eq!(free_place(&one, 4, 10), Some(0));
         assert_eq!(free_place(&[], 11, 10), None);
+    }
+
+    /// Runs under half a wave wait while waves are queued, and never once none is, nor where
+    /// waves stay apart.
+    #[test]
+    fn small_runs_wait_for_the_waves_queued() {
+        let bounds = Bounds {
+            patches: 800,
+            span: 1 << 30,
+        };
+        let queued = Merge::Held { all: false };
+        assert!(queued.holds(399, bounds));
+        assert!(!queued.holds(400, bounds));
+        assert!(!Merge::Held { all: true }.holds(13, bounds));
+        assert!(!Merge::Apart.holds(13, bounds));
     }
 
     /// Whether a pending patch's next solve is its last.
