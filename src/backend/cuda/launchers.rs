@@ -28,6 +28,17 @@ impl Args {
             .i32(r.width as i32)
     }
 
+    /// A wave's normal equations as the assembly writes them and the store of kept
+    /// equations copies them: icov, y, fluxweight, the unregularised diagonal, the masked
+    /// weights.
+    pub(crate) fn equations(self, ws: &Workspace) -> Self {
+        self.ptr(ws.icov.get().ptr)
+            .ptr(ws.y.get().ptr)
+            .ptr(ws.fw.get().ptr)
+            .ptr(ws.diag0.get().ptr)
+            .ptr(ws.pixmask.get().ptr)
+    }
+
     /// A patch's shape as the kernels that walk its spots over the image take it: m, the
     /// spot's nx and ny, nwavetot, ncore, wavepad, nwavestep.
     fn patch_shape(self, sh: &Shape) -> Self {
@@ -151,11 +162,7 @@ pub(crate) fn assemble(
         .region(region)
         .patch_shape(sh)
         .i32(band)
-        .ptr(ws.icov.get().ptr)
-        .ptr(ws.y.get().ptr)
-        .ptr(ws.fw.get().ptr)
-        .ptr(ws.diag0.get().ptr)
-        .ptr(ws.pixmask.get().ptr)
+        .equations(ws)
         .ptr(kept_slots)
         .ptr(kept);
     // the patches that start from kept equations (a re-solve), then the others

@@ -419,7 +419,7 @@ pub(crate) fn finish_frame<'a>(
                 if let Some(q) = unfinished.take() {
                     finish_ms = finish(g, ws, input, host, q, sink, f.first)?;
                 }
-                resolves = pending.take(host, (&[], &[]), bounds, Merge::Held { all: true });
+                resolves = pending.take(host, (&[], &[]), bounds, merge);
             }
         }
         let sizes: Vec<usize> = resolves.iter().map(|r| r.wave.len()).collect();

@@ -16,15 +16,22 @@ const BACKENDS_PER_DEVICE: usize = 10;
 /// The device memory a backend's buffers may take on a device of `total` bytes:
 /// `SPEX_GPU_MEMORY_GB` when set, else the default share.
 pub(crate) fn memory_budget(total: usize) -> Result<usize> {
-    match std::env::var("SPEX_GPU_MEMORY_GB") {
-        Ok(v) => {
-            let gb: f64 = v
-                .trim()
-                .parse()
-                .map_err(|_| Error::Gpu(format!("SPEX_GPU_MEMORY_GB={v:?} is not a number")))?;
-            Ok((gb * 1e9) as usize)
-        }
-        Err(_) => Ok(default_budget(total)),
+    const NAME: &str = "SPEX_GPU_MEMORY_GB";
+    if std::env::var_os(NAME).is_none() {
+        return Ok(default_budget(total));
+    }
+    let gb: f64 = var(NAME, 0.0)?;
+    Ok((gb * 1e9) as usize)
+}
+
+/// The environment variable `name` read as a `T`, `default` when it is not set.
+fn var<T: std::str::FromStr>(name: &str, default: T) -> Result<T> {
+    match std::env::var(name) {
+        Ok(v) => v
+            .trim()
+            .parse()
+            .map_err(|_| Error::Gpu(format!("{name}={v:?} cannot be read"))),
+        Err(_) => Ok(default),
     }
 }
 
@@ -105,15 +112,6 @@ pub(crate) struct Tuning {
 
 impl Tuning {
     pub(crate) fn from_env() -> Result<Self> {
-        fn var<T: std::str::FromStr>(name: &str, default: T) -> Result<T> {
-            match std::env::var(name) {
-                Ok(v) => v
-                    .trim()
-                    .parse()
-                    .map_err(|_| Error::Gpu(format!("{name}={v:?} cannot be read"))),
-                Err(_) => Ok(default),
-            }
-        }
         let solve = match std::env::var("SPEX_GPU_SOLVE").as_deref() {
             Ok("dense") => Solve::Dense,
             Err(_) | Ok("schur") => Solve::Schur,

@@ -154,11 +154,7 @@ impl Kept {
             0,
             Args::new()
                 .ptr(slots)
-                .ptr(ws.icov.get().ptr)
-                .ptr(ws.y.get().ptr)
-                .ptr(ws.fw.get().ptr)
-                .ptr(ws.diag0.get().ptr)
-                .ptr(ws.pixmask.get().ptr)
+                .equations(ws)
                 .ptr(ws.reject.rejected_ptr())
                 .ptr(ws.view.boxes)
                 .ptr(ws.view.boxoff)
