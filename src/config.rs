@@ -331,6 +331,12 @@ mod tests {
         };
         assert_eq!(threads(&["--async-io"], 64), GPU_OVERLAP_THREADS);
         assert_eq!(threads(&["--async-io"], 16), 16);
+        // the rank's cores, which size its readers and writers, are not capped
+        let overlapped = config(&["-i", "a", "-p", "b", "-o", "c", "--async-io"]).unwrap();
+        assert_eq!(
+            Layout::single(64).with_overlap_cap(&overlapped, true).cores,
+            64
+        );
         // A choice of the user stays (this machine may have few cores: 4 per core are allowed).
         assert_eq!(threads(&["--async-io", "--threads", "1"], 64), 64);
         assert_eq!(threads(&["--async-io", "--no-gpu"], 64), 64);

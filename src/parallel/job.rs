@@ -134,7 +134,7 @@ pub fn run(
             overlap::Lanes {
                 gpus,
                 io_threads: config.io_threads,
-                cores: layout.threads,
+                cores: layout.cores,
             },
             me,
             &prefix,

@@ -24,6 +24,9 @@ pub struct Layout {
     pub nodes: usize,
     /// Worker threads of this rank's CPU backend.
     pub threads: usize,
+    /// Cores of this rank's share of the node, before [`Layout::with_overlap_cap`] caps its
+    /// threads: they size the reader and writer threads of `--async-io`, which mostly wait.
+    pub cores: usize,
     /// Host name of this rank.
     pub host: String,
     /// Whether spex runs under an MPI launcher (errors then name the rank).
@@ -47,6 +50,7 @@ impl Layout {
             local_size: 1,
             nodes: 1,
             threads,
+            cores: threads,
             host: hostname(),
             launched: false,
         }
@@ -76,6 +80,7 @@ impl Layout {
             local_size,
             nodes,
             threads,
+            cores: threads,
             host: hostname(),
             launched,
         }
