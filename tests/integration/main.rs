@@ -15,7 +15,8 @@
 //! - `options`: the extraction options end to end, input protection, `--skip-existing` and
 //!   SIGTERM in `--list` runs;
 //! - `promises`: README promises no other module pins (pulls from the truth files
-//!   computed here, the barycentric correction applied to the extraction).
+//!   computed here, the barycentric correction applied to the extraction);
+//! - `scripts`: the scripts of `scripts/` parse.
 
 mod bad_input;
 mod cli;
@@ -35,3 +36,4 @@ mod options;
 mod promises;
 mod qa;
 mod science;
+mod scripts;
