@@ -62,8 +62,8 @@ pub(super) struct Lanes {
 /// thread takes 0.5-0.7 s to read its `.fits.gz` preproc (inflated on one core), so some ten
 /// readers keep one GPU fed: the readers take half the rank's cores (its share of the node,
 /// not the threads of rayon's pool), up to 16 per GPU and at least three. On a 4 x H200 node
-/// of 64 cores, 32 readers for its 4 GPUs wrote 30 frames in 1.23-1.37 s against 1.64-2.52 s
-/// with 16. A writer mostly waits for the parallel deflate of its frame (on the pool), so as
+/// of 64 cores, with 32 readers for its 4 GPUs the loop over 30 frames (from the devices ready
+/// to the last frame written) took 1.23-1.55 s against 1.64-2.52 s with 16. A writer mostly waits for the parallel deflate of its frame (on the pool), so as
 /// many writers as readers cost little.
 fn default_io_threads(gpu: bool, devices: usize, cores: usize) -> usize {
     let devices = devices.max(1);
