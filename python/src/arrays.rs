@@ -106,8 +106,8 @@ pub fn extract_arrays<'py>(
                 heliocor: 1.0,
                 traces: None,
             };
+            // a GPU backend kept open by an earlier call, or one opened (and kept) for this one
             let mut backend = open_backend(options.gpu)?;
-            // a backend of its own for this one frame
             backend.one_frame_only();
             pipeline::extract_in_memory_timed(&request, &inputs, backend.as_mut(), &mut timings)
         })

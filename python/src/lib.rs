@@ -28,9 +28,27 @@ fn _spex(m: &Bound<'_, PyModule>) -> PyResult<()> {
         // SAFETY: sets one of the allocator's options, which it reads when it next purges.
         unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
     }
+    // A Python process extracts again and again: its GPU backends stay open between calls.
+    spex::backend::shelf::keep_between_jobs(true);
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(job::run_job, m)?)?;
     m.add_function(wrap_pyfunction!(arrays::extract_arrays, m)?)?;
+    m.add_function(wrap_pyfunction!(keep_devices, m)?)?;
+    m.add_function(wrap_pyfunction!(release_devices, m)?)?;
     m.add_class::<arrays::Psf>()?;
     Ok(())
+}
+
+/// Whether the GPU backends of later calls stay open after them (on from the import);
+/// `False` also frees those open now.
+#[pyfunction]
+fn keep_devices(py: Python<'_>, on: bool) {
+    py.detach(|| spex::backend::shelf::keep_between_jobs(on));
+}
+
+/// Frees the GPU backends kept open between calls (their device memory, pinned host memory
+/// and CUDA contexts); returns how many there were. Later calls open them again.
+#[pyfunction]
+fn release_devices(py: Python<'_>) -> usize {
+    py.detach(spex::backend::shelf::release)
 }

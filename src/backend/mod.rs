@@ -16,6 +16,7 @@ pub mod cuda;
 #[cfg(not(feature = "cuda"))]
 #[path = "cuda_disabled.rs"]
 pub mod cuda;
+pub mod shelf;
 
 /// Everything a backend needs to solve patches of one frame.
 ///
@@ -115,6 +116,13 @@ pub trait Backend: Send {
     /// wave until 41-49 ms into the solve, against 10-14 ms without it (one H200 machine).
     fn one_frame_only(&mut self) {}
 
+    /// Readies a backend kept from an earlier job ([`shelf`]) for another: `threads` threads
+    /// for its host work (the new job's share of the cores), and what
+    /// [`Backend::one_frame_only`] said no longer holds.
+    fn reuse(&mut self, _threads: usize) -> Result<()> {
+        Ok(())
+    }
+
     /// Solves `patches` (any subset of the plan, in any order) and returns one result per
     /// patch, in the same order.
     fn extract(
@@ -133,12 +141,21 @@ pub enum BackendKind {
 }
 
 /// Builds a backend: `threads` CPU threads, or the CUDA device `device` with `threads`
-/// threads for its host work.
+/// threads for its host work. While [`shelf::keeping`], a CUDA backend kept from an earlier
+/// job of the process serves instead of a new one, and this one is kept after its job.
 pub fn create(kind: BackendKind, threads: usize, device: usize) -> Result<Box<dyn Backend>> {
     match kind {
         BackendKind::Cpu => Ok(Box::new(cpu::CpuBackend::new(threads)?)),
-        BackendKind::Cuda => Ok(Box::new(cuda::CudaBackend::with_host_threads(
-            device, threads,
-        )?)),
+        BackendKind::Cuda => {
+            if let Some(kept) = shelf::take(device, threads)? {
+                return Ok(kept);
+            }
+            let opened = Box::new(cuda::CudaBackend::with_host_threads(device, threads)?);
+            Ok(if shelf::keeping() {
+                shelf::wrap(device, threads, opened)
+            } else {
+                opened
+            })
+        }
     }
 }

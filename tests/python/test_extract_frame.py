@@ -61,6 +61,20 @@ def test_desispecs_masked_ivar_and_a_psf_object_give_the_same(inputs, program_fr
     assert_matches(out, program_frame)
 
 
+def test_cpu_calls_keep_no_backend_open(inputs, program_frame):
+    # GPU backends stay open between calls (scripts/gpu-check-python checks them); CPU ones,
+    # cheap to start, are never kept, whether keeping is on or off.
+    preproc, psf = inputs["r0"]
+    img = preproc_arrays(preproc)
+    spex.release_devices()
+    for keep in (True, False, True):
+        spex.keep_devices(keep)
+        out = spex.extract_frame(img, str(psf), 25, 0, 25, wavelength=GRID, nsubbundles=5,
+                                 psferr=0.01, gpu=False)
+        assert_matches(out, program_frame)
+        assert spex.release_devices() == 0
+
+
 #: gpu_specter's extract_frame timing keys, in the order of the steps they end.
 GPU_SPECTER_TIMING = ["init-mpi-comm", "init-mpi-bcast", "host-to-device", "extracted-bundles",
                       "staged-bundles", "merged-bundles", "assembled-frame"]

@@ -375,6 +375,14 @@ impl Backend for CudaBackend {
         self.pin_uploads = false;
     }
 
+    fn reuse(&mut self, threads: usize) -> Result<()> {
+        self.pin_uploads = true;
+        if threads.max(1) != self.host.current_num_threads() {
+            self.host = host_pool(threads.max(1))?;
+        }
+        Ok(())
+    }
+
     fn extract(
         &mut self,
         input: FrameInput<'_>,

@@ -18,6 +18,7 @@ use spex::psf::GaussHermitePsf;
 use spex::simulate::{simulate, SimulateOptions};
 
 mod fallbacks;
+mod kept;
 mod rejection;
 
 /// Prints past the test harness's output capture, so that the figures are always visible.

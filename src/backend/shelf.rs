@@ -1,0 +1,304 @@
+//! GPU backends kept between the jobs of a long-lived process.
+//!
+//! Opening a CUDA backend (its context, the kernels' load, its first frame's buffers) takes
+//! 0.4-0.5 s for one GPU and 1.2-2.0 s for four, longer than solving a frame. The program runs
+//! one job per process and pays it once; a Python caller such as desi_proc calls the library
+//! once per exposure or per frame, in the same process. When keeping is on
+//! ([`keep_between_jobs`], which the Python package turns on), [`super::create`] hands out
+//! CUDA backends wrapped so that dropping them puts them back on a shelf, and the next job on
+//! the same device takes them from there, warm, with host threads of the new job's share. A backend whose call failed
+//! (a device error, an interrupt) or that is dropped by a panic is not kept. [`release`]
+//! frees what is kept: the device memory of the buffers, pinned host memory and, with the
+//! last backend of a device, its CUDA context.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use super::{Backend, FrameInput, Progress};
+use crate::error::Result;
+use crate::extract::PatchResult;
+use crate::plan::Patch;
+
+static KEEPING: AtomicBool = AtomicBool::new(false);
+/// Kept backends by device.
+static SHELF: Mutex<Vec<(usize, Box<dyn Backend>)>> = Mutex::new(Vec::new());
+
+fn shelf() -> MutexGuard<'static, Vec<(usize, Box<dyn Backend>)>> {
+    SHELF.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Turns keeping GPU backends between jobs on or off (off frees what is kept).
+pub fn keep_between_jobs(on: bool) {
+    KEEPING.store(on, Ordering::SeqCst);
+    if !on {
+        release();
+    }
+}
+
+/// Whether GPU backends are kept between jobs.
+pub fn keeping() -> bool {
+    KEEPING.load(Ordering::SeqCst)
+}
+
+/// Frees every kept backend; returns how many there were. Backends in use are kept again when
+/// their job ends, unless keeping is off by then.
+pub fn release() -> usize {
+    let kept = std::mem::take(&mut *shelf());
+    kept.len()
+}
+
+/// How many backends are kept now.
+pub fn kept() -> usize {
+    shelf().len()
+}
+
+/// A kept backend of `device`, if any, with `threads` host threads, wrapped to go back on the
+/// shelf.
+pub(super) fn take(device: usize, threads: usize) -> Result<Option<Box<dyn Backend>>> {
+    let taken = {
+        let mut shelf = shelf();
+        let Some(i) = shelf.iter().position(|(d, _)| *d == device) else {
+            return Ok(None);
+        };
+        shelf.swap_remove(i).1
+    };
+    let mut kept = Kept::new(device, threads, taken);
+    kept.call(|b| b.reuse(threads))?;
+    tracing::debug!("{}: kept from an earlier job", kept.describe());
+    Ok(Some(Box::new(kept)))
+}
+
+/// `backend` of `device` with `threads` host threads, wrapped to go back on the shelf when
+/// dropped while keeping is on.
+pub(super) fn wrap(device: usize, threads: usize, backend: Box<dyn Backend>) -> Box<dyn Backend> {
+    Box::new(Kept::new(device, threads, backend))
+}
+
+/// A backend that goes back on the shelf when dropped, unless one of its calls failed.
+struct Kept {
+    device: usize,
+    /// The host threads of its job, which its siblings get.
+    threads: usize,
+    inner: Option<Box<dyn Backend>>,
+    failed: bool,
+}
+
+impl Kept {
+    fn new(device: usize, threads: usize, inner: Box<dyn Backend>) -> Self {
+        Kept {
+            device,
+            threads,
+            inner: Some(inner),
+            failed: false,
+        }
+    }
+
+    fn inner(&self) -> &dyn Backend {
+        self.inner
+            .as_deref()
+            .expect("a kept backend is present until dropped")
+    }
+
+    /// Runs `f` on the backend; one failure and it is not kept.
+    fn call<T>(&mut self, f: impl FnOnce(&mut dyn Backend) -> Result<T>) -> Result<T> {
+        let inner = self
+            .inner
+            .as_deref_mut()
+            .expect("a kept backend is present until dropped");
+        let outcome = f(inner);
+        self.failed |= outcome.is_err();
+        outcome
+    }
+}
+
+impl Backend for Kept {
+    fn describe(&self) -> String {
+        self.inner().describe()
+    }
+
+    fn device(&self) -> Option<usize> {
+        self.inner().device()
+    }
+
+    /// A kept backend of the same device if there is one, else a new sibling.
+    fn sibling(&self) -> Result<Box<dyn Backend>> {
+        match take(self.device, self.threads)? {
+            Some(kept) => Ok(kept),
+            None => Ok(wrap(self.device, self.threads, self.inner().sibling()?)),
+        }
+    }
+
+    fn one_frame_only(&mut self) {
+        if let Some(b) = self.inner.as_mut() {
+            b.one_frame_only();
+        }
+    }
+
+    fn reuse(&mut self, threads: usize) -> Result<()> {
+        self.threads = threads;
+        self.call(|b| b.reuse(threads))
+    }
+
+    fn extract(
+        &mut self,
+        input: FrameInput<'_>,
+        patches: &[Patch],
+        progress: &Progress,
+    ) -> Result<Vec<PatchResult>> {
+        self.call(|b| b.extract(input, patches, progress))
+    }
+}
+
+impl Drop for Kept {
+    fn drop(&mut self) {
+        let Some(inner) = self.inner.take() else {
+            return;
+        };
+        if self.failed || std::thread::panicking() || !keeping() {
+            tracing::debug!("{}: not kept", inner.describe());
+            return;
+        }
+        shelf().push((self.device, inner));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Error;
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::Arc;
+
+    /// The shelf and its switch are the process's: the tests take turns, and use devices of
+    /// their own (1000 and up).
+    static TURN: Mutex<()> = Mutex::new(());
+
+    fn turn() -> MutexGuard<'static, ()> {
+        let turn = TURN.lock().unwrap_or_else(PoisonError::into_inner);
+        KEEPING.store(true, Ordering::SeqCst);
+        turn
+    }
+
+    /// A backend that counts its drops; its siblings are numbered 100 above it.
+    struct Fake {
+        id: usize,
+        threads: usize,
+        dropped: Arc<AtomicUsize>,
+    }
+
+    fn fake(id: usize, dropped: &Arc<AtomicUsize>) -> Box<dyn Backend> {
+        Box::new(Fake {
+            id,
+            threads: 3,
+            dropped: Arc::clone(dropped),
+        })
+    }
+
+    impl Backend for Fake {
+        fn describe(&self) -> String {
+            format!("fake {} ({} threads)", self.id, self.threads)
+        }
+        fn device(&self) -> Option<usize> {
+            Some(self.id)
+        }
+        fn sibling(&self) -> Result<Box<dyn Backend>> {
+            Ok(Box::new(Fake {
+                id: self.id + 100,
+                threads: self.threads,
+                dropped: Arc::clone(&self.dropped),
+            }))
+        }
+        fn reuse(&mut self, threads: usize) -> Result<()> {
+            self.threads = threads;
+            Ok(())
+        }
+        fn extract(
+            &mut self,
+            _input: FrameInput<'_>,
+            _patches: &[Patch],
+            _progress: &Progress,
+        ) -> Result<Vec<PatchResult>> {
+            Ok(Vec::new())
+        }
+    }
+
+    impl Drop for Fake {
+        fn drop(&mut self) {
+            self.dropped.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn taken(device: usize, threads: usize) -> Option<Box<dyn Backend>> {
+        take(device, threads).expect("the fake's threads are set")
+    }
+
+    #[test]
+    fn a_dropped_backend_serves_the_next_job_on_its_device() {
+        let _turn = turn();
+        let dropped = Arc::new(AtomicUsize::new(0));
+        drop(wrap(1000, 3, fake(1000, &dropped)));
+        assert_eq!(dropped.load(Ordering::SeqCst), 0, "kept, not freed");
+        assert!(taken(1001, 3).is_none(), "another device");
+        let again = taken(1000, 5).expect("the kept backend");
+        assert_eq!(again.describe(), "fake 1000 (5 threads)");
+        assert!(taken(1000, 5).is_none(), "taken once");
+        // a sibling is made when none is kept; both are kept after the job
+        let sibling = again.sibling().expect("sibling");
+        assert_eq!(sibling.describe(), "fake 1100 (5 threads)");
+        drop((again, sibling));
+        // a kept backend is taken before a sibling is made, with its first's threads
+        let first = taken(1000, 2).expect("kept");
+        let second = first.sibling().expect("sibling");
+        let mut names = [first.describe(), second.describe()];
+        names.sort();
+        assert_eq!(names, ["fake 1000 (2 threads)", "fake 1100 (2 threads)"]);
+        assert_eq!(dropped.load(Ordering::SeqCst), 0);
+        drop((first, second));
+        assert_eq!(release(), 2);
+        assert_eq!(dropped.load(Ordering::SeqCst), 2);
+    }
+
+    #[test]
+    fn a_backend_whose_call_failed_is_freed() {
+        let _turn = turn();
+        let dropped = Arc::new(AtomicUsize::new(0));
+        let mut kept = Kept::new(2000, 1, fake(2000, &dropped));
+        assert!(kept.call(|_| Ok(())).is_ok());
+        drop(kept);
+        assert_eq!(dropped.load(Ordering::SeqCst), 0, "kept after a good call");
+        let good = taken(2000, 1).expect("kept");
+        let mut kept = Kept::new(2000, 1, fake(2001, &dropped));
+        let failed: Result<()> = kept.call(|_| Err(Error::Gpu("a device error".into())));
+        assert!(failed.is_err());
+        drop(kept);
+        assert_eq!(
+            dropped.load(Ordering::SeqCst),
+            1,
+            "freed after a failed call"
+        );
+        assert!(taken(2000, 1).is_none());
+        drop(good);
+        assert_eq!(release(), 1);
+        assert_eq!(dropped.load(Ordering::SeqCst), 2);
+    }
+
+    #[test]
+    fn release_and_keeping_off_free_the_backends() {
+        let _turn = turn();
+        let dropped = Arc::new(AtomicUsize::new(0));
+        drop(wrap(3000, 1, fake(3000, &dropped)));
+        let in_use = wrap(3000, 1, fake(3001, &dropped));
+        assert!(kept() >= 1);
+        keep_between_jobs(false);
+        assert_eq!(kept(), 0);
+        assert_eq!(dropped.load(Ordering::SeqCst), 1, "the kept one freed");
+        // in use while keeping went off: freed when its job ends
+        drop(in_use);
+        assert_eq!(dropped.load(Ordering::SeqCst), 2);
+        assert!(taken(3000, 1).is_none());
+        KEEPING.store(true, Ordering::SeqCst);
+        drop(wrap(3000, 1, fake(3002, &dropped)));
+        assert_eq!(release(), 1);
+        assert_eq!(dropped.load(Ordering::SeqCst), 3);
+    }
+}
