@@ -211,9 +211,10 @@ impl DeviceVerdicts<'_> {
     }
 }
 
-/// The patches (indices in the wave's batch, ascending) that [`outcome`] gives the CPU
-/// reference, from the same verdicts and coupling, without its log lines: those with weight
-/// that failed twice, or whose coupling is over `coupling_max`.
+/// The patches (indices in the wave's batch, ascending) that the CPU reference solves, from
+/// a wave's verdicts and coupling: those with weight that failed twice, or whose coupling is
+/// over `coupling_max` (NaN included). The one definition: [`outcome`] takes its coupled
+/// patches from here.
 pub(crate) fn cpu_patches(verdicts: &[i32], coupling: &[f64], coupling_max: f64) -> Vec<usize> {
     let n = coupling.len();
     let (first, rest) = verdicts.split_at(n);
@@ -251,9 +252,10 @@ pub(crate) fn outcome(
             fact.retried
         );
     }
-    let (masked, to_cpu) = (&fact.masked, &fact.to_cpu);
-    let coupled: Vec<usize> = (0..n)
-        .filter(|&i| masked[i] == 0 && !to_cpu.contains(&i) && !(coupling[i] <= coupling_max))
+    // the CPU's patches less those that failed twice: the coupled ones
+    let coupled: Vec<usize> = cpu_patches(verdicts, coupling, coupling_max)
+        .into_iter()
+        .filter(|i| !fact.to_cpu.contains(i))
         .collect();
     for &i in &coupled {
         tracing::debug!(
@@ -264,7 +266,7 @@ pub(crate) fn outcome(
         );
     }
     let largest = (0..n)
-        .filter(|&i| masked[i] == 0)
+        .filter(|&i| fact.masked[i] == 0)
         .map(|i| coupling[i])
         .fold(0f64, f64::max);
     fact.to_cpu.extend(&coupled);
