@@ -322,6 +322,16 @@ struct Done {
     before: Vec<f64>,
 }
 
+impl Done {
+    /// A test found `n` new outliers; its next solve starts from kept equations `slot` (-1:
+    /// none).
+    fn found(&mut self, n: usize, slot: i32) {
+        self.kept = (slot >= 0).then_some(slot);
+        self.nrejected += n;
+        self.nresolves += 1;
+    }
+}
+
 /// A wave queued on the device and what its results go through once finished.
 struct InFlight<'a> {
     queued: Queued<'a>,
@@ -362,17 +372,7 @@ pub(crate) fn finish_frame<'a>(
     let ahead = gather_ahead(ws.reject.keep_spots);
     let mut done = vec![Done::default(); ci.len()];
     let mut pending = Pending::default();
-    let mut fifo: VecDeque<InFlight<'a>> = queued
-        .into_iter()
-        .map(|q| {
-            let tested = host.waves[q.wave()].live.clone().collect();
-            InFlight {
-                queued: q,
-                first: true,
-                tested,
-            }
-        })
-        .collect();
+    let mut fifo = first_solves(queued, host);
     let (mut test_ms, mut queue_ms) = (0.0, 0.0);
     while let Some(f) = fifo.pop_front() {
         let wi = f.queued.wave();
@@ -384,9 +384,7 @@ pub(crate) fn finish_frame<'a>(
             on_device: tested,
         } = read_counts(g.dev, ws, &host.waves[wi], &f.queued, &f.tested)?;
         for &(li, n, slot) in &changed {
-            done[li].kept = (slot >= 0).then_some(slot);
-            done[li].nrejected += n;
-            done[li].nresolves += 1;
+            done[li].found(n, slot);
             pending.add(li, done[li].nresolves);
         }
         let round_test_ms = t_test.elapsed().as_secs_f64() * 1e3;
@@ -433,19 +431,15 @@ pub(crate) fn finish_frame<'a>(
         if let Some(q) = unfinished.take() {
             finish_ms = finish(g, ws, input, host, q, sink, f.first)?;
         }
-        if f.first {
-            for li in f.tested.iter().copied() {
-                done[li].before = pixmask_of(sink.results, ci[li]);
-            }
-        }
-        // while the device runs the waves queued: the wave's patches solved for the last time
-        let mut again: Vec<usize> = changed.iter().map(|c| c.0).collect();
-        again.sort_unstable();
-        for li in host.waves[wi].patches() {
-            if again.binary_search(&li).is_err() {
-                settle(sink.results, ci[li], &done[li]);
-            }
-        }
+        let first_tested = f.first.then_some(f.tested.as_slice());
+        settle_wave(
+            sink.results,
+            &host.waves[wi],
+            first_tested,
+            &changed,
+            &ci,
+            &mut done,
+        );
         tracing::debug!(
             "outliers of wave {wi}: {} patches tested, {} with new outliers, {} pending; counts read in {round_test_ms:.2} ms, re-solve waves of {sizes:?} queued in {round_queue_ms:.2} ms; finished in {finish_ms:.2} ms",
             tested.len(),
@@ -463,6 +457,42 @@ pub(crate) fn finish_frame<'a>(
     sink.timings.add("outlier counts", test_ms);
     sink.timings.add("rejection queue", queue_ms);
     Ok(())
+}
+
+/// The frame's waves as first queued, each tested after its solve.
+fn first_solves<'a>(queued: Vec<Queued<'a>>, host: &FrameHost) -> VecDeque<InFlight<'a>> {
+    let first = |queued: Queued<'a>| {
+        let tested = host.waves[queued.wave()].live.clone().collect();
+        InFlight {
+            queued,
+            first: true,
+            tested,
+        }
+    };
+    queued.into_iter().map(first).collect()
+}
+
+/// Once `wave` is finished, while the device runs the waves queued: after its first solve,
+/// the masked fractions before rejection of its `first_tested` patches; then the results of
+/// its patches solved for the last time (those without new outliers, `changed`).
+fn settle_wave(
+    results: &mut [Option<PatchResult>],
+    wave: &Wave,
+    first_tested: Option<&[usize]>,
+    changed: &[(usize, usize, i32)],
+    ci: &[usize],
+    done: &mut [Done],
+) {
+    for &li in first_tested.unwrap_or_default() {
+        done[li].before = pixmask_of(results, ci[li]);
+    }
+    let mut again: Vec<usize> = changed.iter().map(|c| c.0).collect();
+    again.sort_unstable();
+    for li in wave.patches() {
+        if again.binary_search(&li).is_err() {
+            settle(results, ci[li], &done[li]);
+        }
+    }
 }
 
 /// Waves still in flight at which the patches pending a re-solve are queued (besides when
