@@ -63,8 +63,9 @@ pub(super) struct Lanes {
 /// readers keep one GPU fed: the readers take half the rank's cores (its share of the node,
 /// not the threads of rayon's pool), up to 16 per GPU and at least three. On a 4 x H200 node
 /// of 64 cores, with 32 readers for its 4 GPUs the loop over 30 frames (from the devices ready
-/// to the last frame written) took 1.23-1.55 s against 1.64-2.52 s with 16. A writer mostly waits for the parallel deflate of its frame (on the pool), so as
-/// many writers as readers cost little.
+/// to the last frame written) took 1.23-1.55 s against 1.64-2.52 s with 16. A writer mostly
+/// waits for the parallel deflate of its frame (on the pool), so as many writers as readers
+/// cost little.
 fn default_io_threads(gpu: bool, devices: usize, cores: usize) -> usize {
     let devices = devices.max(1);
     if gpu {
