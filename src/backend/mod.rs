@@ -152,7 +152,7 @@ pub fn create(kind: BackendKind, threads: usize, device: usize) -> Result<Box<dy
             }
             let opened = Box::new(cuda::CudaBackend::with_host_threads(device, threads)?);
             Ok(if shelf::keeping() {
-                shelf::wrap(device, threads, opened)
+                shelf::wrap(threads, opened)
             } else {
                 opened
             })

@@ -6,10 +6,10 @@
 //! once per exposure or per frame, in the same process. When keeping is on
 //! ([`keep_between_jobs`], which the Python package turns on), [`super::create`] hands out
 //! CUDA backends wrapped so that dropping them puts them back on a shelf, and the next job on
-//! the same device takes them from there, warm, with host threads of the new job's share. A backend whose call failed
-//! (a device error, an interrupt) or that is dropped by a panic is not kept. [`release`]
-//! frees what is kept: the device memory of the buffers, pinned host memory and, with the
-//! last backend of a device, its CUDA context.
+//! the same device ([`Backend::device`]) takes them from there, warm, with host threads of the
+//! new job's share. A backend whose call failed (a device error, an interrupt) or that is
+//! dropped by a panic is not kept. [`release`] frees what is kept: the device memory of the
+//! buffers, pinned host memory and, with the last backend of a device, its CUDA context.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -20,10 +20,9 @@ use crate::extract::PatchResult;
 use crate::plan::Patch;
 
 static KEEPING: AtomicBool = AtomicBool::new(false);
-/// Kept backends by device.
-static SHELF: Mutex<Vec<(usize, Box<dyn Backend>)>> = Mutex::new(Vec::new());
+static SHELF: Mutex<Vec<Box<dyn Backend>>> = Mutex::new(Vec::new());
 
-fn shelf() -> MutexGuard<'static, Vec<(usize, Box<dyn Backend>)>> {
+fn shelf() -> MutexGuard<'static, Vec<Box<dyn Backend>>> {
     SHELF.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
@@ -57,26 +56,25 @@ pub fn kept() -> usize {
 pub(super) fn take(device: usize, threads: usize) -> Result<Option<Box<dyn Backend>>> {
     let taken = {
         let mut shelf = shelf();
-        let Some(i) = shelf.iter().position(|(d, _)| *d == device) else {
+        let Some(i) = shelf.iter().position(|b| b.device() == Some(device)) else {
             return Ok(None);
         };
-        shelf.swap_remove(i).1
+        shelf.swap_remove(i)
     };
-    let mut kept = Kept::new(device, threads, taken);
+    let mut kept = Kept::new(threads, taken);
     kept.call(|b| b.reuse(threads))?;
     tracing::debug!("{}: kept from an earlier job", kept.describe());
     Ok(Some(Box::new(kept)))
 }
 
-/// `backend` of `device` with `threads` host threads, wrapped to go back on the shelf when
-/// dropped while keeping is on.
-pub(super) fn wrap(device: usize, threads: usize, backend: Box<dyn Backend>) -> Box<dyn Backend> {
-    Box::new(Kept::new(device, threads, backend))
+/// `backend` with `threads` host threads, wrapped to go back on the shelf when dropped while
+/// keeping is on.
+pub(super) fn wrap(threads: usize, backend: Box<dyn Backend>) -> Box<dyn Backend> {
+    Box::new(Kept::new(threads, backend))
 }
 
 /// A backend that goes back on the shelf when dropped, unless one of its calls failed.
 struct Kept {
-    device: usize,
     /// The host threads of its job, which its siblings get.
     threads: usize,
     inner: Option<Box<dyn Backend>>,
@@ -84,9 +82,8 @@ struct Kept {
 }
 
 impl Kept {
-    fn new(device: usize, threads: usize, inner: Box<dyn Backend>) -> Self {
+    fn new(threads: usize, inner: Box<dyn Backend>) -> Self {
         Kept {
-            device,
             threads,
             inner: Some(inner),
             failed: false,
@@ -122,9 +119,13 @@ impl Backend for Kept {
 
     /// A kept backend of the same device if there is one, else a new sibling.
     fn sibling(&self) -> Result<Box<dyn Backend>> {
-        match take(self.device, self.threads)? {
+        let kept = match self.device() {
+            Some(device) => take(device, self.threads)?,
+            None => None,
+        };
+        match kept {
             Some(kept) => Ok(kept),
-            None => Ok(wrap(self.device, self.threads, self.inner().sibling()?)),
+            None => Ok(wrap(self.threads, self.inner().sibling()?)),
         }
     }
 
@@ -158,7 +159,7 @@ impl Drop for Kept {
             tracing::debug!("{}: not kept", inner.describe());
             return;
         }
-        shelf().push((self.device, inner));
+        shelf().push(inner);
     }
 }
 
@@ -169,8 +170,7 @@ mod tests {
     use std::sync::atomic::AtomicUsize;
     use std::sync::Arc;
 
-    /// The shelf and its switch are the process's: the tests take turns, and use devices of
-    /// their own (1000 and up).
+    /// The shelf and its switch are the process's: the tests take turns.
     static TURN: Mutex<()> = Mutex::new(());
 
     fn turn() -> MutexGuard<'static, ()> {
@@ -179,7 +179,8 @@ mod tests {
         turn
     }
 
-    /// A backend that counts its drops; its siblings are numbered 100 above it.
+    /// A backend of device `id / 100` (its siblings numbered one above it) that counts its
+    /// drops.
     struct Fake {
         id: usize,
         threads: usize,
@@ -199,11 +200,11 @@ mod tests {
             format!("fake {} ({} threads)", self.id, self.threads)
         }
         fn device(&self) -> Option<usize> {
-            Some(self.id)
+            Some(self.id / 100)
         }
         fn sibling(&self) -> Result<Box<dyn Backend>> {
             Ok(Box::new(Fake {
-                id: self.id + 100,
+                id: self.id + 1,
                 threads: self.threads,
                 dropped: Arc::clone(&self.dropped),
             }))
@@ -236,22 +237,22 @@ mod tests {
     fn a_dropped_backend_serves_the_next_job_on_its_device() {
         let _turn = turn();
         let dropped = Arc::new(AtomicUsize::new(0));
-        drop(wrap(1000, 3, fake(1000, &dropped)));
+        drop(wrap(3, fake(1000, &dropped)));
         assert_eq!(dropped.load(Ordering::SeqCst), 0, "kept, not freed");
-        assert!(taken(1001, 3).is_none(), "another device");
-        let again = taken(1000, 5).expect("the kept backend");
+        assert!(taken(11, 3).is_none(), "another device");
+        let again = taken(10, 5).expect("the kept backend");
         assert_eq!(again.describe(), "fake 1000 (5 threads)");
-        assert!(taken(1000, 5).is_none(), "taken once");
+        assert!(taken(10, 5).is_none(), "taken once");
         // a sibling is made when none is kept; both are kept after the job
         let sibling = again.sibling().expect("sibling");
-        assert_eq!(sibling.describe(), "fake 1100 (5 threads)");
+        assert_eq!(sibling.describe(), "fake 1001 (5 threads)");
         drop((again, sibling));
         // a kept backend is taken before a sibling is made, with its first's threads
-        let first = taken(1000, 2).expect("kept");
+        let first = taken(10, 2).expect("kept");
         let second = first.sibling().expect("sibling");
         let mut names = [first.describe(), second.describe()];
         names.sort();
-        assert_eq!(names, ["fake 1000 (2 threads)", "fake 1100 (2 threads)"]);
+        assert_eq!(names, ["fake 1000 (2 threads)", "fake 1001 (2 threads)"]);
         assert_eq!(dropped.load(Ordering::SeqCst), 0);
         drop((first, second));
         assert_eq!(release(), 2);
@@ -262,21 +263,18 @@ mod tests {
     fn a_backend_whose_call_failed_is_freed() {
         let _turn = turn();
         let dropped = Arc::new(AtomicUsize::new(0));
-        let mut kept = Kept::new(2000, 1, fake(2000, &dropped));
+        let mut kept = Kept::new(1, fake(2000, &dropped));
         assert!(kept.call(|_| Ok(())).is_ok());
         drop(kept);
         assert_eq!(dropped.load(Ordering::SeqCst), 0, "kept after a good call");
-        let good = taken(2000, 1).expect("kept");
-        let mut kept = Kept::new(2000, 1, fake(2001, &dropped));
+        let good = taken(20, 1).expect("kept");
+        let mut kept = Kept::new(1, fake(2001, &dropped));
         let failed: Result<()> = kept.call(|_| Err(Error::Gpu("a device error".into())));
         assert!(failed.is_err());
         drop(kept);
-        assert_eq!(
-            dropped.load(Ordering::SeqCst),
-            1,
-            "freed after a failed call"
-        );
-        assert!(taken(2000, 1).is_none());
+        let freed = dropped.load(Ordering::SeqCst);
+        assert_eq!(freed, 1, "freed after a failed call");
+        assert!(taken(20, 1).is_none());
         drop(good);
         assert_eq!(release(), 1);
         assert_eq!(dropped.load(Ordering::SeqCst), 2);
@@ -286,8 +284,8 @@ mod tests {
     fn release_and_keeping_off_free_the_backends() {
         let _turn = turn();
         let dropped = Arc::new(AtomicUsize::new(0));
-        drop(wrap(3000, 1, fake(3000, &dropped)));
-        let in_use = wrap(3000, 1, fake(3001, &dropped));
+        drop(wrap(1, fake(3000, &dropped)));
+        let in_use = wrap(1, fake(3001, &dropped));
         assert!(kept() >= 1);
         keep_between_jobs(false);
         assert_eq!(kept(), 0);
@@ -295,9 +293,9 @@ mod tests {
         // in use while keeping went off: freed when its job ends
         drop(in_use);
         assert_eq!(dropped.load(Ordering::SeqCst), 2);
-        assert!(taken(3000, 1).is_none());
+        assert!(taken(30, 1).is_none());
         KEEPING.store(true, Ordering::SeqCst);
-        drop(wrap(3000, 1, fake(3002, &dropped)));
+        drop(wrap(1, fake(3002, &dropped)));
         assert_eq!(release(), 1);
         assert_eq!(dropped.load(Ordering::SeqCst), 3);
     }
