@@ -20,6 +20,12 @@
 #define SPEX_SEED 3
 #define SPEX_CONTRAST 4
 
+// What the pass that finds the seeds saw besides them (bits of outlier_test's s_seen): a
+// tested pixel below -nsigma, a pixel rejected by the test before (SPEX_FRESH). A patch with
+// neither and no seed, most of them, has nothing left to flag or to count.
+#define SPEX_SEEN_LOW 1
+#define SPEX_SEEN_FRESH 2
+
 // The key of a double in the total order of Rust's f64::total_cmp, as an unsigned integer.
 __device__ __forceinline__ unsigned long long total_order_key(double v) {
     unsigned long long b = (unsigned long long)__double_as_longlong(v);
@@ -153,6 +159,22 @@ __device__ __forceinline__ bool grows_into(const TestedBox& t, int q, int r, int
     return t.weighted(q, r, c) && t.pull(q, r, c, rn2, psferr) > rules.grow_nsigma &&
            (t.core[q] || t.near_seed(r, c, rules.reach));
 }
+
+// What grows_into asks, a byte per pixel of a box of at most SPEX_MAP_PIXELS, in shared
+// memory: `hot` from the pass that finds the seeds (HOT_UNTESTED or HOT_TESTED for a pixel
+// with weight beyond grow_nsigma, 0 otherwise), `near` (nonzero within reach of a seed)
+// once they are known. Each round of the growth then reads two bytes of shared memory
+// where grows_into read the image, the model and the flags and looked around for a seed.
+#define SPEX_HOT_UNTESTED 1
+#define SPEX_HOT_TESTED 2
+struct GrowthMaps {
+    unsigned char* hot;
+    unsigned char* near;
+
+    __device__ bool joins(int q) const {
+        return hot[q] == SPEX_HOT_TESTED || (hot[q] == SPEX_HOT_UNTESTED && near[q]);
+    }
+};
 
 // Whether the tested pixel (q, r, c), next to a taken one, stands out of its own neighbours.
 __device__ __forceinline__ bool stands_out(const TestedBox& t, int q, int r, int c, double rn2,
@@ -332,6 +354,12 @@ __device__ unsigned int block_count(unsigned int v, unsigned int* total) {
 #define SPEX_TAKEN_LIST 4096
 #define SPEX_CLAIM_PIXELS 65536
 
+// Bytes of outlier_test's dynamic shared memory (src/backend/cuda/reject.rs, TEST_SHARED):
+// the list and bitmap above, then the growth's two maps (GrowthMaps) of a box of at most
+// SPEX_MAP_PIXELS (a full r frame's boxes hold 5700-7900); a larger box grows as before.
+#define SPEX_TEST_SHARED 65536
+#define SPEX_MAP_PIXELS ((SPEX_TEST_SHARED - SPEX_TAKEN_LIST * 4 - SPEX_CLAIM_PIXELS / 8) / 2)
+
 // A pass's taken pixels in the order they were taken (seeds first) and the bitmap of the
 // pixels its growth has claimed, in shared memory.
 struct Frontier {
@@ -367,14 +395,47 @@ __device__ __forceinline__ bool free_neighbour(const TestedBox& t, int p, int k,
     return *r >= 0 && *c >= 0 && *c < t.width && *r < t.height() && t.rejected[*q] == 0;
 }
 
+// Widens each nonzero byte of the `n` lines of `len` bytes, `stride` apart within a line and
+// `step` between lines, to `reach` places on either side, in place: a thread per line walks
+// it once, remembering where it last saw one (written `reach` places behind what it reads).
+__device__ void widen_lines(unsigned char* map, int n, int len, int stride, int step,
+                            int reach) {
+    for (int line = threadIdx.x; line < n; line += blockDim.x) {
+        unsigned char* v = map + line * step;
+        int last = -2 * reach - 1;
+        for (int i = 0; i < len + reach; i++) {
+            if (i < len && v[i * stride]) last = i;
+            int x = i - reach;
+            if (x >= 0) v[x * stride] = last >= x - reach;
+        }
+    }
+}
+
+// Turns `near`, nonzero at the seeds, into the map of the pixels within `reach` rows and
+// columns of a seed (what near_seed finds by looking around a pixel): along the rows, then
+// along the columns.
+__device__ void reach_of_seeds(const TestedBox& t, int reach, unsigned char* near) {
+    int h = t.height();
+    widen_lines(near, h, t.width, 1, t.width, reach);
+    __syncthreads();
+    widen_lines(near, t.width, h, t.width, 1, reach);
+}
+
 // The growth from the seeds in `f`, ring by ring: each round looks only at the 8 neighbours
 // of the pixels the round before took, so that a pass costs the track's pixels, not the box
 // times the rounds (with the walk without divisions, the test of a 650-patch wave took 468 us
 // instead of 821 on an H200, docs/benchmarks.md). The same pixels as the rounds over the box
 // (a closure does not depend on the order). False, in every thread, when the list overflowed
-// (some taken pixels are not in it).
+// (some taken pixels are not in it). With `maps` (hot given), a round reads them alone: the
+// tests of a full r frame took 2.8 ms instead of 3.8 (ncu, an H200; with the early end of a
+// patch without seeds, outlier_test's s_seen), where each round's longest chain was a thread
+// evaluating a pixel and looking for a seed among the 17 x 17 around it.
 __device__ bool grow_by_frontier(const TestedBox& t, double rn2, double psferr,
-                                 const PassRules& rules, const Frontier& f) {
+                                 const PassRules& rules, const Frontier& f,
+                                 const GrowthMaps& maps) {
+    __syncthreads();
+    if (*f.over) return false;
+    if (maps.hot) reach_of_seeds(t, rules.reach, maps.near);
     unsigned int from = 0;
     for (;;) {
         __syncthreads();
@@ -386,7 +447,8 @@ __device__ bool grow_by_frontier(const TestedBox& t, double rn2, double psferr,
         for (unsigned int i = threadIdx.x; i < 8 * (to - from); i += blockDim.x) {
             int r, c, q;
             if (!free_neighbour(t, f.list[from + i / 8], i % 8, &r, &c, &q)) continue;
-            if (grows_into(t, q, r, c, rn2, psferr, rules) && f.claim(q)) {
+            bool joins = maps.hot ? maps.joins(q) : grows_into(t, q, r, c, rn2, psferr, rules);
+            if (joins && f.claim(q)) {
                 t.rejected[q] = SPEX_NEW_OUTLIER;
                 f.add(q);
             }
@@ -438,19 +500,22 @@ __device__ void contrast_by_list(const TestedBox& t, double rn2, double psferr,
 // patch flagged in `untested` (when given: a re-solve wave's patch whose solve is its last).
 // The seeds (the tested pixels beyond nsigma and the sharp untested ones) grow into the
 // 8-connected pixels beyond `grow_nsigma`; then the contrast rule takes the neighbours that
-// stand out of theirs. Without a seed, the tested pixels below -nsigma are the outliers.
+// stand out of theirs. Without a seed, the tested pixels below -nsigma are the outliers. A box
+// of at most `map_cap` pixels (and SPEX_MAP_PIXELS) grows from its maps (GrowthMaps).
 extern "C" __global__ void __launch_bounds__(SPEX_TEST_THREADS, 2) outlier_test(
     const double* __restrict__ model, const unsigned char* __restrict__ core,
     unsigned char* rejected, const int* __restrict__ boxes,
     const long long* __restrict__ boxoff, const float* __restrict__ pix,
     const float* __restrict__ ivar, int sub_row0, int sub_col0, int sub_w, double nsigma,
     double psferr, double grow_nsigma, double sharp_nsigma, double sharp_fraction,
-    double contrast_nsigma, int reach, int edge, int list_cap, int* __restrict__ counts,
-    const int* __restrict__ untested) {
-    __shared__ unsigned int s_total, s_len;
+    double contrast_nsigma, int reach, int edge, int list_cap, int map_cap,
+    int* __restrict__ counts, const int* __restrict__ untested) {
+    __shared__ unsigned int s_total, s_len, s_seen;
     __shared__ int s_over;
-    __shared__ int s_list[SPEX_TAKEN_LIST];
-    __shared__ unsigned int s_claimed[SPEX_CLAIM_PIXELS / 32];
+    // SPEX_TEST_SHARED bytes: the growth's list, bitmap and maps
+    extern __shared__ int s_list[];
+    unsigned int* s_claimed = (unsigned int*)(s_list + SPEX_TAKEN_LIST);
+    unsigned char* s_maps = (unsigned char*)(s_claimed + SPEX_CLAIM_PIXELS / 32);
     int p = blockIdx.x;
     if (untested && untested[p]) {
         if (threadIdx.x == 0) counts[p] = 0;
@@ -471,27 +536,44 @@ extern "C" __global__ void __launch_bounds__(SPEX_TEST_THREADS, 2) outlier_test(
     }
     if (threadIdx.x == 0) {
         s_len = 0;
+        s_seen = 0;
         s_over = t.len > SPEX_CLAIM_PIXELS;
     }
     for (int i = threadIdx.x; i < SPEX_CLAIM_PIXELS / 32; i += blockDim.x) s_claimed[i] = 0;
     __syncthreads();
     double rn2 = fmax(median, 0.0);
+    GrowthMaps maps{nullptr, nullptr};
+    if (t.len <= min(map_cap, SPEX_MAP_PIXELS))
+        maps = GrowthMaps{s_maps, s_maps + SPEX_MAP_PIXELS};
     SPEX_FOR_PIXELS(t, px) {
-        if (!t.weighted(px.q, px.row, px.col)) continue;
-        double pl = t.pull(px.q, px.row, px.col, rn2, psferr);
-        if ((t.core[px.q] && pl > nsigma) ||
-            sharp(t, px.q, px.row, px.col, pl, rn2, psferr, rules)) {
+        bool weighted = t.weighted(px.q, px.row, px.col);
+        double pl = weighted ? t.pull(px.q, px.row, px.col, rn2, psferr) : 0.0;
+        if (maps.hot)
+            maps.hot[px.q] = !(weighted && pl > grow_nsigma) ? 0
+                             : t.core[px.q]                  ? SPEX_HOT_TESTED
+                                                             : SPEX_HOT_UNTESTED;
+        if (t.rejected[px.q] == SPEX_FRESH) atomicOr(&s_seen, SPEX_SEEN_FRESH);
+        bool seed = weighted && ((t.core[px.q] && pl > nsigma) ||
+                                 sharp(t, px.q, px.row, px.col, pl, rn2, psferr, rules));
+        if (maps.hot) maps.near[px.q] = seed;
+        if (!weighted) continue;
+        if (t.core[px.q] && pl < -nsigma) atomicOr(&s_seen, SPEX_SEEN_LOW);
+        if (seed) {
             t.rejected[px.q] = SPEX_SEED;
             f.add(px.q);
         }
     }
     __syncthreads();
+    if (s_len == 0 && s_seen == 0) {
+        if (threadIdx.x == 0) counts[p] = 0;
+        return;
+    }
     if (s_len > 0) {
-        if (grow_by_frontier(t, rn2, psferr, rules, f))
+        if (grow_by_frontier(t, rn2, psferr, rules, f, maps))
             contrast_by_list(t, rn2, psferr, rules, f);
         else
             grow_by_rounds(t, rn2, psferr, rules);
-    } else {
+    } else if (s_seen & SPEX_SEEN_LOW) {
         SPEX_FOR_PIXELS(t, px) {
             if (t.tested(px.q, px.row, px.col) && t.pull(px.q, px.row, px.col, rn2, psferr) < -nsigma)
                 t.rejected[px.q] = SPEX_NEW_OUTLIER;

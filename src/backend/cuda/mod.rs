@@ -240,6 +240,13 @@ impl CudaBackend {
         self.tuning.outlier_list = pixels.unwrap_or(reject::TAKEN_LIST);
     }
 
+    /// Limits the boxes whose outlier test grows from its maps in shared memory (for tests of
+    /// the growth that evaluates each pixel it reaches, which a larger box takes; None: the
+    /// default). The kernel holds it to the maps' room.
+    pub fn set_outlier_maps(&mut self, pixels: Option<u32>) {
+        self.tuning.outlier_maps = pixels.unwrap_or(reject::MAP_PIXELS);
+    }
+
     /// Limits the slots of normal equations kept for outlier rejection's re-solves (for tests
     /// of the re-solves that assemble theirs again; None: the default).
     pub fn set_kept_slots(&mut self, slots: Option<usize>) {
@@ -572,10 +579,10 @@ impl CudaBackend {
         let frame_spots = nbundles * sh.bundle_spot_bytes();
         let keep_spots = reject::keeps_spots(rejecting, frame_spots, self.budget);
         let (nsigma, psferr) = (input.options.reject_outliers, input.options.psferr);
-        let list = self.tuning.outlier_list;
+        let growth = (self.tuning.outlier_list, self.tuning.outlier_maps);
         self.workspace
             .reject
-            .start(nsigma, psferr, keep_spots, list);
+            .start(nsigma, psferr, keep_spots, growth);
         let kept = if keep_spots { frame_spots } else { 0 };
         let (size, left) =
             self.wave_size(&sh, image_bytes + tables + kept + patches.len() * out_bytes);

@@ -64,8 +64,10 @@ pub(crate) struct Boxes {
     pass: usize,
     /// The test's NSIGMA and the PSF error of its noise.
     limits: (f64, f64),
-    /// Taken pixels the test's growth keeps in its list (`Tuning::outlier_list`).
+    /// Taken pixels the test's growth keeps in its list, and the largest box whose growth
+    /// reads its maps (`Tuning::outlier_list`, `Tuning::outlier_maps`).
     list: u32,
+    maps: u32,
     /// Where the wave being queued starts in the arrays.
     wave_at: usize,
     /// Where the wave being queued starts among the frame's live patches (in `counts`).
@@ -96,6 +98,7 @@ impl Boxes {
             pass: 0,
             limits: (0.0, 0.0),
             list: TAKEN_LIST,
+            maps: MAP_PIXELS,
             wave_at: 0,
             live_at: 0,
             fit: Slot::new("model boxes of the outlier test"),
@@ -111,10 +114,18 @@ impl Boxes {
 
     /// Starts a frame: rejection at `nsigma` (None: off) with the noise's PSF error
     /// `psferr`, first pass; its spots kept for the re-solves where `keep_spots` (see
-    /// [`keeps_spots`]); the test's growth keeps `list` taken pixels in its list.
-    pub(crate) fn start(&mut self, nsigma: Option<f64>, psferr: f64, keep_spots: bool, list: u32) {
+    /// [`keeps_spots`]); the test's growth keeps `list` taken pixels in its list and reads
+    /// its maps in boxes of at most `maps` pixels.
+    pub(crate) fn start(
+        &mut self,
+        nsigma: Option<f64>,
+        psferr: f64,
+        keep_spots: bool,
+        (list, maps): (u32, u32),
+    ) {
         self.on = nsigma.is_some();
         self.list = list;
+        self.maps = maps;
         self.limits = (nsigma.unwrap_or(0.0), psferr);
         self.keep_spots = self.on && keep_spots;
         self.pass = 0;
@@ -272,6 +283,15 @@ const TEST_THREADS: u32 = 1024;
 /// kernels/reject.cu, the size of its array in shared memory).
 pub(crate) const TAKEN_LIST: u32 = 4096;
 
+/// Bytes of dynamic shared memory of a block of `outlier_test` (`SPEX_TEST_SHARED` in
+/// kernels/reject.cu): its growth's list, bitmap and maps. With its 6.3 KB of static memory,
+/// two blocks share an SM of an H100 or an A100.
+const TEST_SHARED: usize = 65536;
+
+/// The largest box whose growth reads its maps in the shared memory left (`SPEX_MAP_PIXELS`
+/// in kernels/reject.cu): a full r frame's boxes hold 5700-7900 pixels.
+pub(crate) const MAP_PIXELS: u32 = (TEST_SHARED as u32 - TAKEN_LIST * 4 - 65536 / 8) / 2;
+
 /// The outlier test of the wave's `n` patches on their model boxes, a block each: outliers
 /// flagged in `rejected`, how many in `counts`.
 fn test(g: Gpu<'_>, ws: &Workspace, n: usize, region: Region) -> Result<()> {
@@ -283,7 +303,7 @@ fn test(g: Gpu<'_>, ws: &Workspace, n: usize, region: Region) -> Result<()> {
         "outlier_test",
         (n as u32, 1, 1),
         TEST_THREADS,
-        0,
+        TEST_SHARED,
         kernels::Args::new()
             .ptr(b.fit.get().at(b.wave_at))
             .ptr(b.core.get().at(b.wave_at))
@@ -302,6 +322,7 @@ fn test(g: Gpu<'_>, ws: &Workspace, n: usize, region: Region) -> Result<()> {
             .i32(UNTESTED_REACH as i32)
             .i32(SHARP_EDGE as i32)
             .i32(b.list as i32)
+            .i32(b.maps as i32)
             .ptr(b.counts.get().at(b.live_at))
             .ptr(if b.mixed {
                 b.untested.get().at(b.live_at)

@@ -104,6 +104,9 @@ pub(crate) struct Tuning {
     /// Taken pixels the outlier test's growth keeps in its list (at most
     /// [`super::reject::TAKEN_LIST`]); a pass that takes more grows by rounds over its box.
     pub outlier_list: u32,
+    /// Box pixels up to which the outlier test's growth reads its maps (at most
+    /// [`super::reject::MAP_PIXELS`]); a larger box evaluates each pixel it reaches.
+    pub outlier_maps: u32,
     /// Most slots of normal equations kept for outlier rejection's re-solves (None: as the
     /// frame and the memory budget allow, `reject::kept::capacity`); a re-solve without one
     /// assembles its equations again.
@@ -141,6 +144,7 @@ impl Tuning {
             jacobi_threads: var("SPEX_GPU_JACOBI_THREADS", 512)?,
             poison: false,
             outlier_list: super::reject::TAKEN_LIST,
+            outlier_maps: super::reject::MAP_PIXELS,
             kept_slots: None,
         })
     }

@@ -113,6 +113,15 @@ fn gpu_rejects_the_pixels_the_cpu_rejects() {
     assert_eq!(count(&r), count(&c), "growth by rounds");
     assert_eq!(frame.mask, c_frame.mask, "growth by rounds");
     assert_agree(&r, &c);
+    // The growth from the frontier without its maps in shared memory, which a box too large
+    // for them takes: each pixel it reaches evaluated, a seed looked for around it.
+    gpu.set_outlier_maps(Some(0));
+    let (frame, m) = solve_on(&mut gpu, &hit, Some(5.0), true);
+    gpu.set_outlier_maps(None);
+    say(&format!("growth without maps: {:?}", count(&m)));
+    assert_eq!(count(&m), count(&c), "growth without maps");
+    assert_eq!(frame.mask, c_frame.mask, "growth without maps");
+    assert_agree(&m, &c);
 
     let before = compare::pulls(&plain, &truth).unwrap();
     let after = compare::pulls(&g_frame, &truth).unwrap();
