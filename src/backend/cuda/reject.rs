@@ -284,9 +284,9 @@ const TEST_THREADS: u32 = 1024;
 pub(crate) const TAKEN_LIST: u32 = 4096;
 
 /// Bytes of dynamic shared memory of a block of `outlier_test` (`SPEX_TEST_SHARED` in
-/// kernels/reject.cu): its growth's list, bitmap and maps. With its 6.3 KB of static memory,
-/// two blocks share an SM of an H100 or an A100.
-const TEST_SHARED: usize = 65536;
+/// kernels/reject.cu): its growth's list, bitmap and maps, under the 48 KB that leave the SM
+/// most of its L1. With its 6.3 KB of static memory, two blocks share an SM.
+const TEST_SHARED: usize = 40960;
 
 /// The largest box whose growth reads its maps in the shared memory left (`SPEX_MAP_PIXELS`
 /// in kernels/reject.cu): a full r frame's boxes hold 5700-7900 pixels.
