@@ -49,7 +49,9 @@ impl<'a> Back<'a> {
     }
 }
 
-/// The result of live patch `li` from the copied-back arrays.
+/// The result of live patch `li` from the copied-back arrays. Each array is built once from
+/// its rows (a frame's results are about 140 MB, fresh memory for the most part, that zeroing
+/// first would write twice).
 #[allow(clippy::too_many_arguments)]
 fn patch_result(
     sh: &Shape,
@@ -65,25 +67,39 @@ fn patch_result(
 ) -> PatchResult {
     let (ncore, nws, nd) = (sh.ncore, sh.nws, sh.nd());
     let nk = patch.waves.len();
-    let mut r = PatchResult::empty(patch, sh.ndiag, status);
-    for c in 0..ncore {
-        let o = (li * ncore + c) * nws;
-        r.pixmask_fraction[c * nk..(c + 1) * nk].copy_from_slice(&back.mask[o..o + nk]);
-    }
-    if masked {
-        return PatchResult::without_usable_pixels(patch, sh.ndiag, regularize, r.pixmask_fraction);
-    }
-    for c in 0..ncore {
-        let o = (li * ncore + c) * nws;
-        r.flux[c * nk..(c + 1) * nk].copy_from_slice(&back.flux[o..o + nk]);
-        r.ivar[c * nk..(c + 1) * nk].copy_from_slice(&back.ivar[o..o + nk]);
-        r.chi2pix[c * nk..(c + 1) * nk].copy_from_slice(&back.chi2[o..o + nk]);
-        for d in 0..nd {
-            let o = ((li * ncore + c) * nd + d) * nws;
-            r.resolution[(c * nd + d) * nk..(c * nd + d + 1) * nk]
-                .copy_from_slice(&back.res[o..o + nk]);
+    debug_assert_eq!(
+        patch.fibers.len(),
+        ncore,
+        "the plan's sub-bundles are equal"
+    );
+    // `per` rows of nws bins a core fiber (nk of them the patch's), fiber after fiber
+    let rows = |v: &[f64], per: usize| -> Vec<f64> {
+        let mut out = Vec::with_capacity(ncore * per * nk);
+        for i in 0..ncore * per {
+            out.extend_from_slice(&v[(li * ncore * per + i) * nws..][..nk]);
         }
+        out
+    };
+    let pixmask_fraction = rows(back.mask, 1);
+    if masked {
+        return PatchResult::without_usable_pixels(patch, sh.ndiag, regularize, pixmask_fraction);
     }
+    let mut r = PatchResult {
+        patch: patch.index,
+        nfiber: ncore,
+        nwave: nk,
+        ndiag: sh.ndiag,
+        status,
+        flux: rows(back.flux, 1),
+        ivar: rows(back.ivar, 1),
+        resolution: rows(back.res, nd),
+        pixmask_fraction,
+        chi2pix: rows(back.chi2, 1),
+        model: None,
+        rejected: Vec::new(),
+        nrejected: 0,
+        nresolves: 0,
+    };
     if core_model {
         let len = geom.rows.len() * geom.cols.len();
         r.model = Some(ModelPatch {
