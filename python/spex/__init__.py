@@ -10,7 +10,8 @@ The package runs the same code as the ``spex`` program, in this process:
 GPU backends stay open between calls, so that only the first call of the process pays the
 device's start (0.4-0.5 s for one GPU, 1.2-2 s for four) and its buffers' set-up; they hold
 device and pinned host memory meanwhile. :func:`release_devices` frees them, and
-``keep_devices(False)`` stops keeping them.
+``keep_devices(False)`` stops keeping them (``SPEX_KEEP_DEVICES=0`` in the environment, from
+the import on).
 
 Errors raise ValueError (options), OSError / FileNotFoundError (files), RuntimeError (the
 rest) with the program's messages; Ctrl-C raises KeyboardInterrupt. Log records go to the

@@ -36,9 +36,10 @@ def extract_arrays(
     """spex.extract_frame's work on C-contiguous float32 image and ivar (int32 mask): the
     frame dictionary and [(phase, start, end)] of the solve and the assembly."""
 
-def keep_devices(on: bool) -> None:
+def keep_devices(on: bool) -> bool:
     """Whether later calls keep their GPU backends open for the calls after them (on from the
-    import); False also frees those open now."""
+    import unless SPEX_KEEP_DEVICES=0); False also frees those open now. Returns the setting
+    before."""
 
 def release_devices() -> int:
     """Frees the GPU backends kept open between calls; returns how many there were."""

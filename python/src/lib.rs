@@ -10,6 +10,7 @@ mod job;
 mod logging;
 mod timing;
 
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 // The program's allocator, for the same reason (see its main.rs): the patch solves allocate
@@ -28,8 +29,9 @@ fn _spex(m: &Bound<'_, PyModule>) -> PyResult<()> {
         // SAFETY: sets one of the allocator's options, which it reads when it next purges.
         unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
     }
-    // A Python process extracts again and again: its GPU backends stay open between calls.
-    spex::backend::shelf::keep_between_jobs(true);
+    // A Python process extracts again and again: its GPU backends stay open between calls,
+    // unless the environment says otherwise (a process that shares its GPUs with others).
+    spex::backend::shelf::keep_between_jobs(keep_from_env()?);
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(job::run_job, m)?)?;
     m.add_function(wrap_pyfunction!(arrays::extract_arrays, m)?)?;
@@ -39,11 +41,25 @@ fn _spex(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-/// Whether the GPU backends of later calls stay open after them (on from the import);
-/// `False` also frees those open now.
+/// Whether the import keeps GPU backends open between calls: `SPEX_KEEP_DEVICES`, 1 (the
+/// default) or 0.
+fn keep_from_env() -> PyResult<bool> {
+    match std::env::var("SPEX_KEEP_DEVICES").as_deref() {
+        Err(std::env::VarError::NotPresent) | Ok("1") => Ok(true),
+        Ok("0") => Ok(false),
+        Ok(v) => Err(PyValueError::new_err(format!(
+            "SPEX_KEEP_DEVICES={v:?}: expected 0 (close GPU backends after each call) or 1 \
+             (keep them open)"
+        ))),
+        Err(e) => Err(PyValueError::new_err(format!("SPEX_KEEP_DEVICES: {e}"))),
+    }
+}
+
+/// Whether the GPU backends of later calls stay open after them (on from the import unless
+/// `SPEX_KEEP_DEVICES=0`); `False` also frees those open now. Returns the setting before.
 #[pyfunction]
-fn keep_devices(py: Python<'_>, on: bool) {
-    py.detach(|| spex::backend::shelf::keep_between_jobs(on));
+fn keep_devices(py: Python<'_>, on: bool) -> bool {
+    py.detach(|| spex::backend::shelf::keep_between_jobs(on))
 }
 
 /// Frees the GPU backends kept open between calls (their device memory, pinned host memory

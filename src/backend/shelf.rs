@@ -26,12 +26,14 @@ fn shelf() -> MutexGuard<'static, Vec<Box<dyn Backend>>> {
     SHELF.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Turns keeping GPU backends between jobs on or off (off frees what is kept).
-pub fn keep_between_jobs(on: bool) {
-    KEEPING.store(on, Ordering::SeqCst);
+/// Turns keeping GPU backends between jobs on or off (off frees what is kept); returns
+/// whether it was on.
+pub fn keep_between_jobs(on: bool) -> bool {
+    let was = KEEPING.swap(on, Ordering::SeqCst);
     if !on {
         release();
     }
+    was
 }
 
 /// Whether GPU backends are kept between jobs.

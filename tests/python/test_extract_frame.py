@@ -3,6 +3,9 @@ flux, ivar and resolution bit for bit (as the frame stores them, float32), the g
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import fitsio
@@ -73,6 +76,21 @@ def test_cpu_calls_keep_no_backend_open(inputs, program_frame):
                                  psferr=0.01, gpu=False)
         assert_matches(out, program_frame)
         assert spex.release_devices() == 0
+
+
+def test_the_environment_decides_whether_the_import_keeps_backends():
+    # keep_devices returns the setting before, so a fresh process tells what its import chose.
+    probe = "import spex; print(spex.keep_devices(False), spex.keep_devices(True))"
+    env = {k: v for k, v in os.environ.items() if k != "SPEX_KEEP_DEVICES"}
+    for value, chosen in ((None, "True"), ("1", "True"), ("0", "False")):
+        run_env = env if value is None else {**env, "SPEX_KEEP_DEVICES": value}
+        out = subprocess.run([sys.executable, "-c", probe], env=run_env, capture_output=True,
+                             text=True, check=True)
+        assert out.stdout.split() == [chosen, "False"], (value, out.stdout)
+    bad = subprocess.run([sys.executable, "-c", "import spex"],
+                         env={**env, "SPEX_KEEP_DEVICES": "yes"}, capture_output=True, text=True)
+    assert bad.returncode != 0
+    assert 'ValueError: SPEX_KEEP_DEVICES="yes": expected 0' in bad.stderr, bad.stderr
 
 
 #: gpu_specter's extract_frame timing keys, in the order of the steps they end.
