@@ -8,7 +8,7 @@ use spex::outliers;
 use super::{assert_agree, backend, say};
 use crate::science::{cosmic_preproc, solve_on};
 use spex::backend::cpu::CpuBackend;
-use spex::backend::cuda::Solve;
+use spex::backend::cuda::{CudaBackend, Solve};
 use spex::compare::{self, Truth};
 
 /// Bins flagged as having lost pixels to rejection.
@@ -80,13 +80,18 @@ fn gpu_rejects_the_pixels_the_cpu_rejects() {
         "{downdated} of {} re-solves from kept equations",
         count(&g).2
     );
+    // Each route below, as `gpu` is set up, must reject the CPU's pixels too.
+    let matches_cpu = |gpu: &mut CudaBackend, what: &str| {
+        let (frame, r) = solve_on(gpu, &hit, Some(5.0), true);
+        say(&format!("{what}: {:?}", count(&r)));
+        assert_eq!(count(&r), count(&c), "{what}");
+        assert_eq!(frame.mask, c_frame.mask, "{what}");
+        assert_agree(&r, &c);
+    };
     gpu.set_kept_slots(Some(0));
-    let (frame, a) = solve_on(&mut gpu, &hit, Some(5.0), true);
+    matches_cpu(&mut gpu, "every re-solve assembled again");
     assert_eq!(gpu.timings().downdated, 0);
     gpu.set_kept_slots(None);
-    assert_eq!(count(&a), count(&c), "every re-solve assembled again");
-    assert_eq!(frame.mask, c_frame.mask, "every re-solve assembled again");
-    assert_agree(&a, &c);
     // In waves of at most four (8 waves of the 25 patches), on both routes of the solve: a
     // re-solve is a wave of the patches with new outliers gathered from the finished waves
     // (up to four, from several waves), whose tables and results take free places of the
@@ -94,12 +99,8 @@ fn gpu_rejects_the_pixels_the_cpu_rejects() {
     gpu.set_max_wave(Some(4));
     for solve in [Solve::Schur, Solve::Dense] {
         gpu.set_solve(solve);
-        let (frame, w) = solve_on(&mut gpu, &hit, Some(5.0), true);
-        say(&format!("{solve:?} route in small waves: {:?}", count(&w)));
+        matches_cpu(&mut gpu, &format!("{solve:?} route in small waves"));
         assert!(gpu.timings().waves > 2, "{} waves", gpu.timings().waves);
-        assert_eq!(count(&w), count(&c), "{solve:?} route in small waves");
-        assert_eq!(frame.mask, c_frame.mask, "{solve:?} route in small waves");
-        assert_agree(&w, &c);
     }
     gpu.set_solve(Solve::Schur);
     gpu.set_max_wave(None);
@@ -107,21 +108,13 @@ fn gpu_rejects_the_pixels_the_cpu_rejects() {
     // pixels is full (a long track, a large box): with no room in the list every pass with
     // outliers takes it, and must take the same pixels as the frontier.
     gpu.set_outlier_list(Some(0));
-    let (frame, r) = solve_on(&mut gpu, &hit, Some(5.0), true);
+    matches_cpu(&mut gpu, "growth by rounds over the box");
     gpu.set_outlier_list(None);
-    say(&format!("growth by rounds over the box: {:?}", count(&r)));
-    assert_eq!(count(&r), count(&c), "growth by rounds");
-    assert_eq!(frame.mask, c_frame.mask, "growth by rounds");
-    assert_agree(&r, &c);
     // The growth from the frontier without its maps in shared memory, which a box too large
     // for them takes: each pixel it reaches evaluated, a seed looked for around it.
     gpu.set_outlier_maps(Some(0));
-    let (frame, m) = solve_on(&mut gpu, &hit, Some(5.0), true);
+    matches_cpu(&mut gpu, "growth without maps");
     gpu.set_outlier_maps(None);
-    say(&format!("growth without maps: {:?}", count(&m)));
-    assert_eq!(count(&m), count(&c), "growth without maps");
-    assert_eq!(frame.mask, c_frame.mask, "growth without maps");
-    assert_agree(&m, &c);
 
     let before = compare::pulls(&plain, &truth).unwrap();
     let after = compare::pulls(&g_frame, &truth).unwrap();
