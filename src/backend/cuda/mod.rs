@@ -579,10 +579,9 @@ impl CudaBackend {
         let frame_spots = nbundles * sh.bundle_spot_bytes();
         let keep_spots = reject::keeps_spots(rejecting, frame_spots, self.budget);
         let (nsigma, psferr) = (input.options.reject_outliers, input.options.psferr);
-        let growth = (self.tuning.outlier_list, self.tuning.outlier_maps);
         self.workspace
             .reject
-            .start(nsigma, psferr, keep_spots, growth);
+            .start(nsigma, psferr, keep_spots, &self.tuning);
         let kept = if keep_spots { frame_spots } else { 0 };
         let (size, left) =
             self.wave_size(&sh, image_bytes + tables + kept + patches.len() * out_bytes);

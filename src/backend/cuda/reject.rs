@@ -114,18 +114,17 @@ impl Boxes {
 
     /// Starts a frame: rejection at `nsigma` (None: off) with the noise's PSF error
     /// `psferr`, first pass; its spots kept for the re-solves where `keep_spots` (see
-    /// [`keeps_spots`]); the test's growth keeps `list` taken pixels in its list and reads
-    /// its maps in boxes of at most `maps` pixels.
+    /// [`keeps_spots`]); the test's growth sized by `tuning`.
     pub(crate) fn start(
         &mut self,
         nsigma: Option<f64>,
         psferr: f64,
         keep_spots: bool,
-        (list, maps): (u32, u32),
+        tuning: &Tuning,
     ) {
         self.on = nsigma.is_some();
-        self.list = list;
-        self.maps = maps;
+        self.list = tuning.outlier_list;
+        self.maps = tuning.outlier_maps;
         self.limits = (nsigma.unwrap_or(0.0), psferr);
         self.keep_spots = self.on && keep_spots;
         self.pass = 0;
@@ -283,6 +282,10 @@ const TEST_THREADS: u32 = 1024;
 /// kernels/reject.cu, the size of its array in shared memory).
 pub(crate) const TAKEN_LIST: u32 = 4096;
 
+/// The largest box whose pixels the test's growth claims in its bitmap
+/// (`SPEX_CLAIM_PIXELS` in kernels/reject.cu).
+const CLAIM_PIXELS: u32 = 65536;
+
 /// Bytes of dynamic shared memory of a block of `outlier_test` (`SPEX_TEST_SHARED` in
 /// kernels/reject.cu): its growth's list, bitmap and maps, under the 48 KB that leave the SM
 /// most of its L1. With its 6.3 KB of static memory, two blocks share an SM.
@@ -290,7 +293,10 @@ const TEST_SHARED: usize = 40960;
 
 /// The largest box whose growth reads its maps in the shared memory left (`SPEX_MAP_PIXELS`
 /// in kernels/reject.cu): a full r frame's boxes hold 5700-7900 pixels.
-pub(crate) const MAP_PIXELS: u32 = (TEST_SHARED as u32 - TAKEN_LIST * 4 - 65536 / 8) / 2;
+pub(crate) const MAP_PIXELS: u32 = (TEST_SHARED as u32 - TAKEN_LIST * 4 - CLAIM_PIXELS / 8) / 2;
+
+// The maps of the largest full r box fit, within the 48 KB a block has without opting in.
+const _: () = assert!(MAP_PIXELS >= 7936 && TEST_SHARED <= 48 << 10);
 
 /// The outlier test of the wave's `n` patches on their model boxes, a block each: outliers
 /// flagged in `rejected`, how many in `counts`.
@@ -717,6 +723,26 @@ mod tests {
         assert!(keeps_spots(true, 2 * gb, 4 * gb));
         assert!(!keeps_spots(true, 2 * gb + 1, 4 * gb));
         assert!(!keeps_spots(false, 654_000_000, 4 * gb));
+    }
+
+    /// The sizes the host gives `outlier_test` are those kernels/reject.cu assumes: a kernel
+    /// given less shared memory than it lays out would write past its end.
+    #[test]
+    fn the_tests_sizes_are_the_kernels() {
+        let source = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/reject.cu"));
+        let define = |name: &str| -> u32 {
+            let line = format!("#define {name} ");
+            let at = source
+                .find(&line)
+                .unwrap_or_else(|| panic!("{name} defined"))
+                + line.len();
+            let value = source[at..].split_whitespace().next().expect("a value");
+            value.parse().unwrap_or_else(|_| panic!("{name} = {value}"))
+        };
+        assert_eq!(define("SPEX_TEST_THREADS"), TEST_THREADS);
+        assert_eq!(define("SPEX_TAKEN_LIST"), TAKEN_LIST);
+        assert_eq!(define("SPEX_CLAIM_PIXELS"), CLAIM_PIXELS);
+        assert_eq!(define("SPEX_TEST_SHARED") as usize, TEST_SHARED);
     }
 
     /// The fraction lost is the growth of the masked fraction, none for a patch without one
