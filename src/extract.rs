@@ -8,6 +8,7 @@ use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
+use crate::frame::PatchRow;
 use crate::plan::{Patch, Plan};
 use crate::psf::Corners;
 
@@ -83,6 +84,12 @@ pub struct PatchResult {
     /// Times the patch was solved again after rejecting pixels.
     #[serde(default)]
     pub nresolves: usize,
+    /// Whether the backend placed the values straight into the frame's arrays
+    /// ([`crate::frame::FrameValues`], [`crate::backend::Backend::extract_into`]): flux, ivar,
+    /// resolution, pixmask_fraction and chi2pix are then empty here. Such a result never
+    /// leaves the process that holds those arrays.
+    #[serde(default)]
+    pub placed: bool,
 }
 
 impl PatchResult {
@@ -104,6 +111,28 @@ impl PatchResult {
             rejected: Vec::new(),
             nrejected: 0,
             nresolves: 0,
+            placed: false,
+        }
+    }
+
+    /// The result of a patch whose values the backend placed in the frame's arrays.
+    pub fn placed(patch: &Patch, ndiag: usize, status: PatchStatus) -> Self {
+        PatchResult {
+            patch: patch.index,
+            nfiber: patch.fibers.len(),
+            nwave: patch.waves.len(),
+            ndiag,
+            status,
+            flux: Vec::new(),
+            ivar: Vec::new(),
+            resolution: Vec::new(),
+            pixmask_fraction: Vec::new(),
+            chi2pix: Vec::new(),
+            model: None,
+            rejected: Vec::new(),
+            nrejected: 0,
+            nresolves: 0,
+            placed: true,
         }
     }
 
@@ -148,6 +177,20 @@ impl PatchResult {
             r.resolution[(c * nd + ndiag) * nk..(c * nd + ndiag + 1) * nk].fill(1.0);
         }
         r
+    }
+
+    /// The values of core fiber `local` (of a result that holds them), with `nd` resolution
+    /// diagonals.
+    pub fn row(&self, local: usize, nd: usize) -> PatchRow<'_> {
+        let nw = self.nwave;
+        PatchRow {
+            flux: &self.flux[local * nw..],
+            ivar: &self.ivar[local * nw..],
+            chi2pix: &self.chi2pix[local * nw..],
+            fraction: &self.pixmask_fraction[local * nw..],
+            res: &self.resolution[local * nd * nw..],
+            res_stride: nw,
+        }
     }
 
     /// Whether every output value is finite.

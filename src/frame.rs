@@ -6,10 +6,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use ndarray::{
-    s, Array, Array1, Array2, Array3, ArrayView2, ArrayViewMut1, ArrayViewMut2, Dimension,
-    ShapeBuilder, Zip,
-};
+use ndarray::{s, Array, Array1, Array2, Array3, ArrayView2, Dimension, ShapeBuilder, Zip};
 
 use crate::error::{Error, Result};
 use crate::extract::{PatchResult, PatchStatus};
@@ -19,9 +16,11 @@ use crate::plan::Plan;
 
 mod header;
 mod mask;
+mod values;
 
 pub use header::shorten_filename;
 pub use mask::{specmask, Bad2dfit, BAD2DFIT_CHI2PIX};
+pub use values::{FiberRows, FrameValues, PatchRow};
 
 /// An extracted frame in memory.
 #[derive(Clone, Debug, PartialEq)]
@@ -93,40 +92,52 @@ impl Frame {
         ndiag: usize,
         results: &[PatchResult],
     ) -> Result<(Frame, PatchCounts)> {
-        let nspec = plan.options.nspec;
-        let specmin = plan.options.specmin;
-        let nwave = plan.nwave();
+        Frame::assemble_with(plan, ndiag, results, None)
+    }
+
+    /// [`Frame::assemble`] where a backend placed the values of some results (those
+    /// [`PatchResult::placed`]) straight into `placed`: the other results are stitched into
+    /// it. A placed result without the arrays it was placed in is an error.
+    pub fn assemble_with(
+        plan: &Plan,
+        ndiag: usize,
+        results: &[PatchResult],
+        placed: Option<FrameValues>,
+    ) -> Result<(Frame, PatchCounts)> {
+        let has_values = placed.is_some();
+        let mut values = match placed {
+            Some(v) => {
+                v.check(plan, ndiag)?;
+                v
+            }
+            None => FrameValues::zeros(plan, ndiag),
+        };
+        let (counts, by_fiber) = check_results(plan, ndiag, results, has_values)?;
         let nd = 2 * ndiag + 1;
+        let specmin = values.specmin;
+        // Each fiber's row of every array is filled by one task, from the patches covering it.
+        values.par_rows(|f, mut rows| {
+            for &i in &by_fiber[f] {
+                let (r, patch) = (&results[i], &plan.patches[results[i].patch]);
+                if !r.placed {
+                    let local = specmin + f - patch.fibers.start;
+                    rows.put(patch.waves.start, r.nwave, &r.row(local, nd));
+                }
+            }
+        });
         let mut frame = Frame {
             specmin,
             specmin_recorded: true,
-            nspec,
+            nspec: plan.options.nspec,
             wave: plan.wave.clone(),
             ndiag,
-            flux: Array2::zeros((nspec, nwave)),
-            ivar: Array2::zeros((nspec, nwave)),
-            mask: Array2::zeros((nspec, nwave)),
-            resolution: Array3::zeros((nspec, nd, nwave)),
-            chi2pix: Array2::zeros((nspec, nwave)),
-            pixmask_fraction: Array2::zeros((nspec, nwave)),
+            flux: values.flux,
+            ivar: values.ivar,
+            mask: Array2::zeros((plan.options.nspec, plan.nwave())),
+            resolution: values.resolution,
+            chi2pix: values.chi2pix,
+            pixmask_fraction: values.pixmask_fraction,
         };
-        let (counts, by_fiber) = check_results(plan, ndiag, results)?;
-        // Each fiber's row of every array is filled by one task, from the patches covering it.
-        Zip::indexed(frame.flux.rows_mut())
-            .and(frame.ivar.rows_mut())
-            .and(frame.chi2pix.rows_mut())
-            .and(frame.pixmask_fraction.rows_mut())
-            .and(frame.resolution.outer_iter_mut())
-            .par_for_each(|f, flux, ivar, chi2, fraction, res| {
-                let rows = FiberRows {
-                    flux,
-                    ivar,
-                    chi2,
-                    fraction,
-                    res,
-                };
-                rows.fill(specmin + f, plan, &by_fiber[f], results);
-            });
         frame.convert_to_per_angstrom(plan.options.dw);
         frame.set_mask(Bad2dfit::default());
         Ok((frame, counts))
@@ -409,56 +420,14 @@ impl FrameMeta {
     }
 }
 
-/// One fiber's rows of the frame's arrays, filled from the patch results covering it.
-struct FiberRows<'a> {
-    flux: ArrayViewMut1<'a, f64>,
-    ivar: ArrayViewMut1<'a, f64>,
-    chi2: ArrayViewMut1<'a, f64>,
-    fraction: ArrayViewMut1<'a, f64>,
-    /// `[diagonal, wave]`.
-    res: ArrayViewMut2<'a, f64>,
-}
-
-impl FiberRows<'_> {
-    /// Copies row `fiber` of each result in `ids` (of `results`, checked to have their
-    /// patch's shape) into the patch's bins. The rows are contiguous (the frame's arrays are
-    /// in standard layout): plain slice copies, where ndarray's slicing of some 350,000 rows
-    /// of 50 values a full frame cost more than the copies.
-    fn fill(mut self, fiber: usize, plan: &Plan, ids: &[usize], results: &[PatchResult]) {
-        let nwave = self.flux.len();
-        let nd = self.res.nrows();
-        let contiguous = "a row of the frame's arrays is contiguous";
-        let flux = self.flux.as_slice_mut().expect(contiguous);
-        let ivar = self.ivar.as_slice_mut().expect(contiguous);
-        let chi2 = self.chi2.as_slice_mut().expect(contiguous);
-        let fraction = self.fraction.as_slice_mut().expect(contiguous);
-        let res = self.res.as_slice_mut().expect(contiguous);
-        for &i in ids {
-            let (r, patch) = (&results[i], &plan.patches[results[i].patch]);
-            let (w0, nw, local) = (patch.waves.start, r.nwave, fiber - patch.fibers.start);
-            let pairs: [(&mut [f64], &[f64]); 4] = [
-                (&mut *flux, &r.flux),
-                (&mut *ivar, &r.ivar),
-                (&mut *chi2, &r.chi2pix),
-                (&mut *fraction, &r.pixmask_fraction),
-            ];
-            for (dst, src) in pairs {
-                dst[w0..w0 + nw].copy_from_slice(&src[local * nw..][..nw]);
-            }
-            for d in 0..nd {
-                res[d * nwave + w0..][..nw]
-                    .copy_from_slice(&r.resolution[(local * nd + d) * nw..][..nw]);
-            }
-        }
-    }
-}
-
-/// Checks that every patch of `plan` has exactly one result of its shape; the outcome counts,
-/// and for each fiber of the frame the results that cover it.
+/// Checks that every patch of `plan` has exactly one result of its shape (or placed in the
+/// frame's arrays, when they came with the results: `has_values`); the outcome counts, and for
+/// each fiber of the frame the results that cover it.
 fn check_results(
     plan: &Plan,
     ndiag: usize,
     results: &[PatchResult],
+    has_values: bool,
 ) -> Result<(PatchCounts, Vec<Vec<usize>>)> {
     let specmin = plan.options.specmin;
     let nd = 2 * ndiag + 1;
@@ -473,11 +442,18 @@ fn check_results(
         if std::mem::replace(&mut seen[r.patch], true) {
             return Err(Error::config(format!("patch {} solved twice", r.patch)));
         }
+        if r.placed && !has_values {
+            return Err(Error::Internal(format!(
+                "patch {}: its values were placed in arrays that did not come with it",
+                r.patch
+            )));
+        }
         let (nf, nw) = (patch.fibers.len(), patch.waves.len());
-        let sizes = [&r.flux, &r.ivar, &r.chi2pix, &r.pixmask_fraction]
-            .iter()
-            .all(|v| v.len() == nf * nw)
-            && r.resolution.len() == nf * nd * nw;
+        let sizes = r.placed
+            || [&r.flux, &r.ivar, &r.chi2pix, &r.pixmask_fraction]
+                .iter()
+                .all(|v| v.len() == nf * nw)
+                && r.resolution.len() == nf * nd * nw;
         if r.nfiber != nf || r.nwave != nw || r.ndiag != ndiag || !sizes {
             return Err(Error::config(format!(
                 "patch {} result has the wrong shape",

@@ -16,7 +16,7 @@ use crate::barycentric;
 use crate::error::{number, Error, Result};
 use crate::extract::{PatchResult, SolveOptions};
 use crate::fits::Fits;
-use crate::frame::{self, ExtraHdu, Frame, FrameMeta, PatchCounts};
+use crate::frame::{self, ExtraHdu, Frame, FrameMeta, FrameValues, PatchCounts};
 use crate::image::{Image, MaskRule};
 use crate::output;
 use crate::plan::{PatchLayout, Plan, PlanOptions};
@@ -468,7 +468,10 @@ fn plan_box(corners: &Corners, inputs: &Inputs) -> PixelBox {
     )
 }
 
-/// Solves the patches `block` of the frame's plan on `backend`.
+/// Solves the patches `block` of the frame's plan on `backend`. `values`, the frame's arrays
+/// all zero ([`frame_values`]), are given when this process assembles the frame: with every
+/// patch the backend may place its results' values there ([`Backend::extract_into`]), and
+/// they come back when it did.
 pub fn solve(
     request: &ExtractRequest,
     inputs: &Inputs,
@@ -476,14 +479,31 @@ pub fn solve(
     block: Range<usize>,
     backend: &mut dyn Backend,
     progress: &Progress,
-) -> Result<Vec<PatchResult>> {
+    values: Option<FrameValues>,
+) -> Result<(Vec<PatchResult>, Option<FrameValues>)> {
     let _range = nvtx::LocalRange::new(c"extract");
     let options = request.solve_options(&inputs.psf);
+    let whole = block.len() == plan.patches.len();
     let patches = &plan.patches[block];
     let input = FrameInput::new(plan, &inputs.psf, &inputs.image, &options)
         .with_traces(inputs.traces.as_ref());
     progress.start(patches.len());
-    backend.extract(input, patches, progress)
+    match values.filter(|_| whole) {
+        None => Ok((backend.extract(input, patches, progress)?, None)),
+        Some(mut values) => {
+            let results = backend.extract_into(input, patches, progress, &mut values)?;
+            let placed = results.iter().any(|r| r.placed).then_some(values);
+            Ok((results, placed))
+        }
+    }
+}
+
+/// The arrays of the frame `request` makes of `inputs`, all zero, for [`solve`]: a reader
+/// that runs ahead of the solves makes them, so that their memory is not cleared in a
+/// frame's solve. `None` when no plan can be made (the solve then says why).
+pub fn frame_values(request: &ExtractRequest, inputs: &Inputs) -> Option<FrameValues> {
+    let plan = request.plan_for(inputs).ok()?;
+    Some(FrameValues::zeros(&plan, inputs.psf.hsizey))
 }
 
 /// Maps the memory of the file of `plan`'s frame on a thread of its own, for its write after
@@ -493,7 +513,8 @@ pub fn prepare_write(plan: &Plan, inputs: &Inputs) {
     crate::fits::prepare_block(Frame::file_bytes(plan, inputs.psf.hsizey));
 }
 
-/// Stitches the results of every patch of `plan` into a frame.
+/// Stitches the results of every patch of `plan` into a frame, over the values `placed` in
+/// its arrays by the backend when it did.
 ///
 /// Under a barycentric correction the frame carries the requested grid, as desispec's does,
 /// while its flux stays per Angstrom of the extraction grid.
@@ -502,10 +523,13 @@ pub fn assemble(
     plan: &Plan,
     inputs: &Inputs,
     results: &[PatchResult],
+    placed: Option<FrameValues>,
     timings: &mut Timings,
 ) -> Result<(Frame, PatchCounts)> {
     let ndiag = inputs.psf.hsizey;
-    let (mut frame, counts) = timings.time("assemble", || Frame::assemble(plan, ndiag, results))?;
+    let (mut frame, counts) = timings.time("assemble", || {
+        Frame::assemble_with(plan, ndiag, results, placed)
+    })?;
     log_counts(&counts);
     if request.bad2dfit != frame::Bad2dfit::default() {
         frame.set_mask(request.bad2dfit);
@@ -743,11 +767,20 @@ pub fn extract_in_memory_timed(
     let results = timings.time("solve", || {
         let plan = request.plan_for(inputs)?;
         let all = 0..plan.patches.len();
-        let results = solve(request, inputs, &plan, all, backend, &Progress::silent())?;
-        Ok::<_, Error>((plan, results))
+        let values = frame_values(request, inputs);
+        let solved = solve(
+            request,
+            inputs,
+            &plan,
+            all,
+            backend,
+            &Progress::silent(),
+            values,
+        )?;
+        Ok::<_, Error>((plan, solved))
     });
-    let (plan, results) = results?;
-    assemble(request, &plan, inputs, &results, timings)
+    let (plan, (results, placed)) = results?;
+    assemble(request, &plan, inputs, &results, placed, timings)
 }
 
 /// Extracts one frame in this process: read, plan, solve every patch on `backend`, write.
@@ -767,10 +800,11 @@ pub fn extract_frame(
     );
     prepare_write(&plan, &inputs);
     let all = 0..plan.patches.len();
-    let results = timings.time("solve", || {
-        solve(request, &inputs, &plan, all, backend, progress)
+    let (results, placed) = timings.time("solve", || {
+        let values = frame_values(request, &inputs);
+        solve(request, &inputs, &plan, all, backend, progress, values)
     })?;
-    let (frame, counts) = assemble(request, &plan, &inputs, &results, &mut timings)?;
+    let (frame, counts) = assemble(request, &plan, &inputs, &results, placed, &mut timings)?;
     write(request, &inputs, &frame, &results, &mut timings)?;
     tracing::info!("{}: {timings}", request.output.display());
     Ok(FrameReport {

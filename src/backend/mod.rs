@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::error::Result;
 use crate::extract::{PatchResult, SolveOptions};
+use crate::frame::FrameValues;
 use crate::image::Image;
 use crate::plan::{Patch, Plan};
 use crate::psf::{GaussHermitePsf, TraceTable};
@@ -131,6 +132,20 @@ pub trait Backend: Send {
         patches: &[Patch],
         progress: &Progress,
     ) -> Result<Vec<PatchResult>>;
+
+    /// [`Backend::extract`] of a whole frame's `patches` whose values the backend may place
+    /// straight into `values` (the frame's arrays, all zero) as it unpacks them: those results
+    /// are [`PatchResult::placed`] and hold no values. By default none is placed.
+    fn extract_into(
+        &mut self,
+        input: FrameInput<'_>,
+        patches: &[Patch],
+        progress: &Progress,
+        values: &mut FrameValues,
+    ) -> Result<Vec<PatchResult>> {
+        let _ = values;
+        self.extract(input, patches, progress)
+    }
 }
 
 /// Which backend to build.

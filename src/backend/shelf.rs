@@ -17,6 +17,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use super::{Backend, FrameInput, Progress};
 use crate::error::Result;
 use crate::extract::PatchResult;
+use crate::frame::FrameValues;
 use crate::plan::Patch;
 
 static KEEPING: AtomicBool = AtomicBool::new(false);
@@ -149,6 +150,16 @@ impl Backend for Kept {
         progress: &Progress,
     ) -> Result<Vec<PatchResult>> {
         self.call(|b| b.extract(input, patches, progress))
+    }
+
+    fn extract_into(
+        &mut self,
+        input: FrameInput<'_>,
+        patches: &[Patch],
+        progress: &Progress,
+        values: &mut FrameValues,
+    ) -> Result<Vec<PatchResult>> {
+        self.call(|b| b.extract_into(input, patches, progress, values))
     }
 }
 

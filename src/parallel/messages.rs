@@ -20,6 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::extract::PatchResult;
+use crate::frame::FrameValues;
 use crate::image::Image;
 use crate::pipeline::{ExtractRequest, Inputs};
 use crate::psf::GaussHermitePsf;
@@ -116,6 +117,12 @@ impl Message for GaussHermitePsf {
 
 impl Message for PatchResult {
     fn validate(&self) -> Result<()> {
+        if self.placed {
+            return Err(Error::Message(format!(
+                "patch {}: its values stayed in the arrays of the process that solved it",
+                self.patch
+            )));
+        }
         let n = self.nfiber * self.nwave;
         let sizes = [
             ("flux", self.flux.len(), n),
@@ -215,6 +222,10 @@ pub enum Contribution {
     Solved {
         header: Option<Vec<u8>>,
         results: Vec<PatchResult>,
+        /// The frame's arrays, where a worker that solved the whole frame in the writer's
+        /// process placed its results' values ([`PatchResult::placed`]); they never travel.
+        #[serde(skip)]
+        placed: Option<Box<FrameValues>>,
         /// Seconds spent receiving the inputs and solving.
         recv_s: f64,
         solve_s: f64,
@@ -283,6 +294,7 @@ mod tests {
             rejected: ramp(0.5),
             nrejected: 3,
             nresolves: 1,
+            placed: false,
             model: model.then(|| ModelPatch {
                 rows: 10..12,
                 cols: 4..7,
@@ -327,6 +339,11 @@ mod tests {
         let mut wrong = result(1, true);
         wrong.model.as_mut().unwrap().cols = 4..9;
         assert!(decode::<PatchResult>(&encode(&wrong).unwrap()).is_err());
+        // a result whose values are in its own process's frame arrays cannot travel
+        let mut placed = result(1, false);
+        placed.placed = true;
+        let e = decode::<PatchResult>(&encode(&placed).unwrap()).unwrap_err();
+        assert!(e.to_string().contains("stayed in the arrays"), "{e}");
     }
 
     #[test]
@@ -337,12 +354,14 @@ mod tests {
             Contribution::Solved {
                 header: Some(vec![1, 2, 3]),
                 results: vec![result(0, false), result(1, true)],
+                placed: None,
                 recv_s: 0.5,
                 solve_s: 1.25,
             },
             Contribution::Solved {
                 header: None,
                 results: vec![],
+                placed: None,
                 recv_s: 0.0,
                 solve_s: 0.0,
             },

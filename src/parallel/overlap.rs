@@ -24,7 +24,8 @@ use super::phases::{commit_now, solve_share, write_frame, Outcome, Share};
 use super::{print_line, FrameCheck};
 use crate::backend::{Backend, Progress};
 use crate::error::Result;
-use crate::pipeline::{read_frame, ExtractRequest, Inputs, PixelBox};
+use crate::frame::FrameValues;
+use crate::pipeline::{self, read_frame, ExtractRequest, Inputs, PixelBox};
 
 /// A frame as read, on its way to a solver.
 struct Read<'a> {
@@ -32,6 +33,8 @@ struct Read<'a> {
     k: usize,
     request: &'a ExtractRequest,
     read: Result<(Inputs, PixelBox)>,
+    /// The frame's arrays, cleared by the reader ([`pipeline::frame_values`]).
+    values: Option<FrameValues>,
     read_s: f64,
 }
 
@@ -196,11 +199,17 @@ fn read_all<'a>(
     while let Some(&(k, request)) = frames.get(next.fetch_add(1, Ordering::Relaxed)) {
         let t0 = Instant::now();
         let read = read_frame(request);
+        let read_s = t0.elapsed().as_secs_f64();
+        let values = read
+            .as_ref()
+            .ok()
+            .and_then(|(inputs, _)| pipeline::frame_values(request, inputs));
         let frame = Read {
             k,
             request,
             read,
-            read_s: t0.elapsed().as_secs_f64(),
+            values,
+            read_s,
         };
         let read_at = Instant::now();
         if read_tx.send(frame).is_err() {
@@ -274,6 +283,7 @@ fn solve<'a>(
         k,
         request,
         read,
+        values,
         read_s,
     } = frame;
     let failed = |e: &dyn std::fmt::Display| {
@@ -295,14 +305,15 @@ fn solve<'a>(
         rank,
     };
     let t0 = Instant::now();
-    match solve_share(request, &inputs, backend, &share, progress, false) {
-        Ok(results) => Solved {
+    match solve_share(request, &inputs, backend, &share, progress, false, values) {
+        Ok((results, placed)) => Solved {
             request,
             solved: Some((
                 inputs,
                 Contribution::Solved {
                     header: None,
                     results,
+                    placed: placed.map(Box::new),
                     recv_s: 0.0,
                     solve_s: t0.elapsed().as_secs_f64(),
                 },

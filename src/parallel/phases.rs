@@ -15,6 +15,7 @@ use super::{print_line, FrameCheck};
 use crate::backend::{Backend, Progress};
 use crate::error::{Error, Result};
 use crate::extract::PatchResult;
+use crate::frame::FrameValues;
 use crate::output::StagedSet;
 use crate::pipeline::{self, ExtractRequest, Inputs, Timings};
 
@@ -72,7 +73,9 @@ pub(super) struct Share {
 }
 
 /// Solves a worker's block of patches; a worker that then `writes` the frame has its file's
-/// memory mapped meanwhile.
+/// memory mapped meanwhile. `values`: the frame's arrays, for a frame's only worker in the
+/// process that writes the frame ([`pipeline::solve`]), returned when the backend placed the
+/// results' values there.
 pub(super) fn solve_share(
     request: &ExtractRequest,
     inputs: &Inputs,
@@ -80,7 +83,8 @@ pub(super) fn solve_share(
     share: &Share,
     progress: &Progress,
     writes: bool,
-) -> Result<Vec<PatchResult>> {
+    values: Option<FrameValues>,
+) -> Result<(Vec<PatchResult>, Option<FrameValues>)> {
     let plan = request.plan_for(inputs)?;
     if writes {
         pipeline::prepare_write(&plan, inputs);
@@ -94,7 +98,8 @@ pub(super) fn solve_share(
         backend.describe()
     );
     fault::inject(share.rank, share.frame)?;
-    pipeline::solve(request, inputs, &plan, block, backend, progress)
+    let values = values.filter(|_| share.nworkers == 1);
+    pipeline::solve(request, inputs, &plan, block, backend, progress, values)
 }
 
 /// The contributions of a frame's workers, sorted out by the writer.
@@ -102,6 +107,7 @@ struct Delivered {
     /// The frame header forwarded by the first worker, when the writer did not read.
     header: Option<Vec<u8>>,
     results: Vec<PatchResult>,
+    placed: Option<Box<FrameValues>>,
     recv_s: Option<f64>,
     solve_s: (f64, f64),
 }
@@ -114,6 +120,7 @@ fn delivered(
     let mut d = Delivered {
         header: None,
         results: Vec::new(),
+        placed: None,
         recv_s: None,
         solve_s: (f64::INFINITY, 0.0),
     };
@@ -123,10 +130,12 @@ fn delivered(
             Contribution::Solved {
                 header,
                 results,
+                placed,
                 recv_s,
                 solve_s,
             } => {
                 d.header = d.header.or(header);
+                d.placed = d.placed.or(placed);
                 d.recv_s = d.recv_s.or(Some(recv_s));
                 d.results.extend(results);
                 d.solve_s = (d.solve_s.0.min(solve_s), d.solve_s.1.max(solve_s));
@@ -208,7 +217,8 @@ pub(super) fn write_frame(
     }
     let plan = request.plan_for(&inputs)?;
     tracing::info!("{}: {}", request.input.display(), plan.summary());
-    let (frame, _) = pipeline::assemble(request, &plan, &inputs, &d.results, &mut timings)?;
+    let placed = d.placed.map(|values| *values);
+    let (frame, _) = pipeline::assemble(request, &plan, &inputs, &d.results, placed, &mut timings)?;
     // The check runs before the write: a reference that cannot be compared leaves no output.
     let passed = check.map(|c| c(request, &frame)).transpose()?;
     let files = pipeline::stage(request, &inputs, &frame, &d.results, &mut timings)?;

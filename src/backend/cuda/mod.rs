@@ -67,6 +67,7 @@ pub use tuning::{Route, Solve, COUPLING_MAX};
 use crate::backend::{Backend, FrameInput, Progress};
 use crate::error::{Error, Result};
 use crate::extract::PatchResult;
+use crate::frame::FrameValues;
 use crate::plan::Patch;
 use device::Device;
 use kernels::Kernels;
@@ -400,7 +401,22 @@ impl Backend for CudaBackend {
         pool.install(|| {
             // debug lines name the backend, which tells apart the frames in flight
             let _backend = tracing::debug_span!("backend", id = %self.label()).entered();
-            self.extract_on_device(input, patches, progress)
+            self.extract_on_device(input, patches, progress, None)
+        })
+    }
+
+    fn extract_into(
+        &mut self,
+        input: FrameInput<'_>,
+        patches: &[Patch],
+        progress: &Progress,
+        values: &mut FrameValues,
+    ) -> Result<Vec<PatchResult>> {
+        values.check(input.plan, input.psf.hsizey)?;
+        let pool = Arc::clone(&self.host);
+        pool.install(|| {
+            let _backend = tracing::debug_span!("backend", id = %self.label()).entered();
+            self.extract_on_device(input, patches, progress, Some(values))
         })
     }
 }
@@ -420,7 +436,9 @@ impl CudaBackend {
     /// columns of the CCD it adds are prepared and uploaded, and its steps queued, while the
     /// device runs the waves before; then each wave is finished in turn (its results copied
     /// back and unpacked while the device runs the waves after). `results` by position in
-    /// `patches`; `started`: the call's start, for the host's milestones.
+    /// `patches`, their values placed in `values` when given (not when rejecting outliers,
+    /// whose re-solves read the values of the solves before); `started`: the call's start,
+    /// for the host's milestones.
     #[allow(clippy::too_many_arguments)]
     fn solve_frame(
         &mut self,
@@ -430,6 +448,7 @@ impl CudaBackend {
         patches: &[&Patch],
         host: &mut tables::FrameHost,
         results: &mut [Option<PatchResult>],
+        values: Option<&mut FrameValues>,
         timings: &mut GpuTimings,
         progress: &Progress,
     ) -> Result<()> {
@@ -500,13 +519,15 @@ impl CudaBackend {
         }
         timings.reached("every wave queued", started);
         timings.add("host tables", host.prep_ms);
+        let rejecting = input.options.reject_outliers.is_some();
         let mut sink = solve::Sink {
             results,
+            values: values.filter(|_| !rejecting),
             last_mark: &mut last_mark,
             timings,
             progress,
         };
-        if input.options.reject_outliers.is_some() {
+        if rejecting {
             let tuning = &self.tuning;
             reject::finish_frame(gpu, tuning, ws, input, patches, host, queued, &mut sink)?;
         } else {
@@ -543,12 +564,14 @@ impl CudaBackend {
     }
 
     /// [`Backend::extract`] on a thread of the backend's host pool (the device is bound to it
-    /// here), so that the parallel host work of the call runs on that pool.
+    /// here), so that the parallel host work of the call runs on that pool; the values placed
+    /// in `values` when given ([`Backend::extract_into`]).
     fn extract_on_device(
         &mut self,
         input: FrameInput<'_>,
         patches: &[Patch],
         progress: &Progress,
+        values: Option<&mut FrameValues>,
     ) -> Result<Vec<PatchResult>> {
         let t0 = Instant::now();
         self.dev.bind()?;
@@ -628,6 +651,7 @@ impl CudaBackend {
             &ordered,
             &mut host,
             &mut results,
+            values,
             &mut timings,
             progress,
         );

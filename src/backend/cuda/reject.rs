@@ -555,6 +555,7 @@ fn finish(
         let silent = Progress::silent();
         let mut again = Sink {
             results: &mut *sink.results,
+            values: None,
             last_mark: &mut *sink.last_mark,
             timings: &mut *sink.timings,
             progress: &silent,

@@ -3,6 +3,7 @@
 //! CPU reference (its eigendecomposition fallback included).
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use rayon::prelude::*;
 
@@ -12,6 +13,7 @@ use super::tables::Live;
 use crate::backend::cpu;
 use crate::backend::FrameInput;
 use crate::extract::{ModelPatch, PatchGeometry, PatchResult, PatchStatus};
+use crate::frame::{FrameValues, PatchRow};
 use crate::plan::Patch;
 use crate::psf::Spots;
 
@@ -99,14 +101,10 @@ fn patch_result(
         rejected: Vec::new(),
         nrejected: 0,
         nresolves: 0,
+        placed: false,
     };
     if core_model {
-        let len = geom.rows.len() * geom.cols.len();
-        r.model = Some(ModelPatch {
-            rows: geom.rows.clone(),
-            cols: geom.cols.clone(),
-            data: back.model[boxoff..boxoff + len].to_vec(),
-        });
+        r.model = Some(model_patch(geom, back, boxoff));
     }
     if !r.is_finite() {
         tracing::warn!(
@@ -119,6 +117,16 @@ fn patch_result(
         r = empty;
     }
     r
+}
+
+/// The model box of a patch, at `boxoff` in the copied-back boxes.
+fn model_patch(geom: &PatchGeometry, back: &Back<'_>, boxoff: usize) -> ModelPatch {
+    let len = geom.rows.len() * geom.cols.len();
+    ModelPatch {
+        rows: geom.rows.clone(),
+        cols: geom.cols.clone(),
+        data: back.model[boxoff..boxoff + len].to_vec(),
+    }
 }
 
 /// The results of a wave's patches (`patches`, with their tables `live` and model box offsets
@@ -154,6 +162,89 @@ pub(crate) fn unpack(
             (*ci, r)
         })
         .collect()
+}
+
+/// [`unpack`], with the values of the patches solved on the device placed straight into the
+/// frame's arrays `values`, row by row: their results are [`PatchResult::placed`]. A patch
+/// without usable pixels, or with a value that is not finite, gets its result from `unpack`'s
+/// rules instead, values and all: the frame's assembly stitches it over what was placed. So
+/// does a patch with fibers beyond the frame's, which a value of theirs that is not finite
+/// would turn all to zero.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn place(
+    sh: &Shape,
+    patches: &[&Patch],
+    live: &[Live],
+    boxoff: &[i64],
+    back: &Back<'_>,
+    fact: &Factorization,
+    core_model: bool,
+    regularize: f64,
+    values: &mut FrameValues,
+) -> Vec<(usize, PatchResult)> {
+    let mut by_row = vec![Vec::new(); values.nspec()];
+    let placed: Vec<bool> = (0..live.len())
+        .map(|li| {
+            let rows: Option<Vec<usize>> = patches[li]
+                .fibers
+                .clone()
+                .map(|f| values.row_of(f))
+                .collect();
+            match rows {
+                Some(rows) if !fact.to_cpu.contains(&li) && fact.masked[li] == 0 => {
+                    rows.into_iter().for_each(|row| by_row[row].push(li));
+                    true
+                }
+                _ => false,
+            }
+        })
+        .collect();
+    let finite: Vec<AtomicBool> = (0..live.len()).map(|_| AtomicBool::new(true)).collect();
+    let (specmin, nd) = (values.specmin, sh.nd());
+    values.par_rows(|row, mut rows| {
+        for &li in &by_row[row] {
+            let patch = patches[li];
+            let (nk, local) = (patch.waves.len(), specmin + row - patch.fibers.start);
+            let src = back_row(sh, back, li, local);
+            if !src.is_finite(nk, nd) {
+                finite[li].store(false, Ordering::Relaxed);
+            }
+            rows.put(patch.waves.start, nk, &src);
+        }
+    });
+    live.par_iter()
+        .enumerate()
+        .filter(|(li, _)| !fact.to_cpu.contains(li))
+        .map(|(li, (ci, geom, _))| {
+            let boxoff = boxoff[li] as usize;
+            let r = if placed[li] && finite[li].load(Ordering::Relaxed) {
+                let mut r = PatchResult::placed(patches[li], sh.ndiag, fact.status[li]);
+                r.model = core_model.then(|| model_patch(geom, back, boxoff));
+                r
+            } else {
+                let masked = fact.masked[li] != 0;
+                let (status, patch) = (fact.status[li], patches[li]);
+                patch_result(
+                    sh, patch, li, geom, back, boxoff, status, masked, core_model, regularize,
+                )
+            };
+            (*ci, r)
+        })
+        .collect()
+}
+
+/// Core fiber `local` of live patch `li` in the copied-back arrays.
+fn back_row<'a>(sh: &Shape, back: &Back<'a>, li: usize, local: usize) -> PatchRow<'a> {
+    let row = li * sh.ncore + local;
+    let at = row * sh.nws;
+    PatchRow {
+        flux: &back.flux[at..],
+        ivar: &back.ivar[at..],
+        chi2pix: &back.chi2[at..],
+        fraction: &back.mask[at..],
+        res: &back.res[row * sh.nd() * sh.nws..],
+        res_stride: sh.nws,
+    }
 }
 
 /// Why a patch leaves the device for the CPU reference.

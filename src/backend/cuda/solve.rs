@@ -42,6 +42,7 @@ use super::workspace::{Region, Workspace};
 use crate::backend::{FrameInput, Progress};
 use crate::error::Result;
 use crate::extract::PatchResult;
+use crate::frame::FrameValues;
 use crate::plan::Patch;
 
 /// Step 1: sizes the wave's buffers (kept between waves), points the launchers at its tables
@@ -326,6 +327,9 @@ fn dense_steps(
 /// call.
 pub(crate) struct Sink<'s> {
     pub(crate) results: &'s mut [Option<PatchResult>],
+    /// The frame's arrays, where the results' values go straight when the call was given them
+    /// ([`results::place`]).
+    pub(crate) values: Option<&'s mut FrameValues>,
     /// The last mark of the wave finished before, for the device's idle time between waves.
     pub(crate) last_mark: &'s mut Option<CudaEvent>,
     pub(crate) timings: &'s mut GpuTimings,
@@ -541,7 +545,12 @@ pub(crate) fn finish_wave(
     let (live, boxoff) = host.wave_patches(q.wave);
     let live = &live[..];
     let reg = input.options.regularize;
-    let solved = results::unpack(sh, &q.live, live, &boxoff, &back, &fact, model, reg);
+    let solved = match sink.values.as_deref_mut() {
+        Some(values) => {
+            results::place(sh, &q.live, live, &boxoff, &back, &fact, model, reg, values)
+        }
+        None => results::unpack(sh, &q.live, live, &boxoff, &back, &fact, model, reg),
+    };
     // schur::outcome lists the coupled patches after the failed ones
     let (failed, coupled) = fact.to_cpu.split_at(fact.to_cpu.len() - coupled);
     let (failed, coupled) = (

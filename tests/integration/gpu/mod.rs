@@ -19,6 +19,7 @@ use spex::simulate::{simulate, SimulateOptions};
 
 mod fallbacks;
 mod kept;
+mod placed;
 mod rejection;
 
 /// Prints past the test harness's output capture, so that the figures are always visible.
