@@ -405,7 +405,7 @@ impl Fits {
     }
 
     /// An empty buffer with room for `n` elements, or an error as [`Fits::buffer`] gives.
-    fn uninit_buffer<T: Element>(&self, n: usize, what: &str) -> Result<Vec<T>> {
+    pub(crate) fn uninit_buffer<T: Element>(&self, n: usize, what: &str) -> Result<Vec<T>> {
         let mut data = Vec::new();
         data.try_reserve_exact(n)
             .map_err(|_| self.error(what, format!("{n} elements do not fit in memory")))?;

@@ -35,6 +35,21 @@ impl Fits {
         Ok((shape, data))
     }
 
+    /// Reads `out.len()` values of the current image from value `first` (0-based, C order)
+    /// into `out` and returns them, undefined pixels as [`Fits::read_image`] gives them: a
+    /// band of rows of an image read band by band into a buffer of the whole.
+    pub fn read_into<'a, T: Element>(
+        &mut self,
+        first: usize,
+        out: &'a mut [MaybeUninit<T>],
+    ) -> Result<&'a mut [T]> {
+        let check = self.may_hold_undefined()?;
+        self.read_pixels(first, out, check)?;
+        // SAFETY: the read that succeeded wrote every value of `out`, whose elements have
+        // the layout of `T`.
+        Ok(unsafe { &mut *(out as *mut [MaybeUninit<T>] as *mut [T]) })
+    }
+
     /// Whether the current image holds floating-point values (BITPIX, or ZBITPIX of a
     /// tile-compressed image, negative).
     pub fn image_is_float(&mut self) -> Result<bool> {
