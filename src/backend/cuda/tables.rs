@@ -697,12 +697,16 @@ fn new_columns(
     }
 }
 
-/// Copies columns `cols` of every row of `image` into `out`, row after row.
+/// Copies columns `cols` of every row of `image` into `out`, row after row: as slices, where
+/// the image's rows are contiguous (an image's arrays are in standard layout), rather than by
+/// ndarray's assignment, value by value (5% of a GPU run's CPU time, 30 plain frames on one
+/// H200).
 fn pack_columns(image: &ndarray::Array2<f32>, out: &mut [f32], cols: Range<usize>) {
     out.par_chunks_mut(cols.len())
         .zip(image.axis_iter(ndarray::Axis(0)).into_par_iter())
-        .for_each(|(o, row)| {
-            ArrayViewMut1::from(o).assign(&row.slice(s![cols.clone()]));
+        .for_each(|(o, row)| match row.as_slice() {
+            Some(row) => o.copy_from_slice(&row[cols.clone()]),
+            None => ArrayViewMut1::from(o).assign(&row.slice(s![cols.clone()])),
         });
 }
 
