@@ -506,11 +506,12 @@ pub fn frame_values(request: &ExtractRequest, inputs: &Inputs) -> Option<FrameVa
     Some(FrameValues::zeros(&plan, inputs.psf.hsizey))
 }
 
-/// Maps the memory of the file of `plan`'s frame on a thread of its own, for its write after
-/// the solve ([`crate::fits::prepare_block`]): a process's first frame would build its file in
-/// fresh memory.
-pub fn prepare_write(plan: &Plan, inputs: &Inputs) {
-    crate::fits::prepare_block(Frame::file_bytes(plan, inputs.psf.hsizey));
+/// Announces the file of `plan`'s frame, built in memory at its write after the solve, and
+/// with `map_ahead` maps its memory on a thread of its own meanwhile
+/// ([`crate::fits::prepare_block`]): a process's first frame would build its file in fresh
+/// memory.
+pub fn prepare_write(plan: &Plan, inputs: &Inputs, map_ahead: bool) {
+    crate::fits::prepare_block(Frame::file_bytes(plan, inputs.psf.hsizey), map_ahead);
 }
 
 /// Stitches the results of every patch of `plan` into a frame, over the values `placed` in
@@ -804,7 +805,7 @@ pub fn extract_frame(
         plan.summary(),
         backend.describe()
     );
-    prepare_write(&plan, &inputs);
+    prepare_write(&plan, &inputs, true);
     let all = 0..plan.patches.len();
     let (results, placed) = timings.time("solve", || {
         let values = frame_values(request, &inputs);

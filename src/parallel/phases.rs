@@ -73,7 +73,7 @@ pub(super) struct Share {
 }
 
 /// Solves a worker's block of patches; a worker that then `writes` the frame has its file's
-/// memory mapped meanwhile. `values`: the frame's arrays, for a frame's only worker in the
+/// memory mapped meanwhile (the others announce its size, for whichever thread writes it). `values`: the frame's arrays, for a frame's only worker in the
 /// process that writes the frame ([`pipeline::solve`]), returned when the backend placed the
 /// results' values there.
 pub(super) fn solve_share(
@@ -86,9 +86,7 @@ pub(super) fn solve_share(
     values: Option<FrameValues>,
 ) -> Result<(Vec<PatchResult>, Option<FrameValues>)> {
     let plan = request.plan_for(inputs)?;
-    if writes {
-        pipeline::prepare_write(&plan, inputs);
-    }
+    pipeline::prepare_write(&plan, inputs, writes);
     let block = patch_block(plan.patches.len(), share.nworkers, share.worker);
     tracing::debug!(
         "frame {}: rank {} solves patches {:?} on {}",
