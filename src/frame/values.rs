@@ -8,6 +8,7 @@
 //! in fresh memory for the most part, and read twice.
 
 use ndarray::{Array2, Array3, Zip};
+use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::plan::Plan;
@@ -27,18 +28,22 @@ pub struct FrameValues {
 
 impl FrameValues {
     /// All zero, for `plan`'s frame with `ndiag` resolution diagonals each side. Each value is
-    /// written, where a zeroed allocation of fresh memory would leave its pages to be faulted
-    /// in by their first writer: a backend's unpacking, on the device's critical path.
+    /// written, on rayon's pool, where a zeroed allocation of fresh memory would leave its
+    /// pages to be faulted in by their first writer: a backend's unpacking, on the device's
+    /// critical path.
     pub fn zeros(plan: &Plan, ndiag: usize) -> Self {
-        let (nspec, nwave) = (plan.options.nspec, plan.nwave());
-        let flat = || Array2::from_shape_simple_fn((nspec, nwave), || 0.0);
+        let (nspec, nwave, nd) = (plan.options.nspec, plan.nwave(), 2 * ndiag + 1);
+        let written = |n: usize| -> Vec<f64> { (0..n).into_par_iter().map(|_| 0.0).collect() };
+        let flat = || Array2::from_shape_vec((nspec, nwave), written(nspec * nwave));
+        let cube = Array3::from_shape_vec((nspec, nd, nwave), written(nspec * nd * nwave));
+        let shaped = "the values of the frame's shape";
         FrameValues {
             specmin: plan.options.specmin,
-            flux: flat(),
-            ivar: flat(),
-            chi2pix: flat(),
-            pixmask_fraction: flat(),
-            resolution: Array3::from_shape_simple_fn((nspec, 2 * ndiag + 1, nwave), || 0.0),
+            flux: flat().expect(shaped),
+            ivar: flat().expect(shaped),
+            chi2pix: flat().expect(shaped),
+            pixmask_fraction: flat().expect(shaped),
+            resolution: cube.expect(shaped),
         }
     }
 
