@@ -606,20 +606,13 @@ mod tests {
         assert_eq!(gradient(&[1.0, 2.0, 4.0, 7.0]), vec![1.0, 1.5, 2.5, 3.0]);
     }
 
-    /// Stitching a full r frame's patch results, each value its own: prints the time of each
-    /// round (run with `--ignored --nocapture`) and checks where the values went.
-    #[test]
-    #[ignore = "a timing: run with --ignored --nocapture"]
-    fn assembly_of_a_full_frame() {
-        use crate::plan::PlanOptions;
-        let plan = Plan::new(PlanOptions::new(5760.0, 7620.0, 0.8, 0, 500)).unwrap();
-        let ndiag = 5;
-        let results: Vec<PatchResult> = plan
-            .patches
+    /// Results of every patch of `plan`, each value its own.
+    fn numbered_results(plan: &Plan, ndiag: usize) -> Vec<PatchResult> {
+        plan.patches
             .iter()
             .map(|p| {
                 let mut r = PatchResult::empty(p, ndiag, crate::extract::PatchStatus::Ok);
-                let base = (p.index * 100_000) as f64;
+                let base = ((p.index + 1) * 100_000) as f64;
                 for (k, v) in r.flux.iter_mut().enumerate() {
                     *v = base + k as f64;
                 }
@@ -629,25 +622,47 @@ mod tests {
                 }
                 r
             })
-            .collect();
+            .collect()
+    }
+
+    /// Stitches `results` of `plan` and checks where a patch's values went: flux per
+    /// Angstrom at its first bin, and resolution diagonals of its first two fibers.
+    fn assert_stitched(plan: &Plan, ndiag: usize, results: &[PatchResult]) {
+        let (frame, _) = Frame::assemble(plan, ndiag, results).unwrap();
+        let nd = 2 * ndiag + 1;
+        for p in [&plan.patches[plan.patches.len() / 2], &plan.patches[1]] {
+            let (f, w) = (p.fibers.start - plan.options.specmin, p.waves.start);
+            let r = &results[p.index];
+            let dw = frame.wave[w + 1] - frame.wave[w];
+            assert!((frame.flux[[f, w]] - r.flux[0] / dw).abs() < 1e-6 * r.flux[0]);
+            let nw = p.waves.len();
+            assert_eq!(frame.resolution[[f, 3, w + 1]], r.resolution[3 * nw + 1]);
+            assert_eq!(frame.resolution[[f + 1, 2, w]], r.resolution[(nd + 2) * nw]);
+        }
+    }
+
+    #[test]
+    fn each_value_lands_in_its_bin() {
+        use crate::plan::PlanOptions;
+        let plan = Plan::new(PlanOptions::new(6000.0, 6400.0, 0.8, 25, 50)).unwrap();
+        assert_stitched(&plan, 5, &numbered_results(&plan, 5));
+    }
+
+    /// Stitching a full r frame's patch results: prints the time of each round (run with
+    /// `--ignored --nocapture`) and checks where the values went.
+    #[test]
+    #[ignore = "a timing: run with --ignored --nocapture"]
+    fn assembly_of_a_full_frame() {
+        use crate::plan::PlanOptions;
+        let plan = Plan::new(PlanOptions::new(5760.0, 7620.0, 0.8, 0, 500)).unwrap();
+        let ndiag = 5;
+        let results = numbered_results(&plan, ndiag);
         for round in 0..12 {
             let t0 = std::time::Instant::now();
             let (frame, _) = Frame::assemble(&plan, ndiag, &results).unwrap();
             println!("round {round}: {:.1} ms", t0.elapsed().as_secs_f64() * 1e3);
-            let p = &plan.patches[plan.patches.len() / 2];
-            let (f, w) = (p.fibers.start, p.waves.start);
-            let r = &results[p.index];
-            let dw = frame.wave[w + 1] - frame.wave[w];
-            assert!((frame.flux[[f, w]] - r.flux[0] / dw).abs() < 1e-6 * r.flux[0]);
-            let nd = 2 * ndiag + 1;
-            assert_eq!(
-                frame.resolution[[f, 3, w + 1]],
-                r.resolution[3 * p.waves.len() + 1]
-            );
-            assert_eq!(
-                frame.resolution[[f + 1, 2, w]],
-                r.resolution[(nd + 2) * p.waves.len()]
-            );
+            drop(frame);
         }
+        assert_stitched(&plan, ndiag, &results);
     }
 }
