@@ -140,6 +140,25 @@ fn read_rows(
     Ok(counts)
 }
 
+/// An error unless the data of the current HDU `name` lie within the file's `size` bytes
+/// (when known), its last record's padding aside: a truncated preproc is said to be one before
+/// any of its HDUs is read.
+fn complete(fits: &mut Fits, path: &Path, name: &str, size: Option<usize>) -> Result<()> {
+    const RECORD: usize = 2880;
+    let Some(size) = size else { return Ok(()) };
+    let (_, _, end) = fits.hdu_addresses()?;
+    if size + RECORD > end {
+        return Ok(());
+    }
+    Err(Error::Image {
+        path: path.into(),
+        message: format!(
+            "cannot read image: HDU {name} ends at byte {end} of a file of {size} bytes \
+             (truncated?)"
+        ),
+    })
+}
+
 /// A band of MASK as integers, in buffers kept from band to band. A floating-point MASK
 /// (not what desispec writes, but a FITS file may hold one) is read as float64, which holds
 /// every 32-bit integer exactly, and its NaN or infinite pixels get every bit set: converted
@@ -258,8 +277,14 @@ impl Image {
         } else {
             rayon::current_num_threads()
         };
-        for name in ["IVAR", "MASK"] {
+        let size = match &inflated {
+            Some(bytes) => Some(bytes.len()),
+            None if gzip => None,
+            None => std::fs::metadata(path).ok().map(|m| m.len() as usize),
+        };
+        for name in ["IMAGE", "IVAR", "MASK"] {
             fits.move_to(name)?;
+            complete(&mut fits, path, name, size)?;
             let s = fits.image_shape()?;
             if s != shape {
                 return Err(Error::Image {

@@ -58,7 +58,7 @@ fn sum_bytes(bytes: &[u8]) -> u32 {
 
 impl Fits {
     /// Byte offsets of the current HDU: header start, data start, data end.
-    pub(super) fn hdu_addresses(&mut self) -> Result<(usize, usize, usize)> {
+    pub(crate) fn hdu_addresses(&mut self) -> Result<(usize, usize, usize)> {
         let (mut head, mut data, mut end) = (0, 0, 0);
         // SAFETY: a valid handle on an existing HDU; three out-parameters.
         self.call("cannot locate the HDU", |ptr, status| unsafe {
