@@ -51,186 +51,160 @@ impl<'a> Back<'a> {
     }
 }
 
-/// The result of live patch `li` from the copied-back arrays. Each array is built once from
-/// its rows (a frame's results are about 140 MB, fresh memory for the most part, that zeroing
-/// first would write twice).
-#[allow(clippy::too_many_arguments)]
-fn patch_result(
-    sh: &Shape,
-    patch: &Patch,
-    li: usize,
-    geom: &PatchGeometry,
-    back: &Back<'_>,
-    boxoff: usize,
-    status: PatchStatus,
-    masked: bool,
-    core_model: bool,
-    regularize: f64,
-) -> PatchResult {
-    let (ncore, nws, nd) = (sh.ncore, sh.nws, sh.nd());
-    let nk = patch.waves.len();
-    debug_assert_eq!(
-        patch.fibers.len(),
-        ncore,
-        "the plan's sub-bundles are equal"
-    );
-    // `per` rows of nws bins a core fiber (nk of them the patch's), fiber after fiber
-    let rows = |v: &[f64], per: usize| -> Vec<f64> {
-        let mut out = Vec::with_capacity(ncore * per * nk);
-        for i in 0..ncore * per {
-            out.extend_from_slice(&v[(li * ncore * per + i) * nws..][..nk]);
-        }
-        out
-    };
-    let pixmask_fraction = rows(back.mask, 1);
-    if masked {
-        return PatchResult::without_usable_pixels(patch, sh.ndiag, regularize, pixmask_fraction);
-    }
-    let mut r = PatchResult {
-        patch: patch.index,
-        nfiber: ncore,
-        nwave: nk,
-        ndiag: sh.ndiag,
-        status,
-        flux: rows(back.flux, 1),
-        ivar: rows(back.ivar, 1),
-        resolution: rows(back.res, nd),
-        pixmask_fraction,
-        chi2pix: rows(back.chi2, 1),
-        model: None,
-        rejected: Vec::new(),
-        nrejected: 0,
-        nresolves: 0,
-        placed: false,
-    };
-    if core_model {
-        r.model = Some(model_patch(geom, back, boxoff));
-    }
-    if !r.is_finite() {
-        tracing::warn!(
-            "patch fibers {:?} bins {:?}: non-finite solution, flux and ivar set to 0",
-            patch.fibers,
-            patch.waves
+/// A finished wave's copied-back arrays and what cutting them into results needs: the wave's
+/// `patches`, their tables `live` and model box offsets `boxoff`, how their factorisation went,
+/// whether model boxes were asked for and the solve's `regularize`.
+pub(crate) struct Unpacking<'w> {
+    pub(crate) sh: &'w Shape,
+    pub(crate) patches: &'w [&'w Patch],
+    pub(crate) live: &'w [Live],
+    pub(crate) boxoff: &'w [i64],
+    pub(crate) back: &'w Back<'w>,
+    pub(crate) fact: &'w Factorization,
+    pub(crate) core_model: bool,
+    pub(crate) regularize: f64,
+}
+
+impl Unpacking<'_> {
+    /// The result of live patch `li`, values and all. Each array is built once from its rows
+    /// (a frame's results are about 140 MB, fresh memory for the most part, that zeroing first
+    /// would write twice). A patch without any usable pixel gets
+    /// [`PatchResult::without_usable_pixels`].
+    fn result(&self, li: usize, geom: &PatchGeometry) -> PatchResult {
+        let (sh, back, patch) = (self.sh, self.back, self.patches[li]);
+        let (ncore, nws, nd) = (sh.ncore, sh.nws, sh.nd());
+        let nk = patch.waves.len();
+        debug_assert_eq!(
+            patch.fibers.len(),
+            ncore,
+            "the plan's sub-bundles are equal"
         );
-        let mut empty = PatchResult::empty(patch, sh.ndiag, PatchStatus::NonFinite);
-        empty.pixmask_fraction = r.pixmask_fraction;
-        r = empty;
-    }
-    r
-}
-
-/// The model box of a patch, at `boxoff` in the copied-back boxes.
-fn model_patch(geom: &PatchGeometry, back: &Back<'_>, boxoff: usize) -> ModelPatch {
-    let len = geom.rows.len() * geom.cols.len();
-    ModelPatch {
-        rows: geom.rows.clone(),
-        cols: geom.cols.clone(),
-        data: back.model[boxoff..boxoff + len].to_vec(),
-    }
-}
-
-/// The results of a wave's patches (`patches`, with their tables `live` and model box offsets
-/// `boxoff`) that the device solved, by position in the frame; a patch without any usable
-/// pixel gets [`PatchResult::without_usable_pixels`] with the solve's `regularize`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn unpack(
-    sh: &Shape,
-    patches: &[&Patch],
-    live: &[Live],
-    boxoff: &[i64],
-    back: &Back<'_>,
-    fact: &Factorization,
-    core_model: bool,
-    regularize: f64,
-) -> Vec<(usize, PatchResult)> {
-    live.par_iter()
-        .enumerate()
-        .filter(|(li, _)| !fact.to_cpu.contains(li))
-        .map(|(li, (ci, geom, _))| {
-            let r = patch_result(
-                sh,
-                patches[li],
-                li,
-                geom,
-                back,
-                boxoff[li] as usize,
-                fact.status[li],
-                fact.masked[li] != 0,
-                core_model,
-                regularize,
+        // `per` rows of nws bins a core fiber (nk of them the patch's), fiber after fiber
+        let rows = |v: &[f64], per: usize| -> Vec<f64> {
+            let mut out = Vec::with_capacity(ncore * per * nk);
+            for i in 0..ncore * per {
+                out.extend_from_slice(&v[(li * ncore * per + i) * nws..][..nk]);
+            }
+            out
+        };
+        let pixmask_fraction = rows(back.mask, 1);
+        if self.fact.masked[li] != 0 {
+            return PatchResult::without_usable_pixels(
+                patch,
+                sh.ndiag,
+                self.regularize,
+                pixmask_fraction,
             );
-            (*ci, r)
-        })
-        .collect()
-}
-
-/// [`unpack`], with the values of the patches solved on the device placed straight into the
-/// frame's arrays `values`, row by row: their results are [`PatchResult::placed`]. A patch
-/// without usable pixels, or with a value that is not finite, gets its result from `unpack`'s
-/// rules instead, values and all: the frame's assembly stitches it over what was placed. So
-/// does a patch with fibers beyond the frame's, which a value of theirs that is not finite
-/// would turn all to zero.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn place(
-    sh: &Shape,
-    patches: &[&Patch],
-    live: &[Live],
-    boxoff: &[i64],
-    back: &Back<'_>,
-    fact: &Factorization,
-    core_model: bool,
-    regularize: f64,
-    values: &mut FrameValues,
-) -> Vec<(usize, PatchResult)> {
-    let mut by_row = vec![Vec::new(); values.nspec()];
-    let placed: Vec<bool> = (0..live.len())
-        .map(|li| {
-            let rows: Option<Vec<usize>> = patches[li]
-                .fibers
-                .clone()
-                .map(|f| values.row_of(f))
-                .collect();
-            match rows {
-                Some(rows) if !fact.to_cpu.contains(&li) && fact.masked[li] == 0 => {
-                    rows.into_iter().for_each(|row| by_row[row].push(li));
-                    true
-                }
-                _ => false,
-            }
-        })
-        .collect();
-    let finite: Vec<AtomicBool> = (0..live.len()).map(|_| AtomicBool::new(true)).collect();
-    let (specmin, nd) = (values.specmin, sh.nd());
-    values.par_rows(|row, mut rows| {
-        for &li in &by_row[row] {
-            let patch = patches[li];
-            let (nk, local) = (patch.waves.len(), specmin + row - patch.fibers.start);
-            let src = back_row(sh, back, li, local);
-            if !src.is_finite(nk, nd) {
-                finite[li].store(false, Ordering::Relaxed);
-            }
-            rows.put(patch.waves.start, nk, &src);
         }
-    });
-    live.par_iter()
-        .enumerate()
-        .filter(|(li, _)| !fact.to_cpu.contains(li))
-        .map(|(li, (ci, geom, _))| {
-            let boxoff = boxoff[li] as usize;
-            let r = if placed[li] && finite[li].load(Ordering::Relaxed) {
-                let mut r = PatchResult::placed(patches[li], sh.ndiag, fact.status[li]);
-                r.model = core_model.then(|| model_patch(geom, back, boxoff));
-                r
-            } else {
-                let masked = fact.masked[li] != 0;
-                let (status, patch) = (fact.status[li], patches[li]);
-                patch_result(
-                    sh, patch, li, geom, back, boxoff, status, masked, core_model, regularize,
-                )
-            };
-            (*ci, r)
+        let mut r = PatchResult {
+            patch: patch.index,
+            nfiber: ncore,
+            nwave: nk,
+            ndiag: sh.ndiag,
+            status: self.fact.status[li],
+            flux: rows(back.flux, 1),
+            ivar: rows(back.ivar, 1),
+            resolution: rows(back.res, nd),
+            pixmask_fraction,
+            chi2pix: rows(back.chi2, 1),
+            model: self.model(li, geom),
+            rejected: Vec::new(),
+            nrejected: 0,
+            nresolves: 0,
+            placed: false,
+        };
+        if !r.is_finite() {
+            tracing::warn!(
+                "patch fibers {:?} bins {:?}: non-finite solution, flux and ivar set to 0",
+                patch.fibers,
+                patch.waves
+            );
+            let mut empty = PatchResult::empty(patch, sh.ndiag, PatchStatus::NonFinite);
+            empty.pixmask_fraction = r.pixmask_fraction;
+            r = empty;
+        }
+        r
+    }
+
+    /// The model box of live patch `li`, when asked for.
+    fn model(&self, li: usize, geom: &PatchGeometry) -> Option<ModelPatch> {
+        let at = self.boxoff[li] as usize;
+        let len = geom.rows.len() * geom.cols.len();
+        self.core_model.then(|| ModelPatch {
+            rows: geom.rows.clone(),
+            cols: geom.cols.clone(),
+            data: self.back.model[at..at + len].to_vec(),
         })
-        .collect()
+    }
+
+    /// The live patches the device solved (not those it leaves to the CPU), with their
+    /// positions in the wave.
+    fn solved(&self) -> impl ParallelIterator<Item = (usize, &Live)> + '_ {
+        let to_cpu = &self.fact.to_cpu;
+        self.live
+            .par_iter()
+            .enumerate()
+            .filter(move |(li, _)| !to_cpu.contains(li))
+    }
+
+    /// The results of the patches the device solved, by position in the frame.
+    pub(crate) fn unpack(&self) -> Vec<(usize, PatchResult)> {
+        self.solved()
+            .map(|(li, (ci, geom, _))| (*ci, self.result(li, geom)))
+            .collect()
+    }
+
+    /// [`Unpacking::unpack`], with the values of the patches solved on the device placed
+    /// straight into the frame's arrays `values`, row by row: their results are
+    /// [`PatchResult::placed`]. A patch without usable pixels, or with a value that is not
+    /// finite, gets its result as `unpack` gives it instead, values and all: the frame's
+    /// assembly stitches it over what was placed. So does a patch with fibers beyond the
+    /// frame's, which a value of theirs that is not finite would turn all to zero.
+    pub(crate) fn place(&self, values: &mut FrameValues) -> Vec<(usize, PatchResult)> {
+        let (fact, patches) = (self.fact, self.patches);
+        let mut by_row = vec![Vec::new(); values.nspec()];
+        let placed: Vec<bool> = (0..self.live.len())
+            .map(|li| {
+                let rows: Option<Vec<usize>> = patches[li]
+                    .fibers
+                    .clone()
+                    .map(|f| values.row_of(f))
+                    .collect();
+                match rows {
+                    Some(rows) if !fact.to_cpu.contains(&li) && fact.masked[li] == 0 => {
+                        rows.into_iter().for_each(|row| by_row[row].push(li));
+                        true
+                    }
+                    _ => false,
+                }
+            })
+            .collect();
+        let finite: Vec<AtomicBool> = placed.iter().map(|_| AtomicBool::new(true)).collect();
+        let (specmin, nd) = (values.specmin, self.sh.nd());
+        values.par_rows(|row, mut rows| {
+            for &li in &by_row[row] {
+                let patch = patches[li];
+                let (nk, local) = (patch.waves.len(), specmin + row - patch.fibers.start);
+                let src = back_row(self.sh, self.back, li, local);
+                if !src.is_finite(nk, nd) {
+                    finite[li].store(false, Ordering::Relaxed);
+                }
+                rows.put(patch.waves.start, nk, &src);
+            }
+        });
+        self.solved()
+            .map(|(li, (ci, geom, _))| {
+                let r = if placed[li] && finite[li].load(Ordering::Relaxed) {
+                    let mut r = PatchResult::placed(patches[li], self.sh.ndiag, fact.status[li]);
+                    r.model = self.model(li, geom);
+                    r
+                } else {
+                    self.result(li, geom)
+                };
+                (*ci, r)
+            })
+            .collect()
+    }
 }
 
 /// Core fiber `local` of live patch `li` in the copied-back arrays.

@@ -328,7 +328,7 @@ fn dense_steps(
 pub(crate) struct Sink<'s> {
     pub(crate) results: &'s mut [Option<PatchResult>],
     /// The frame's arrays, where the results' values go straight when the call was given them
-    /// ([`results::place`]).
+    /// ([`results::Unpacking::place`]).
     pub(crate) values: Option<&'s mut FrameValues>,
     /// The last mark of the wave finished before, for the device's idle time between waves.
     pub(crate) last_mark: &'s mut Option<CudaEvent>,
@@ -545,11 +545,19 @@ pub(crate) fn finish_wave(
     let (live, boxoff) = host.wave_patches(q.wave);
     let live = &live[..];
     let reg = input.options.regularize;
+    let unpacking = results::Unpacking {
+        sh,
+        patches: &q.live,
+        live,
+        boxoff: &boxoff,
+        back: &back,
+        fact: &fact,
+        core_model: model,
+        regularize: reg,
+    };
     let solved = match sink.values.as_deref_mut() {
-        Some(values) => {
-            results::place(sh, &q.live, live, &boxoff, &back, &fact, model, reg, values)
-        }
-        None => results::unpack(sh, &q.live, live, &boxoff, &back, &fact, model, reg),
+        Some(values) => unpacking.place(values),
+        None => unpacking.unpack(),
     };
     // schur::outcome lists the coupled patches after the failed ones
     let (failed, coupled) = fact.to_cpu.split_at(fact.to_cpu.len() - coupled);

@@ -52,6 +52,18 @@ fn synthetic_image(psf: &GaussHermitePsf, plan: &Plan, seed: u64) -> Image {
     simulate(psf, &o).expect("simulation").to_image()
 }
 
+/// [`synthetic_image`] with a masked amplifier region: no usable pixel from fiber 12 to the
+/// right, above the rows of 6100 A.
+fn masked_amplifier_image(psf: &GaussHermitePsf, plan: &Plan, seed: u64) -> Image {
+    let mut image = synthetic_image(psf, plan, seed);
+    let (x, y) = psf.xy(12, 6100.0);
+    image
+        .ivar
+        .slice_mut(ndarray::s![y as usize.., x as usize..])
+        .fill(0.0);
+    image
+}
+
 /// The options of these tests: PSF error 0.01 as gpu_specter's default.
 fn solve_options(regularize: f64, model: bool) -> SolveOptions {
     SolveOptions {
@@ -511,12 +523,7 @@ fn masked_amplifier_bins_match_the_cpu() {
     let mut gpu = backend();
     let psf = psf();
     let plan = Plan::new(PlanOptions::new(6000.0, 6200.0, 0.8, 0, 25)).unwrap();
-    let mut image = synthetic_image(&psf, &plan, 4);
-    let (x, y) = psf.xy(12, 6100.0);
-    image
-        .ivar
-        .slice_mut(ndarray::s![y as usize.., x as usize..])
-        .fill(0.0);
+    let image = masked_amplifier_image(&psf, &plan, 4);
     let options = solve_options(0.0, false);
     let input = FrameInput::new(&plan, &psf, &image, &options);
     let (g, cpu) = solve_both(&mut gpu, input);

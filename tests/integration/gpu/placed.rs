@@ -40,12 +40,7 @@ fn values_placed_on_unpacking_make_the_stitched_frame() {
     // 23 fibers from fiber 1: the first and last sub-bundles hold fibers beyond the frame's;
     // a masked amplifier region leaves patches without a usable pixel
     let plan = Plan::new(PlanOptions::new(6000.0, 6200.0, 0.8, 1, 23)).unwrap();
-    let mut image = synthetic_image(&psf, &plan, 4);
-    let (x, y) = psf.xy(12, 6100.0);
-    image
-        .ivar
-        .slice_mut(ndarray::s![y as usize.., x as usize..])
-        .fill(0.0);
+    let image = masked_amplifier_image(&psf, &plan, 4);
     let ndiag = psf.hsizey;
     for (model, wave) in [(false, None), (true, Some(4))] {
         let options = solve_options(0.0, model);
