@@ -95,17 +95,17 @@ impl Frame {
         Frame::assemble_with(plan, ndiag, results, None)
     }
 
-    /// [`Frame::assemble`] where a backend placed the values of some results (those
-    /// [`PatchResult::placed`]) straight into `placed`: the other results are stitched into
-    /// it. A placed result without the arrays it was placed in is an error.
+    /// [`Frame::assemble`] into the frame's arrays `values` that the backend was given, where it
+    /// may have placed the values of some results (those [`PatchResult::placed`]): the other
+    /// results are stitched into them. A placed result without those arrays is an error.
     pub fn assemble_with(
         plan: &Plan,
         ndiag: usize,
         results: &[PatchResult],
-        placed: Option<FrameValues>,
+        values: Option<FrameValues>,
     ) -> Result<(Frame, PatchCounts)> {
-        let has_values = placed.is_some();
-        let mut values = match placed {
+        let has_values = values.is_some();
+        let mut values = match values {
             Some(v) => {
                 v.check(plan, ndiag)?;
                 v
@@ -592,6 +592,7 @@ pub fn model_image(shape: (usize, usize), results: &[PatchResult]) -> Result<Arr
 
 #[cfg(test)]
 mod tests {
+    use super::values::tests::numbered_results;
     use super::*;
 
     #[test]
@@ -605,25 +606,6 @@ mod tests {
     #[test]
     fn gradient_is_one_sided_at_the_ends() {
         assert_eq!(gradient(&[1.0, 2.0, 4.0, 7.0]), vec![1.0, 1.5, 2.5, 3.0]);
-    }
-
-    /// Results of every patch of `plan`, each value its own.
-    fn numbered_results(plan: &Plan, ndiag: usize) -> Vec<PatchResult> {
-        plan.patches
-            .iter()
-            .map(|p| {
-                let mut r = PatchResult::empty(p, ndiag, crate::extract::PatchStatus::Ok);
-                let base = ((p.index + 1) * 100_000) as f64;
-                for (k, v) in r.flux.iter_mut().enumerate() {
-                    *v = base + k as f64;
-                }
-                r.ivar.iter_mut().for_each(|v| *v = 1.0);
-                for (k, v) in r.resolution.iter_mut().enumerate() {
-                    *v = base + k as f64;
-                }
-                r
-            })
-            .collect()
     }
 
     /// Stitches `results` of `plan` and checks where a patch's values went: flux per

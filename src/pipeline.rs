@@ -471,7 +471,7 @@ fn plan_box(corners: &Corners, inputs: &Inputs) -> PixelBox {
 /// Solves the patches `block` of the frame's plan on `backend`. `values`, the frame's arrays
 /// all zero ([`frame_values`]), are given when this process assembles the frame: with every
 /// patch the backend may place its results' values there ([`Backend::extract_into`]), and
-/// they come back when it did.
+/// they come back for the assembly, which stitches the other results into them.
 pub fn solve(
     request: &ExtractRequest,
     inputs: &Inputs,
@@ -492,8 +492,7 @@ pub fn solve(
         None => Ok((backend.extract(input, patches, progress)?, None)),
         Some(mut values) => {
             let results = backend.extract_into(input, patches, progress, &mut values)?;
-            let placed = results.iter().any(|r| r.placed).then_some(values);
-            Ok((results, placed))
+            Ok((results, Some(values)))
         }
     }
 }

@@ -579,11 +579,11 @@ mod tests {
             fits.move_to(hdu).unwrap();
             if hdu == "MASK" {
                 let whole = fits.read_image::<i32>().unwrap();
-                let parts = Fits::read_image_parallel::<i32>(open, hdu, pieces).unwrap();
+                let parts = Fits::read_image_in_pieces::<i32>(open, hdu, pieces).unwrap();
                 assert_eq!(parts, whole);
             } else {
                 let (shape, whole) = fits.read_image::<f32>().unwrap();
-                let (s, parts) = Fits::read_image_parallel::<f32>(open, hdu, pieces).unwrap();
+                let (s, parts) = Fits::read_image_in_pieces::<f32>(open, hdu, pieces).unwrap();
                 assert_eq!(s, shape);
                 assert!(whole
                     .iter()

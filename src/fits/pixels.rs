@@ -1,11 +1,11 @@
-//! Reading the pixels of image HDUs, whole or by row ranges on many threads at once (each
-//! range through a read-only handle of its own, which cfitsio shares with nothing).
+//! Reading the pixels of image HDUs, whole or by ranges of values: a reader that splits an
+//! image between threads reads each range through a read-only handle of its own, which
+//! cfitsio shares with nothing.
 
 use std::ffi::c_void;
 use std::mem::MaybeUninit;
 
 use fitsio::sys;
-use rayon::prelude::*;
 
 use super::{Element, Fits};
 use crate::error::Result;
@@ -80,11 +80,11 @@ impl Fits {
         Ok(compressed != 0 || bitpix > 0)
     }
 
-    /// [`Fits::read_image`] of HDU `extname` of the file that `open` opens, by row ranges
-    /// read at once through handles of their own: decompressing a tile-compressed DESI image
-    /// is what takes the time, and cfitsio opens a file again for each read-only handle, so
-    /// that the handles share nothing.
-    pub fn read_image_parallel<T: Element + Send>(
+    /// [`Fits::read_image`] of HDU `extname` of the file that `open` opens, by `pieces` row
+    /// ranges each read with [`Fits::read_into`] through a handle of its own, as the readers
+    /// of a preproc split it between their threads.
+    #[cfg(test)]
+    pub(crate) fn read_image_in_pieces<T: Element>(
         open: &(dyn Fn() -> Result<Fits> + Sync),
         extname: &str,
         pieces: usize,
@@ -92,26 +92,16 @@ impl Fits {
         let mut fits = open()?;
         fits.move_to(extname)?;
         let (shape, n) = fits.image_size()?;
-        let check = fits.may_hold_undefined()?;
-        // Not zeroed first: every value is read into it (a pass over the image fewer).
-        let mut data = fits.uninit_buffer::<T>(n, "cannot read image")?;
-        drop(fits);
         let rows = shape.first().copied().unwrap_or(0).max(1);
-        let row_len = n / rows;
-        let piece = rows.div_ceil(pieces.max(1)).max(1) * row_len;
-        if piece > 0 {
-            data.spare_capacity_mut()[..n]
-                .par_chunks_mut(piece)
-                .enumerate()
-                .try_for_each(|(k, part)| {
-                    let mut fits = open()?;
-                    fits.move_to(extname)?;
-                    fits.read_pixels(k * piece, part, check)
-                })?;
+        let piece = (rows.div_ceil(pieces.max(1)) * (n / rows)).max(1);
+        let mut data = Vec::with_capacity(n);
+        for first in (0..n).step_by(piece) {
+            let len = piece.min(n - first);
+            let mut part = Vec::with_capacity(len);
+            let mut fits = open()?;
+            fits.move_to(extname)?;
+            data.extend_from_slice(fits.read_into(first, &mut part.spare_capacity_mut()[..len])?);
         }
-        // SAFETY: the pieces covered all `n` values (n = rows * row_len, or n = 0), and each
-        // was written by a read that succeeded.
-        unsafe { data.set_len(n) };
         Ok((shape, data))
     }
 
@@ -174,7 +164,7 @@ mod tests {
             fits.move_to(hdu).unwrap();
             assert_eq!(fits.may_hold_undefined().unwrap(), look, "{hdu}");
             let (_, whole) = fits.read_image::<f32>().unwrap();
-            let (_, parts) = Fits::read_image_parallel::<f32>(&open, hdu, 2).unwrap();
+            let (_, parts) = Fits::read_image_in_pieces::<f32>(&open, hdu, 2).unwrap();
             for values in [whole, parts] {
                 let nans: Vec<usize> = (0..6).filter(|&i| values[i].is_nan()).collect();
                 assert_eq!(nans, nan_at, "{hdu}: {values:?}");

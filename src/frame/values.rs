@@ -4,7 +4,7 @@
 //! The frame's assembly stitches the results it is handed. A backend that solves a whole
 //! frame in one process may instead place each patch's values here as it unpacks them from
 //! its own buffers ([`crate::backend::Backend::extract_into`]): a full frame's results are
-//! about 140 MB, and built patch by patch and then copied into the frame they were written,
+//! about 140 MB, which built patch by patch and then copied into the frame were written twice,
 //! in fresh memory for the most part, and read twice.
 
 use ndarray::{Array2, Array3, Zip};
@@ -96,7 +96,6 @@ impl FrameValues {
             .and(self.resolution.outer_iter_mut())
             .par_for_each(|row, mut flux, mut ivar, mut chi2, mut fraction, mut res| {
                 let rows = FiberRows {
-                    nwave: flux.len(),
                     nd: res.nrows(),
                     flux: flux.as_slice_mut().expect(contiguous),
                     ivar: ivar.as_slice_mut().expect(contiguous),
@@ -113,7 +112,6 @@ impl FrameValues {
 /// are plain slices: ndarray's slicing of some 350,000 rows of 50 values a full frame cost
 /// more than the copies.
 pub struct FiberRows<'a> {
-    nwave: usize,
     /// Resolution diagonals.
     nd: usize,
     flux: &'a mut [f64],
@@ -159,22 +157,22 @@ impl FiberRows<'_> {
         for (dst, from) in pairs {
             dst[w0..w0 + nw].copy_from_slice(&from[..nw]);
         }
+        let nwave = self.flux.len();
         for d in 0..self.nd {
-            self.res[d * self.nwave + w0..][..nw]
-                .copy_from_slice(&src.res[d * src.res_stride..][..nw]);
+            self.res[d * nwave + w0..][..nw].copy_from_slice(&src.res[d * src.res_stride..][..nw]);
         }
     }
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::extract::{PatchResult, PatchStatus};
     use crate::frame::Frame;
     use crate::plan::PlanOptions;
 
-    /// Results of every patch of `plan`, each value its own.
-    fn results(plan: &Plan, ndiag: usize) -> Vec<PatchResult> {
+    /// Results of every patch of `plan`, each value its own (the fractions aside).
+    pub(in crate::frame) fn numbered_results(plan: &Plan, ndiag: usize) -> Vec<PatchResult> {
         plan.patches
             .iter()
             .map(|p| {
@@ -229,7 +227,7 @@ mod tests {
         // 23 fibers: the last sub-bundle's patches hold fibers beyond the frame's
         let plan = Plan::new(PlanOptions::new(6000.0, 6200.0, 0.8, 1, 23)).unwrap();
         let ndiag = 3;
-        let all = results(&plan, ndiag);
+        let all = numbered_results(&plan, ndiag);
         let (stitched, counts) = Frame::assemble(&plan, ndiag, &all).unwrap();
         for every in [1, 2, 3] {
             let mut some = all.clone();
@@ -250,7 +248,7 @@ mod tests {
         // result over with values (zero flux and ivar) after all
         let plan = Plan::new(PlanOptions::new(6000.0, 6100.0, 0.8, 0, 25)).unwrap();
         let ndiag = 2;
-        let mut all = results(&plan, ndiag);
+        let mut all = numbered_results(&plan, ndiag);
         let values = place(&plan, ndiag, &mut all.clone(), |_| true);
         let patch = &plan.patches[1];
         for (i, r) in all.iter_mut().enumerate() {
@@ -272,7 +270,7 @@ mod tests {
     fn placed_results_need_their_arrays_of_the_frames_shape() {
         let plan = Plan::new(PlanOptions::new(6000.0, 6100.0, 0.8, 0, 25)).unwrap();
         let ndiag = 2;
-        let mut all = results(&plan, ndiag);
+        let mut all = numbered_results(&plan, ndiag);
         let values = place(&plan, ndiag, &mut all, |r| r.patch == 0);
         let e = Frame::assemble(&plan, ndiag, &all).unwrap_err();
         assert!(e.to_string().contains("did not come with it"), "{e}");

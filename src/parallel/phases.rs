@@ -73,9 +73,9 @@ pub(super) struct Share {
 }
 
 /// Solves a worker's block of patches; a worker that then `writes` the frame has its file's
-/// memory mapped meanwhile (the others announce its size, for whichever thread writes it). `values`: the frame's arrays, for a frame's only worker in the
-/// process that writes the frame ([`pipeline::solve`]), returned when the backend placed the
-/// results' values there.
+/// memory mapped meanwhile (the others announce its size, for whichever thread writes it).
+/// `values`: the frame's arrays, given to a worker in the process that writes the frame and
+/// used when it solves every patch ([`pipeline::solve`]).
 pub(super) fn solve_share(
     request: &ExtractRequest,
     inputs: &Inputs,
@@ -96,7 +96,6 @@ pub(super) fn solve_share(
         backend.describe()
     );
     fault::inject(share.rank, share.frame)?;
-    let values = values.filter(|_| share.nworkers == 1);
     pipeline::solve(request, inputs, &plan, block, backend, progress, values)
 }
 

@@ -397,12 +397,7 @@ impl Backend for CudaBackend {
         patches: &[Patch],
         progress: &Progress,
     ) -> Result<Vec<PatchResult>> {
-        let pool = Arc::clone(&self.host);
-        pool.install(|| {
-            // debug lines name the backend, which tells apart the frames in flight
-            let _backend = tracing::debug_span!("backend", id = %self.label()).entered();
-            self.extract_on_device(input, patches, progress, None)
-        })
+        self.extract_on_host_pool(input, patches, progress, None)
     }
 
     fn extract_into(
@@ -413,11 +408,7 @@ impl Backend for CudaBackend {
         values: &mut FrameValues,
     ) -> Result<Vec<PatchResult>> {
         values.check(input.plan, input.psf.hsizey)?;
-        let pool = Arc::clone(&self.host);
-        pool.install(|| {
-            let _backend = tracing::debug_span!("backend", id = %self.label()).entered();
-            self.extract_on_device(input, patches, progress, Some(values))
-        })
+        self.extract_on_host_pool(input, patches, progress, Some(values))
     }
 }
 
@@ -563,9 +554,25 @@ impl CudaBackend {
         crate::backend::cpu::CpuBackend::new(threads)?.extract(input, patches, progress)
     }
 
+    /// [`CudaBackend::extract_on_device`] on the backend's host pool, so that the parallel
+    /// host work of the call runs there.
+    fn extract_on_host_pool(
+        &mut self,
+        input: FrameInput<'_>,
+        patches: &[Patch],
+        progress: &Progress,
+        values: Option<&mut FrameValues>,
+    ) -> Result<Vec<PatchResult>> {
+        let pool = Arc::clone(&self.host);
+        pool.install(|| {
+            // debug lines name the backend, which tells apart the frames in flight
+            let _backend = tracing::debug_span!("backend", id = %self.label()).entered();
+            self.extract_on_device(input, patches, progress, values)
+        })
+    }
+
     /// [`Backend::extract`] on a thread of the backend's host pool (the device is bound to it
-    /// here), so that the parallel host work of the call runs on that pool; the values placed
-    /// in `values` when given ([`Backend::extract_into`]).
+    /// here); the values placed in `values` when given ([`Backend::extract_into`]).
     fn extract_on_device(
         &mut self,
         input: FrameInput<'_>,
