@@ -510,6 +510,30 @@ fn sources(a: &[u8], b: &[u8]) -> Option<Sources> {
     Some(Sources::Few(few))
 }
 
+/// Fills `dst` with the bits of `src` from bit `shift` (0-7) of its first byte on: byte `i`
+/// takes the high bits of `src[i]` and the low bits of `src[i + 1]` (zero past the end).
+/// Eight bytes at a time as one little-endian word: a chunk's compressed bytes are moved once
+/// per decode, and byte by byte this took a tenth of a chunked inflation's CPU time.
+fn shift_down(dst: &mut [u8], src: &[u8], shift: u32) {
+    if shift == 0 {
+        dst.copy_from_slice(&src[..dst.len()]);
+        return;
+    }
+    // the words whose next byte is in `src`
+    let words = dst.len().min(src.len().saturating_sub(1)) / 8;
+    for (w, out) in dst.chunks_exact_mut(8).take(words).enumerate() {
+        let at = 8 * w;
+        let mut word = [0u8; 8];
+        word.copy_from_slice(&src[at..at + 8]);
+        let bits = u64::from_le_bytes(word) >> shift | u64::from(src[at + 8]) << (64 - shift);
+        out.copy_from_slice(&bits.to_le_bytes());
+    }
+    for i in 8 * words..dst.len() {
+        let high = src.get(i + 1).map_or(0, |&h| h << (8 - shift));
+        dst[i] = src[i] >> shift | high;
+    }
+}
+
 /// Puts into `input` the bits `bits` of `gz` moved to start on a byte, after room for a stored
 /// block holding a window unless the chunk is the first, and followed by an empty last block
 /// unless it is the last; returns how many bytes of it a right decode reads.
@@ -531,15 +555,11 @@ fn shifted_into(
     input.resize(prefix + (nbits + ending).div_ceil(8), 0);
     input[..prefix.min(STORED.len())].copy_from_slice(&STORED[..prefix.min(STORED.len())]);
     let body = &mut input[prefix..];
-    let src = &gz[(from / 8) as usize..];
-    let shift = (from % 8) as u32;
-    for (i, byte) in body.iter_mut().take(nbits.div_ceil(8)).enumerate() {
-        let high = match shift {
-            0 => 0,
-            _ => src.get(i + 1).map_or(0, |&h| h << (8 - shift)),
-        };
-        *byte = src[i] >> shift | high;
-    }
+    shift_down(
+        &mut body[..nbits.div_ceil(8)],
+        &gz[(from / 8) as usize..],
+        (from % 8) as u32,
+    );
     if nbits % 8 != 0 {
         body[nbits / 8] &= (1u8 << (nbits % 8)) - 1;
     }

@@ -182,7 +182,14 @@ fn every_window_position_is_named_by_its_two_bytes() {
 #[test]
 fn shifted_bits_keep_their_order_and_end_in_an_empty_last_block() {
     let data: Vec<u8> = (0..64u32).map(|i| (i * 37 + 11) as u8).collect();
-    for (from, to) in [(0, 64), (3, 200), (13, 13 + 8 * 20 + 7), (70, 71)] {
+    for (from, to) in [
+        (0, 64),
+        (3, 200),
+        (13, 13 + 8 * 20 + 7),
+        (70, 71),
+        (13, 512),
+        (8, 512),
+    ] {
         let mut out = Vec::new();
         let place = Place {
             first: true,
@@ -208,6 +215,27 @@ fn shifted_bits_keep_their_order_and_end_in_an_empty_last_block() {
         assert_eq!(moved.take(7), Some(0));
         while let Some(bit) = moved.take(1) {
             assert_eq!(bit, 0);
+        }
+    }
+}
+
+#[test]
+fn bits_shifted_by_words_are_the_bits_shifted_byte_by_byte() {
+    let src: Vec<u8> = (0..41u32).map(|i| (i * 101 + 7) as u8).collect();
+    for shift in 0..8u32 {
+        for len in 0..src.len() {
+            for end in len.max(1)..=src.len() {
+                let src = &src[..end];
+                let mut dst = vec![0xaa; len];
+                shift_down(&mut dst, src, shift);
+                let expected: Vec<u8> = (0..len)
+                    .map(|i| match shift {
+                        0 => src[i],
+                        _ => src[i] >> shift | src.get(i + 1).map_or(0, |&h| h << (8 - shift)),
+                    })
+                    .collect();
+                assert_eq!(dst, expected, "shift {shift}, {len} of {end} bytes");
+            }
         }
     }
 }
