@@ -497,9 +497,9 @@ pub fn solve(
     }
 }
 
-/// The arrays of the frame `request` makes of `inputs`, all zero, for [`solve`]: a reader
-/// that runs ahead of the solves makes them, so that their memory is not cleared in a
-/// frame's solve. `None` when no plan can be made (the solve then says why).
+/// The arrays of the frame `request` makes of `inputs`, all zero, for [`solve`], where no plan
+/// is at hand: a reader that runs ahead of the solves makes them, so that their memory is not
+/// cleared in a frame's solve. `None` when no plan can be made (the solve then says why).
 pub fn frame_values(request: &ExtractRequest, inputs: &Inputs) -> Option<FrameValues> {
     let plan = request.plan_for(inputs).ok()?;
     Some(FrameValues::zeros(&plan, inputs.psf.hsizey))
@@ -773,7 +773,7 @@ pub fn extract_in_memory_timed(
     let results = timings.time("solve", || {
         let plan = request.plan_for(inputs)?;
         let all = 0..plan.patches.len();
-        let values = frame_values(request, inputs);
+        let values = Some(FrameValues::zeros(&plan, inputs.psf.hsizey));
         let solved = solve(
             request,
             inputs,
@@ -807,7 +807,7 @@ pub fn extract_frame(
     prepare_write(&plan, &inputs, true);
     let all = 0..plan.patches.len();
     let (results, placed) = timings.time("solve", || {
-        let values = frame_values(request, &inputs);
+        let values = Some(FrameValues::zeros(&plan, inputs.psf.hsizey));
         solve(request, &inputs, &plan, all, backend, progress, values)
     })?;
     let (frame, counts) = assemble(request, &plan, &inputs, &results, placed, &mut timings)?;

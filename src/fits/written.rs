@@ -75,11 +75,13 @@ unsafe extern "C" fn grow(ptr: *mut c_void, size: usize) -> *mut c_void {
         if size <= libmimalloc_sys::mi_usable_size(ptr) {
             return ptr;
         }
+        #[cfg(test)]
         MOVES.with(|m| m.set(m.get() + 1));
         libmimalloc_sys::mi_realloc(ptr, size)
     }
 }
 
+#[cfg(test)]
 thread_local! {
     /// Blocks this thread moved to grow them (cfitsio grows a block on the thread writing to
     /// it), for the tests.

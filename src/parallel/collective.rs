@@ -24,7 +24,7 @@ use super::phases::{commit_now, solve_share, write_frame, Fate, Outcome, Ready, 
 use super::{print_line, Comm, FrameCheck};
 use crate::backend::{Backend, Progress};
 use crate::error::{Error, Result};
-use crate::pipeline::{self, read_frame, ExtractRequest, Inputs, PixelBox};
+use crate::pipeline::{read_frame, ExtractRequest, Inputs, PixelBox};
 
 /// Releases a backend on a thread of its own: freeing a GPU's buffers and context takes
 /// tens of milliseconds, which the last frame's gather and write then hide.
@@ -233,10 +233,7 @@ impl GroupContext<'_> {
             Progress::silent()
         };
         let t0 = Instant::now();
-        let values = (is_writer && share.nworkers == 1)
-            .then(|| pipeline::frame_values(request, inputs))
-            .flatten();
-        match solve_share(request, inputs, backend, share, &shown, is_writer, values) {
+        match solve_share(request, inputs, backend, share, &shown, is_writer, None) {
             Ok((results, placed)) => Contribution::Solved {
                 // The writer needs the header only when it did not read.
                 header: (share.worker == 0 && !is_writer)

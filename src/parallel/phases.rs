@@ -74,8 +74,9 @@ pub(super) struct Share {
 
 /// Solves a worker's block of patches; a worker that then `writes` the frame has its file's
 /// memory mapped meanwhile (the others announce its size, for whichever thread writes it).
-/// `values`: the frame's arrays, given to a worker in the process that writes the frame and
-/// used when it solves every patch ([`pipeline::solve`]).
+/// `values`: the frame's arrays, cleared ahead by a reader of the process that writes the
+/// frame; a worker that writes the frame and solves every patch clears them here when none
+/// came. They are used only for a solve of every patch ([`pipeline::solve`]).
 pub(super) fn solve_share(
     request: &ExtractRequest,
     inputs: &Inputs,
@@ -88,6 +89,9 @@ pub(super) fn solve_share(
     let plan = request.plan_for(inputs)?;
     pipeline::prepare_write(&plan, inputs, writes);
     let block = patch_block(plan.patches.len(), share.nworkers, share.worker);
+    let whole = block.len() == plan.patches.len();
+    let values =
+        values.or_else(|| (writes && whole).then(|| FrameValues::zeros(&plan, inputs.psf.hsizey)));
     tracing::debug!(
         "frame {}: rank {} solves patches {:?} on {}",
         share.frame,
