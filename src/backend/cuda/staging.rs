@@ -19,7 +19,6 @@ use std::thread::JoinHandle;
 use cudarc::driver::CudaContext;
 
 use super::buffers::PinnedBuf;
-use super::error;
 use crate::error::Result;
 
 /// A host buffer for transfers that becomes pinned in the background.
@@ -167,11 +166,7 @@ impl<T: Copy + Default + Send + 'static> Staging<T> {
         let Some(ctx) = self.ctx.clone() else {
             return;
         };
-        let thread = std::thread::spawn(move || {
-            ctx.bind_to_thread()
-                .map_err(error::driver("cannot bind the CUDA context"))?;
-            PinnedBuf::new(len)
-        });
+        let thread = std::thread::spawn(move || PinnedBuf::new(&ctx, len));
         self.pending = Some(Pinning { len, early, thread });
     }
 
