@@ -98,13 +98,19 @@ const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
 /// The smallest gzip member: a 10-byte header, an empty deflate block and an 8-byte trailer.
 const MIN_MEMBER: usize = 20;
 
-/// [`inflate_gzip`] without the registry.
+/// [`inflate_gzip`] without the registry. The compressed bytes are read through a mapping of
+/// the file, its pages mapped at once: reading 98 MB into fresh memory took 35-55 ms on a GPU
+/// machine, mapping them from the page cache 2 ms. Like astropy's memory-mapped reads, this
+/// expects the file not to be cut short while it is read.
 fn inflate_file(path: &Path) -> Result<Option<Vec<u8>>> {
     let t0 = std::time::Instant::now();
-    let compressed = std::fs::read(path).map_err(|source| Error::Io {
+    let io = |source| Error::Io {
         path: path.into(),
         source,
-    })?;
+    };
+    let file = std::fs::File::open(path).map_err(io)?;
+    // SAFETY: the mapping is read-only and private, and lives only through this call.
+    let compressed = unsafe { memmap2::MmapOptions::new().populate().map(&file) }.map_err(io)?;
     if !compressed.starts_with(&GZIP_MAGIC) {
         return Ok(None);
     }
