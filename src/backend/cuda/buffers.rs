@@ -107,10 +107,10 @@ impl<T> Drop for DevBuf<T> {
 /// The memory is the process's own mapping, advised to huge pages and touched before the
 /// driver registers it (`cuMemHostRegister`). The driver's own pinned allocation
 /// (`cuMemHostAlloc`) maps its pages into the process while holding the process's memory map,
-/// so every page fault and pageable copy of every other thread waited for it: on one H200
-/// machine, 43-75 ms for a buffer of 75-150 MB, against 2-5 ms for a registered one. A
-/// backend's first frame, whose uploads are pinned while its first waves read the frame,
-/// lost 30-60 ms that way.
+/// so the page faults and device allocations of every other thread waited for it: on H200
+/// machines, 40-92 ms while 75-150 MB were allocated, against 2-7 ms (page faults) and 3-5 ms
+/// (allocations, one of 93 ms) while as much was registered. A backend's first frame, whose
+/// uploads are pinned while its first waves are set up, lost some 60 ms that way.
 pub(crate) struct PinnedBuf<T: Copy + Default> {
     ptr: *mut T,
     len: usize,
