@@ -101,7 +101,8 @@ const MIN_MEMBER: usize = 20;
 /// [`inflate_gzip`] without the registry. The compressed bytes are read through a mapping of
 /// the file, its pages mapped at once: reading 98 MB into fresh memory took 35-55 ms on a GPU
 /// machine, mapping them from the page cache 2 ms. Like astropy's memory-mapped reads, this
-/// expects the file not to be cut short while it is read.
+/// expects the file not to be cut short while it is read. A file system that cannot map the
+/// file has it read instead.
 fn inflate_file(path: &Path) -> Result<Option<Vec<u8>>> {
     let t0 = std::time::Instant::now();
     let io = |source| Error::Io {
@@ -110,7 +111,15 @@ fn inflate_file(path: &Path) -> Result<Option<Vec<u8>>> {
     };
     let file = std::fs::File::open(path).map_err(io)?;
     // SAFETY: the mapping is read-only and private, and lives only through this call.
-    let compressed = unsafe { memmap2::MmapOptions::new().populate().map(&file) }.map_err(io)?;
+    let mapped = unsafe { memmap2::MmapOptions::new().populate().map(&file) };
+    let read;
+    let compressed: &[u8] = match &mapped {
+        Ok(map) => map,
+        Err(_) => {
+            read = std::fs::read(path).map_err(io)?;
+            &read
+        }
+    };
     if !compressed.starts_with(&GZIP_MAGIC) {
         return Ok(None);
     }
@@ -125,14 +134,14 @@ fn inflate_file(path: &Path) -> Result<Option<Vec<u8>>> {
     let read_s = t0.elapsed().as_secs_f64();
     let alone = Inflating::start();
     let (inflated, how) = match alone.chunk_bytes(compressed.len()) {
-        Some(chunk) => match super::inflate::inflate(&compressed, chunk, populated) {
+        Some(chunk) => match super::inflate::inflate(compressed, chunk, populated) {
             Some(inflated) => (inflated, "in chunks"),
             None => (
-                sequential(&compressed).map_err(damaged)?,
+                sequential(compressed).map_err(damaged)?,
                 "on one core after chunks failed",
             ),
         },
-        None => (sequential(&compressed).map_err(damaged)?, "on one core"),
+        None => (sequential(compressed).map_err(damaged)?, "on one core"),
     };
     drop(alone);
     // The benchmarks (scripts/bench-desi-proc, bench-exposure) split a frame's read with this
