@@ -99,8 +99,8 @@ const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
 const MIN_MEMBER: usize = 20;
 
 /// [`inflate_gzip`] without the registry. The compressed bytes are read through a mapping of
-/// the file, its pages mapped at once: reading 98 MB into fresh memory took 35-55 ms on a GPU
-/// machine, mapping them from the page cache 2 ms. Like astropy's memory-mapped reads, this
+/// the file, its pages mapped at once: reading 98 MB into fresh memory took 31-44 ms on a GPU
+/// machine, mapping them from the page cache 2-3 ms. Like astropy's memory-mapped reads, this
 /// expects the file not to be cut short while it is read. A file system that cannot map the
 /// file has it read instead.
 fn inflate_file(path: &Path) -> Result<Option<Vec<u8>>> {

@@ -137,7 +137,8 @@ impl<T: Copy + Default> PinnedBuf<T> {
     }
 
     /// A new buffer, registered with `ctx` after those asked for before it in this process:
-    /// one registration at a time.
+    /// one registration at a time (eight pinnings at once on a 4 x H100 node, by the driver's
+    /// allocation, took 0.5-0.65 s against 50-75 ms for one).
     pub(crate) fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<Self> {
         static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
         let bytes = len.max(1) * std::mem::size_of::<T>();
