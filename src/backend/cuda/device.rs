@@ -179,8 +179,7 @@ fn yield_while_waiting(ordinal: usize) {
     let Ok(ordinal) = i32::try_from(ordinal) else {
         return;
     };
-    // Advice only: where the driver refuses (a context made elsewhere in the process with
-    // flags of its own), the waits stay as they are.
+    // Advice only: where the driver refuses, the waits stay as they are.
     let set = drv::init()
         .and_then(|()| drv::device::get(ordinal))
         .and_then(|dev| {
