@@ -396,6 +396,17 @@ mod tests {
     }
 
     #[test]
+    fn a_file_that_cannot_be_mapped_is_read() {
+        // procfs files have no mapping; their bytes are no gzip stream
+        let status = Path::new("/proc/self/status");
+        // SAFETY: a read-only mapping, dropped at once if the kernel makes one.
+        assert!(std::fs::File::open(status)
+            .and_then(|f| unsafe { memmap2::MmapOptions::new().map(&f) })
+            .is_err());
+        assert!(matches!(inflate_file(status), Ok(None)));
+    }
+
+    #[test]
     fn an_inflated_file_is_shared_while_held_and_inflated_again_when_it_changed() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("x.fits.gz");
