@@ -1,6 +1,7 @@
-//! Host buffers for transfers, page-locked once they can be: pinning host memory costs about
-//! a millisecond per megabyte on the machines measured (some 130 ms for the buffers of a
-//! full frame), which no frame should wait for. A [`Staging`] buffer is pageable (the driver
+//! Host buffers for transfers, page-locked once they can be: pinning host memory takes tens
+//! to hundreds of milliseconds for the buffers of a full frame (about 75 MB of uploads: 27-713
+//! ms on H200 machines, by how busy the driver is; see `buffers::PinnedBuf`), which no frame
+//! should wait for. A [`Staging`] buffer is pageable (the driver
 //! stages its copies, and the host waits for each) until a background thread has pinned one
 //! of the size asked; from then on the transfers go at full bus speed and overlap with the
 //! kernels.
