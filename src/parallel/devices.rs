@@ -29,7 +29,7 @@ impl DeviceRequest {
     /// Backends per device on `gpus` GPUs (none: the CPU). Two frames in flight keep a GPU
     /// busy while the host prepares and finishes the other (measured: 63-81 ms per frame
     /// against 77-87 ms with one); only a rank with more frames than GPUs has a second.
-    fn in_flight(&self, gpus: usize) -> usize {
+    pub(super) fn in_flight(&self, gpus: usize) -> usize {
         let default = if gpus > 0 && self.frames > gpus { 2 } else { 1 };
         self.per_device.unwrap_or(default)
     }

@@ -135,6 +135,7 @@ pub fn run(
                 gpus,
                 io_threads: config.io_threads,
                 cores: layout.cores,
+                first: gpus.max(1) * request.in_flight(gpus),
             },
             me,
             &prefix,

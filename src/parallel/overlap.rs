@@ -58,6 +58,9 @@ pub(super) struct Lanes {
     pub io_threads: Option<usize>,
     /// Cores of this rank (its share of the node), which size the readers and writers.
     pub cores: usize,
+    /// The frames the backends take first (one per backend), which the readers read with
+    /// every thread of rayon's pool; see [`read_all`].
+    pub first: usize,
 }
 
 /// Readers (and as many writers) of a rank by default. On the CPU the solve is the slow part
@@ -111,7 +114,7 @@ pub(super) fn run(
         for i in 0..io_threads {
             let tx = read_tx.clone();
             spawn_named(scope, format!("spex-read-{i}"), move || {
-                read_all(frames, next_frame, tx)
+                read_all(frames, next_frame, tx, lanes.first)
             });
         }
         drop(read_tx);
@@ -191,19 +194,35 @@ fn spawn_named<'scope, T: Send + 'scope>(
 
 /// Reads frames, taking the next index from `next` (shared by the readers), until none are
 /// left or nobody takes them any more.
+///
+/// The `first` frames, which the backends wait for, are read with every thread of rayon's
+/// pool. The later ones are read ahead while the backends solve, each on its reader's thread
+/// alone: fanned out over the pool, the readers' bursts took the cores from the backends'
+/// host work, whose waves then reached the device late (30 full r frames on one H200
+/// machine of 16 cores: loop 1.66-1.69 s against 1.78-1.86 s, docs/benchmarks.md).
 fn read_all<'a>(
     frames: &[(usize, &'a ExtractRequest)],
     next: &AtomicUsize,
     read_tx: SyncSender<Read<'a>>,
+    first: usize,
 ) {
-    while let Some(&(k, request)) = frames.get(next.fetch_add(1, Ordering::Relaxed)) {
+    let alone = one_thread();
+    loop {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        let Some(&(k, request)) = frames.get(i) else {
+            break;
+        };
         let t0 = Instant::now();
-        let read = read_frame(request);
-        let read_s = t0.elapsed().as_secs_f64();
-        let values = read
-            .as_ref()
-            .ok()
-            .and_then(|(inputs, _)| pipeline::frame_values(request, inputs));
+        let read_one = || {
+            let read = read_frame(request);
+            let read_s = t0.elapsed().as_secs_f64();
+            let values = read
+                .as_ref()
+                .ok()
+                .and_then(|(inputs, _)| pipeline::frame_values(request, inputs));
+            (read, read_s, values)
+        };
+        let (read, read_s, values) = on_lane(alone.as_ref(), i >= first, read_one);
         let frame = Read {
             k,
             request,
@@ -221,6 +240,30 @@ fn read_all<'a>(
             ms(read_at.elapsed())
         );
     }
+}
+
+/// Runs `work` on `alone` when it reads ahead, else where called (rayon's pool).
+fn on_lane<T: Send>(
+    alone: Option<&rayon::ThreadPool>,
+    ahead: bool,
+    work: impl FnOnce() -> T + Send,
+) -> T {
+    match alone {
+        Some(pool) if ahead => pool.install(work),
+        _ => work(),
+    }
+}
+
+/// A pool of the calling thread's own, of one thread, on which rayon's parallel loops run
+/// in turn; `None` (rayon's pool, then) when no thread can be started.
+fn one_thread() -> Option<rayon::ThreadPool> {
+    let name = std::thread::current().name().unwrap_or("spex").to_owned();
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .thread_name(move |_| format!("{name}-alone"))
+        .build()
+        .inspect_err(|e| tracing::debug!("a reader reads on rayon's pool: {e}"))
+        .ok()
 }
 
 /// The next item of a shared queue, for whichever thread asks first; `None` once it is empty
@@ -326,7 +369,7 @@ fn solve<'a>(
 
 #[cfg(test)]
 mod tests {
-    use super::{default_io_threads, io_threads, Lanes};
+    use super::{default_io_threads, io_threads, on_lane, one_thread, Lanes};
 
     #[test]
     fn readers_follow_the_cores_of_a_gpu_rank() {
@@ -344,11 +387,30 @@ mod tests {
     }
 
     #[test]
+    fn frames_read_ahead_are_read_on_one_thread() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(4)
+            .build()
+            .expect("a pool");
+        let alone = one_thread().expect("a thread of its own");
+        let threads =
+            |ahead| pool.install(|| on_lane(Some(&alone), ahead, rayon::current_num_threads));
+        assert_eq!(threads(false), 4);
+        assert_eq!(threads(true), 1);
+        // without a thread of its own, a reader reads on the pool
+        assert_eq!(
+            pool.install(|| on_lane(None, true, rayon::current_num_threads)),
+            4
+        );
+    }
+
+    #[test]
     fn readers_are_sized_before_the_devices_open() {
         let lanes = |gpus, io_threads| Lanes {
             gpus,
             io_threads,
             cores: 64,
+            first: 1,
         };
         // from the GPUs to be driven, known before any backend starts
         assert_eq!(io_threads(&lanes(4, None), 100), 32);
