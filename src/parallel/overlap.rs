@@ -206,7 +206,8 @@ fn read_all<'a>(
     read_tx: SyncSender<Read<'a>>,
     first: usize,
 ) {
-    let alone = one_thread();
+    // a rank with no frame to read ahead (a single-frame run) starts no thread for it
+    let alone = (frames.len() > first).then(one_thread).flatten();
     loop {
         let i = next.fetch_add(1, Ordering::Relaxed);
         let Some(&(k, request)) = frames.get(i) else {
