@@ -92,6 +92,22 @@ fn io_threads(lanes: &Lanes, frames: usize) -> usize {
     .max(1)
 }
 
+/// Readers started once the backends are ready, on top of the `readers` that read from the
+/// start: half as many more for a rank's gzip-compressed preprocs on GPUs, each of which its
+/// reader inflates on one core in about three times a plain preproc's read, unless
+/// `--io-threads` set the readers. Started with the others, they slowed the GPU's start
+/// (30 full r frames in desi_proc's form on one H200 machine of 16 cores, two calls: wall
+/// 3.27-3.49 s with 4 such readers against 3.41-3.74 s without; docs/benchmarks.md).
+fn later_readers(lanes: &Lanes, frames: &[(usize, &ExtractRequest)], readers: usize) -> usize {
+    let compressed = frames
+        .first()
+        .is_some_and(|(_, request)| crate::fits::is_gzip(&request.input));
+    if lanes.gpus == 0 || lanes.io_threads.is_some() || !compressed {
+        return 0;
+    }
+    (readers / 2).min(frames.len().saturating_sub(readers))
+}
+
 /// Reads, solves and writes `frames` (`(index in the list, request)`) on this rank alone.
 /// `open` starts the backends (collectively with the other ranks; `None` stops the run)
 /// while the readers read ahead. Returns what was written and what failed, or `None`
@@ -117,12 +133,22 @@ pub(super) fn run(
                 read_all(frames, next_frame, tx, lanes.first)
             });
         }
-        drop(read_tx);
         let Some(backends) = open() else {
             drop(read_rx);
             return None;
         };
-        tracing::info!("rank {rank}: {io_threads} reader and {io_threads} writer threads");
+        let later = later_readers(&lanes, frames, io_threads);
+        for i in io_threads..io_threads + later {
+            let tx = read_tx.clone();
+            spawn_named(scope, format!("spex-read-{i}"), move || {
+                read_all(frames, next_frame, tx, lanes.first)
+            });
+        }
+        drop(read_tx);
+        tracing::info!(
+            "rank {rank}: {} reader and {io_threads} writer threads",
+            io_threads + later
+        );
 
         let (solved_tx, solved_rx) = sync_channel::<Solved>(backends.len());
         // The progress display follows the first solver's frames.
@@ -370,7 +396,8 @@ fn solve<'a>(
 
 #[cfg(test)]
 mod tests {
-    use super::{default_io_threads, io_threads, on_lane, one_thread, Lanes};
+    use super::{default_io_threads, io_threads, later_readers, on_lane, one_thread, Lanes};
+    use crate::pipeline::ExtractRequest;
 
     #[test]
     fn readers_follow_the_cores_of_a_gpu_rank() {
@@ -403,6 +430,35 @@ mod tests {
             pool.install(|| on_lane(None, true, rayon::current_num_threads)),
             4
         );
+    }
+
+    #[test]
+    fn compressed_preprocs_get_readers_once_the_gpus_are_ready() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let gz = dir.path().join("preproc.fits.gz");
+        let plain = dir.path().join("preproc.fits");
+        std::fs::write(&gz, [0x1f, 0x8b, 8, 0]).expect("a gzip file");
+        std::fs::write(&plain, b"SIMPLE  =").expect("a FITS file");
+        let lanes = |gpus, io_threads| Lanes {
+            gpus,
+            io_threads,
+            cores: 16,
+            first: 2,
+        };
+        let (gz, plain) = (
+            ExtractRequest::new(&gz, "psf.fits", "frame.fits.gz"),
+            ExtractRequest::new(&plain, "psf.fits", "frame.fits"),
+        );
+        let list = |request, n| vec![(0, request); n];
+        // half as many more on a GPU, for gzip-compressed preprocs only
+        assert_eq!(later_readers(&lanes(1, None), &list(&gz, 30), 8), 4);
+        assert_eq!(later_readers(&lanes(1, None), &list(&plain, 30), 8), 0);
+        // never on the CPU, nor where --io-threads set the readers
+        assert_eq!(later_readers(&lanes(0, None), &list(&gz, 30), 1), 0);
+        assert_eq!(later_readers(&lanes(1, Some(8)), &list(&gz, 30), 8), 0);
+        // no more readers than frames
+        assert_eq!(later_readers(&lanes(1, None), &list(&gz, 10), 8), 2);
+        assert_eq!(later_readers(&lanes(1, None), &list(&gz, 5), 5), 0);
     }
 
     #[test]
