@@ -306,18 +306,20 @@ fn populate(buf: &mut [u8]) {
     if end <= start {
         return;
     }
-    let per = POPULATED;
-    (start..end).into_par_iter().step_by(per).for_each(|from| {
-        // SAFETY: the pages [from, from + len) lie within `buf`, borrowed mutably here, and
-        // the advice maps them writable without changing any byte; its failure is harmless.
-        unsafe {
-            libc::madvise(
-                from as *mut c_void,
-                per.min(end - from),
-                libc::MADV_POPULATE_WRITE,
-            )
-        };
-    });
+    (start..end)
+        .into_par_iter()
+        .step_by(POPULATED)
+        .for_each(|from| {
+            // SAFETY: the pages [from, from + len) lie within `buf`, borrowed mutably here, and
+            // the advice maps them writable without changing any byte; its failure is harmless.
+            unsafe {
+                libc::madvise(
+                    from as *mut c_void,
+                    POPULATED.min(end - from),
+                    libc::MADV_POPULATE_WRITE,
+                )
+            };
+        });
 }
 
 #[cfg(not(target_os = "linux"))]

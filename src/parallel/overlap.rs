@@ -8,8 +8,9 @@
 //! whichever backend is free, and there are several readers and writers per GPU
 //! (`--io-threads`), so that one process can keep a whole node busy: a GPU solves a frame
 //! faster than one thread reads or writes it. Nothing is sent between processes: no MPS, broadcasts or
-//! gathers. Every reader starts before the devices open: opening four GPUs in one process
-//! took 1.0-1.5 s on a 4 x H100 node, as long as a reader takes for its first two frames.
+//! gathers. The readers start before the devices open (opening four GPUs in one process
+//! took 1.0-1.5 s on a 4 x H100 node, as long as a reader takes for its first two frames);
+//! those added for compressed preprocs start once they are open ([`later_readers`]).
 //!
 //! Errors follow the protocol of the collective loop: a frame that cannot be read or solved
 //! is reported on one line, counted and skipped, and the other frames go on.
