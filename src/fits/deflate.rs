@@ -63,8 +63,9 @@ const LENGTH_CODE: [u8; MAX_RUN + 1] = {
 pub(super) fn deflate_chunk(chunk: &[u8], last: bool) -> Vec<u8> {
     let mut bits = Bits::with_capacity(chunk.len());
     let blocks = chunk.len().div_ceil(BLOCK);
+    let mut runs = Vec::new();
     for (k, block) in chunk.chunks(BLOCK).enumerate() {
-        write_block(&mut bits, block, last && k + 1 == blocks);
+        write_block(&mut bits, block, last && k + 1 == blocks, &mut runs);
     }
     if !last || blocks == 0 {
         // an empty stored block: the sync flush's marker, or the whole of an empty stream
@@ -76,24 +77,21 @@ pub(super) fn deflate_chunk(chunk: &[u8], last: bool) -> Vec<u8> {
     bits.finish()
 }
 
-/// Walks `block` as literals and runs: a byte followed by at least [`MIN_RUN`] copies of
-/// itself is the byte, then copies of the byte before. Most of a frame's bytes differ from
-/// the next one, and are taken eight at a time. Counting and coding walk alike, so that no
-/// list of tokens is kept.
-#[inline(always)]
-fn scan(block: &[u8], mut take: impl FnMut(Piece)) {
+/// Finds `block`'s runs: a byte followed by at least [`MIN_RUN`] copies of itself is the
+/// byte, then copies of the byte before. Most of a frame's bytes differ from the next one, and
+/// are passed eight at a time.
+fn find_runs(block: &[u8], runs: &mut Vec<Run>) {
+    runs.clear();
     let n = block.len();
     let mut i = 0;
     while i < n {
         while i + 9 <= n && !any_equal_to_next(&block[i..i + 9]) {
-            take(Piece::Literals(&block[i..i + 8]));
             i += 8;
         }
         if i == n {
             break;
         }
         let b = block[i];
-        take(Piece::Literals(&block[i..i + 1]));
         i += 1;
         loop {
             let same = block[i..]
@@ -104,16 +102,13 @@ fn scan(block: &[u8], mut take: impl FnMut(Piece)) {
             if same < MIN_RUN {
                 break;
             }
-            take(Piece::Run(same));
+            runs.push(Run {
+                at: i as u32,
+                len: same as u16,
+            });
             i += same;
         }
     }
-}
-
-/// What [`scan`] finds: literals, or a run of copies of the byte before.
-enum Piece<'a> {
-    Literals(&'a [u8]),
-    Run(usize),
 }
 
 /// Whether one of the first 8 of these 9 bytes equals the byte after it.
@@ -125,34 +120,53 @@ fn any_equal_to_next(bytes: &[u8]) -> bool {
     x.wrapping_sub(ONES) & !x & (ONES << 7) != 0
 }
 
-/// Symbol counts of a block, with its end-of-block symbol. Bytes are counted in four
-/// tables, so that a byte repeated every four (a float's exponent) does not wait for its own
-/// count.
-fn counts(block: &[u8]) -> [u32; 286] {
-    let mut bytes = [[0u32; 256]; 4];
-    let mut runs = [0u32; MAX_RUN + 1];
-    scan(block, |piece| match piece {
-        Piece::Literals(literals) => {
-            for (k, &b) in literals.iter().enumerate() {
-                bytes[k % 4][usize::from(b)] += 1;
-            }
-        }
-        Piece::Run(same) => runs[same] += 1,
-    });
+/// A run of [`find_runs`]': `len` copies of the byte before, starting at byte `at` of the block.
+#[derive(Clone, Copy)]
+struct Run {
+    at: u32,
+    len: u16,
+}
+
+/// Symbol counts of a block, with its end-of-block symbol; its runs go to `runs`, so that
+/// coding the block walks only its literals between them. Every byte is counted, then the
+/// runs' copies taken off.
+fn counts(block: &[u8], runs: &mut Vec<Run>) -> [u32; 286] {
+    find_runs(block, runs);
     let mut freq = [0u32; 286];
-    for (b, f) in freq[..END].iter_mut().enumerate() {
-        *f = bytes.iter().map(|table| table[b]).sum();
-    }
-    for (same, &count) in runs.iter().enumerate().skip(MIN_RUN) {
-        freq[END + 1 + usize::from(LENGTH_CODE[same])] += count;
+    freq[..END].copy_from_slice(&histogram(block));
+    for run in runs.iter() {
+        let at = run.at as usize;
+        freq[usize::from(block[at - 1])] -= u32::from(run.len);
+        freq[END + 1 + usize::from(LENGTH_CODE[usize::from(run.len)])] += 1;
     }
     freq[END] += 1;
     freq
 }
 
+/// How often each byte value occurs in `bytes`, a table for each byte of a word, so that a
+/// byte repeated every four (a float's exponent) does not wait for its own count.
+fn histogram(bytes: &[u8]) -> [u32; 256] {
+    let mut tables = [[0u32; 256]; 8];
+    let mut words = bytes.chunks_exact(8);
+    for word in words.by_ref() {
+        let w = u64::from_le_bytes(word.try_into().expect("8 bytes"));
+        for (k, table) in tables.iter_mut().enumerate() {
+            table[((w >> (8 * k)) & 0xff) as usize] += 1;
+        }
+    }
+    for &b in words.remainder() {
+        tables[0][usize::from(b)] += 1;
+    }
+    let mut sum = [0u32; 256];
+    for (b, s) in sum.iter_mut().enumerate() {
+        *s = tables.iter().map(|t| t[b]).sum();
+    }
+    sum
+}
+
 /// Writes one block: coded with its own Huffman codes, or stored where that is smaller.
-fn write_block(bits: &mut Bits, block: &[u8], last: bool) {
-    let freq = counts(block);
+fn write_block(bits: &mut Bits, block: &[u8], last: bool, runs: &mut Vec<Run>) {
+    let freq = counts(block, runs);
     let lit = Code::new(&freq, MAX_BITS);
     // One distance, 1 (code 0); a second code of one bit makes the code complete, as strict
     // inflaters want.
@@ -172,8 +186,14 @@ fn write_block(bits: &mut Bits, block: &[u8], last: bool) {
     bits.put(u64::from(last), 1);
     bits.put(2, 2);
     header.write(bits);
-    let (literals, runs) = token_bits(&lit, &dist);
-    bits.put_block(block, &literals, &runs);
+    let (literals, run_bits) = token_bits(&lit, &dist);
+    // Four codes of at most 14 bits fit beside the 7 bits that may be pending; 15 bits only
+    // three.
+    if lit.lengths[..END].iter().all(|&l| l <= 14) {
+        bits.put_block::<4>(block, &literals, &run_bits, runs);
+    } else {
+        bits.put_block::<3>(block, &literals, &run_bits, runs);
+    }
     bits.put(lit.codes[END], lit.lengths[END]);
 }
 
@@ -474,30 +494,27 @@ impl Bits {
         self.len %= 8;
     }
 
-    /// Puts `block`'s literals and runs, their bits from [`token_bits`]: the hot loop, its
-    /// state in registers. Literals go two at a time: with at most 7 bits pending, two codes
-    /// of at most 15 bits or a run's 21 fit in the accumulator before it is stored.
-    fn put_block(&mut self, block: &[u8], literals: &[u64; 256], runs: &[u64; MAX_RUN + 1]) {
+    /// Puts `block`'s literals and `runs`, their bits from [`token_bits`]: the hot loop, its
+    /// state in registers. Literals go `G` at a time, `G` codes and the at most 7 bits pending
+    /// fitting in the accumulator before it is stored.
+    fn put_block<const G: usize>(
+        &mut self,
+        block: &[u8],
+        literals: &[u64; 256],
+        run_bits: &[u64; MAX_RUN + 1],
+        runs: &[Run],
+    ) {
         let (mut acc, mut len, mut pos) = (self.acc, u64::from(self.len), self.pos);
         let out = &mut self.out[..];
-        scan(block, |piece| match piece {
-            Piece::Literals(bytes) => {
-                let mut pairs = bytes.chunks_exact(2);
-                for pair in pairs.by_ref() {
-                    add(&mut acc, &mut len, literals[usize::from(pair[0])]);
-                    add(&mut acc, &mut len, literals[usize::from(pair[1])]);
-                    store(out, &mut pos, &mut acc, &mut len);
-                }
-                for &b in pairs.remainder() {
-                    add(&mut acc, &mut len, literals[usize::from(b)]);
-                    store(out, &mut pos, &mut acc, &mut len);
-                }
-            }
-            Piece::Run(same) => {
-                add(&mut acc, &mut len, runs[same]);
-                store(out, &mut pos, &mut acc, &mut len);
-            }
-        });
+        let mut i = 0;
+        for run in runs {
+            let at = run.at as usize;
+            put_literals::<G>(out, &mut pos, &mut acc, &mut len, literals, &block[i..at]);
+            add(&mut acc, &mut len, run_bits[usize::from(run.len)]);
+            store(out, &mut pos, &mut acc, &mut len);
+            i = at + usize::from(run.len);
+        }
+        put_literals::<G>(out, &mut pos, &mut acc, &mut len, literals, &block[i..]);
         (self.acc, self.len, self.pos) = (acc, len as u32, pos);
     }
 
@@ -519,6 +536,29 @@ impl Bits {
         self.align();
         self.out.truncate(self.pos);
         self.out
+    }
+}
+
+/// Puts `bytes` as literals, `G` codes to a store (see [`Bits::put_block`]).
+#[inline(always)]
+fn put_literals<const G: usize>(
+    out: &mut [u8],
+    pos: &mut usize,
+    acc: &mut u64,
+    len: &mut u64,
+    literals: &[u64; 256],
+    bytes: &[u8],
+) {
+    let mut groups = bytes.chunks_exact(G);
+    for group in groups.by_ref() {
+        for &b in group {
+            add(acc, len, literals[usize::from(b)]);
+        }
+        store(out, pos, acc, len);
+    }
+    for &b in groups.remainder() {
+        add(acc, len, literals[usize::from(b)]);
+        store(out, pos, acc, len);
     }
 }
 

@@ -157,3 +157,31 @@ fn chunks_end_on_a_sync_flush_and_join_into_one_stream() {
     assert_eq!(miniz(&joined), plain);
     assert_eq!(libdeflate(&joined, plain.len()), plain);
 }
+
+/// The longest literal code of `plain` as one block.
+fn longest_literal_code(plain: &[u8]) -> u8 {
+    let freq = counts(plain, &mut Vec::new());
+    let lit = Code::new(&freq, MAX_BITS);
+    lit.lengths[..END].iter().copied().max().unwrap_or(0)
+}
+
+#[test]
+fn literals_go_four_to_a_store_unless_a_code_takes_fifteen_bits() {
+    // a frame's floats: codes of at most 14 bits, four literals to a store
+    let mut noise = Noise(13);
+    let floats = floats(BLOCK / 4, &mut noise);
+    assert!(longest_literal_code(&floats) <= 14);
+    round_trip(&floats);
+    // bytes 100 + k 2^k times (k = 4..15), shuffled, and bytes 0..8 twice each, side by side:
+    // those get 15-bit codes, three literals to a store
+    let mut plain: Vec<u8> = (4..16u8)
+        .flat_map(|k| std::iter::repeat_n(100 + k, 1 << k))
+        .collect();
+    for i in (1..plain.len()).rev() {
+        plain.swap(i, (noise.next() % (i as u64 + 1)) as usize);
+    }
+    plain.splice(30_001..30_001, (0..16).map(|i| i % 8));
+    assert!(plain.len() <= BLOCK);
+    assert_eq!(longest_literal_code(&plain), 15);
+    round_trip(&plain);
+}
