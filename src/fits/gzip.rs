@@ -10,9 +10,9 @@
 //! member of a file, while astropy and fitsio read this one as any other.
 //!
 //! The chunks are deflated by `deflate`, literals and runs under each block's own Huffman
-//! codes: on a frame it takes under 40% of the CPU time of miniz_oxide's fastest level
+//! codes: on a frame it takes under a fifth of the CPU time of miniz_oxide's fastest level
 //! (flate2's default backend, used before), for a file 4% larger (docs/benchmarks.md,
-//! "Current figures").
+//! "desi_proc's form: the frame's deflate").
 
 use std::io::Write;
 use std::path::Path;
