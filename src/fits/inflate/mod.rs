@@ -45,7 +45,7 @@ use std::ops::{Range, RangeInclusive};
 use flate2::Crc;
 use rayon::prelude::*;
 
-use blocks::block_starts_at;
+use blocks::first_block_start;
 
 /// The largest distance a deflate block copies from.
 const WINDOW: usize = 1 << 15;
@@ -405,7 +405,7 @@ fn chunk_starts(gz: &[u8], bits: Range<u64>, chunk_bytes: usize, stream_end: u64
                 return Some(bits.start);
             }
             let to = nominal.get(k + 1).copied().unwrap_or(bits.end);
-            (from..to).find(|&bit| block_starts_at(gz, bit, stream_end))
+            first_block_start(gz, from..to, stream_end)
         })
         .collect();
     found.into_iter().flatten().collect()

@@ -239,3 +239,28 @@ fn bits_shifted_by_words_are_the_bits_shifted_byte_by_byte() {
         }
     }
 }
+
+#[test]
+fn the_screened_search_finds_the_blocks_the_parse_finds() {
+    let gz = gzip(&sample());
+    let start = deflate_start(&gz).unwrap();
+    let end = 8 * (gz.len() - 8) as u64;
+    // every block start of the first 40 KiB of the stream, bit by bit
+    let stretch = 8 * start as u64..8 * (start + (40 << 10)) as u64;
+    let parsed: Vec<u64> = stretch
+        .clone()
+        .filter(|&bit| blocks::parses_at(&gz, bit, end))
+        .collect();
+    assert!(parsed.len() >= 2, "{} block starts", parsed.len());
+    // the search, from every nominal byte around them, stops at the first
+    let mut from = stretch.start;
+    while from < stretch.end {
+        let expected = parsed.iter().copied().find(|&b| b >= from);
+        assert_eq!(
+            blocks::first_block_start(&gz, from..stretch.end, end),
+            expected,
+            "from bit {from}"
+        );
+        from += 997;
+    }
+}
