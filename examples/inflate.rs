@@ -3,7 +3,7 @@
 //! phases of the chunked path on the log.
 //!
 //! ```text
-//! inflate preproc.fits.gz --threads 16 --repeat 3
+//! inflate preproc.fits.gz --threads 16 --repeat 3 [--only chunks]
 //! ```
 
 use std::path::PathBuf;
@@ -24,6 +24,9 @@ struct Args {
     threads: Option<usize>,
     #[arg(long, default_value_t = 3)]
     repeat: usize,
+    /// Only this way of inflating ("serial" or "chunks"), not both in turn.
+    #[arg(long, value_parser = ["serial", "chunks"])]
+    only: Option<String>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -39,7 +42,11 @@ fn main() -> anyhow::Result<()> {
     }
     let mut lengths = Vec::new();
     for _ in 0..args.repeat {
-        for how in ["serial", "chunks"] {
+        let ways = match args.only.as_deref() {
+            Some(how) => vec![how],
+            None => vec!["serial", "chunks"],
+        };
+        for how in ways {
             std::env::set_var("SPEX_INFLATE", how);
             let t0 = Instant::now();
             let bytes = spex::fits::inflate_gzip(&args.file)?.context("not gzip-compressed")?;
