@@ -120,7 +120,7 @@ fn any_equal_to_next(bytes: &[u8]) -> bool {
     x.wrapping_sub(ONES) & !x & (ONES << 7) != 0
 }
 
-/// A run of [`find_runs`]': `len` copies of the byte before, starting at byte `at` of the block.
+/// A run that [`find_runs`] lists: `len` copies of the byte before, from byte `at` of the block.
 #[derive(Clone, Copy)]
 struct Run {
     at: u32,

@@ -128,23 +128,21 @@ pub(super) fn run(
     let next_frame = &next_frame;
     let io_threads = io_threads(&lanes, frames.len());
     std::thread::scope(|scope| {
-        for i in 0..io_threads {
-            let tx = read_tx.clone();
-            spawn_named(scope, format!("spex-read-{i}"), move || {
-                read_all(frames, next_frame, tx, lanes.first)
-            });
-        }
+        let spawn_readers = |numbers: std::ops::Range<usize>| {
+            for i in numbers {
+                let tx = read_tx.clone();
+                spawn_named(scope, format!("spex-read-{i}"), move || {
+                    read_all(frames, next_frame, tx, lanes.first)
+                });
+            }
+        };
+        spawn_readers(0..io_threads);
         let Some(backends) = open() else {
             drop(read_rx);
             return None;
         };
         let later = later_readers(&lanes, frames, io_threads);
-        for i in io_threads..io_threads + later {
-            let tx = read_tx.clone();
-            spawn_named(scope, format!("spex-read-{i}"), move || {
-                read_all(frames, next_frame, tx, lanes.first)
-            });
-        }
+        spawn_readers(io_threads..io_threads + later);
         drop(read_tx);
         tracing::info!(
             "rank {rank}: {} reader and {io_threads} writer threads",

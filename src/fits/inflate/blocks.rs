@@ -17,15 +17,7 @@ impl Bits<'_> {
         if self.pos + u64::from(n) > self.end {
             return None;
         }
-        let byte = (self.pos / 8) as usize;
-        let word = match self.data.get(byte..byte + 8) {
-            Some(eight) => u64::from_le_bytes(eight.try_into().expect("8 bytes")),
-            None => {
-                let mut word = [0u8; 8];
-                word[..self.data.len() - byte].copy_from_slice(&self.data[byte..]);
-                u64::from_le_bytes(word)
-            }
-        };
+        let word = word_at(self.data, (self.pos / 8) as usize) as u64;
         let value = (word >> (self.pos % 8)) as u32 & ((1u32 << n) - 1);
         self.pos += u64::from(n);
         Some(value)
@@ -96,14 +88,8 @@ const ORDER: [usize; 19] = [
 
 /// Whether the header of a dynamic Huffman block that is not the last starts at bit `at`,
 /// its three codes complete (or, for distances, of one symbol) and its end-of-block coded.
-fn block_starts_at(data: &[u8], at: u64, end: u64) -> bool {
+pub(super) fn block_starts_at(data: &[u8], at: u64, end: u64) -> bool {
     dynamic_header(&mut Bits { data, pos: at, end }).is_some()
-}
-
-/// [`block_starts_at`] without the screen, for the tests.
-#[cfg(test)]
-pub(super) fn parses_at(data: &[u8], at: u64, end: u64) -> bool {
-    block_starts_at(data, at, end)
 }
 
 /// The first bit of `bits` where [`block_starts_at`] holds. Each byte's bits are read once,

@@ -249,7 +249,7 @@ fn the_screened_search_finds_the_blocks_the_parse_finds() {
     let stretch = 8 * start as u64..8 * (start + (40 << 10)) as u64;
     let parsed: Vec<u64> = stretch
         .clone()
-        .filter(|&bit| blocks::parses_at(&gz, bit, end))
+        .filter(|&bit| blocks::block_starts_at(&gz, bit, end))
         .collect();
     assert!(parsed.len() >= 2, "{} block starts", parsed.len());
     // the search, from every nominal byte around them, stops at the first
