@@ -261,7 +261,7 @@ impl Frame {
         fits.write_image_with("WAVELENGTH", &[nw], &wave, bunit("Angstrom"))?;
         fits.write_array("RESOLUTION", resolution.view())?;
         if let Some((src, _)) = &fibermap {
-            let mut input = Fits::open(src)?;
+            let mut input = Fits::open_part(src, "FIBERMAP")?;
             fits.copy_table(
                 &mut input,
                 "FIBERMAP",
@@ -407,8 +407,7 @@ impl FrameMeta {
         let Some(src) = &self.fibermap_from else {
             return Ok(None);
         };
-        let mut input = Fits::open(src)?;
-        input.move_to("FIBERMAP")?;
+        let mut input = Fits::open_part(src, "FIBERMAP")?;
         let (_, fibers) = input.column::<i64>("FIBER")?;
         let fibers = fibers.get(rows.clone()).ok_or_else(|| {
             input.error(

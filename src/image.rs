@@ -53,8 +53,8 @@ pub struct Image {
     pub nmasked: usize,
     /// Pixels rejected because IMAGE or IVAR was NaN, infinite or (IVAR) negative.
     pub nnonfinite: usize,
-    /// The inflated bytes of a gzip-compressed file, held with the image so that the frame's
-    /// later reads of the file (header, fibermap) do not inflate it again.
+    /// The FIBERMAP of a gzip-compressed file as a file of its own, held with the image so
+    /// that the frame's later reads of it do not inflate the file again (`Fits::keep_part`).
     #[serde(skip)]
     pub inflated: KeepAlive,
 }
@@ -301,6 +301,12 @@ impl Image {
             nnonfinite,
         } = read_masked(&open, dim, pieces, rule)?;
         let has_fibermap = fits.has_hdu("FIBERMAP");
+        // Only the FIBERMAP is read again (by the frame's writer): the rest of an inflated
+        // file is let go with this call.
+        let kept = match (&inflated, has_fibermap) {
+            (Some(_), true) => fits.keep_part("FIBERMAP")?,
+            _ => KeepAlive::default(),
+        };
         if nnonfinite > 0 {
             tracing::warn!(
                 "{}: {nnonfinite} pixels with non-finite IMAGE/IVAR or negative IVAR treated as masked",
@@ -323,7 +329,7 @@ impl Image {
             has_fibermap,
             nmasked,
             nnonfinite,
-            inflated: KeepAlive(inflated),
+            inflated: kept,
         })
     }
 }

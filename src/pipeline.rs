@@ -403,8 +403,7 @@ fn barycentric_factor(request: &ExtractRequest, image: &Image) -> Result<f64> {
         .or_else(|| image.has_fibermap.then(|| request.input.clone()));
     let fibermap_header = match &fibermap {
         Some(path) => {
-            let mut fits = Fits::open(path)?;
-            fits.move_to("FIBERMAP")?;
+            let mut fits = Fits::open_part(path, "FIBERMAP")?;
             Some((fits.cards()?, path))
         }
         None => None,

@@ -6,8 +6,9 @@
 //! fibermap into the frame.
 //!
 //! Inflated files are shared through a registry of weak references: while anything holds the
-//! bytes of a file (a [`KeepAlive`] of the image read from it, an open handle), opening the
-//! same unchanged file again reuses them.
+//! bytes of a file (an open handle), opening the same unchanged file again reuses them. Once
+//! its pixels are read, a preproc's FIBERMAP alone is kept, as a file of its own (a
+//! [`KeepAlive`] of the image), for the frame's writer and the barycentric correction.
 
 use std::ffi::c_void;
 use std::path::{Path, PathBuf};
@@ -30,8 +31,9 @@ pub(super) struct Bytes {
 // SAFETY: the pointer addresses the bytes this value keeps alive, which nobody writes.
 unsafe impl Send for Bytes {}
 
-/// The bytes of an inflated file, kept alive by whoever holds this (e.g. the image read from
-/// it, until its frame is written), so that later opens of the file reuse them.
+/// Bytes inflated from a file (the part of it that [`Fits::keep_part`] keeps), alive while
+/// someone holds this (the image read from the file, until its frame is written), so that
+/// later opens of that part reuse them.
 #[derive(Clone, Default)]
 pub struct KeepAlive(pub Option<Arc<Vec<u8>>>);
 
@@ -377,6 +379,77 @@ impl Fits {
         fits.memory = Some(memory);
         Ok(fits)
     }
+
+    /// Keeps HDU `name` of this file, opened from inflated bytes, as a file of its own (a
+    /// bare primary HDU, then that HDU's bytes) for [`Fits::open_part`], while the value
+    /// returned lives; nothing for a file read from disk. A frame's writer copies its
+    /// preproc's FIBERMAP long after the pixels were read: holding the whole inflated preproc
+    /// (272 MB) until then made up a third of a reading-ahead rank's peak memory.
+    pub fn keep_part(&mut self, name: &str) -> Result<KeepAlive> {
+        let Some(bytes) = self.memory.as_ref().map(|m| Arc::clone(&m._bytes)) else {
+            return Ok(KeepAlive::default());
+        };
+        self.move_to(name)?;
+        let (mut head, mut data, mut end) = (0, 0, 0);
+        // SAFETY: a valid handle and three out-parameters that live through the call.
+        self.call("cannot locate", |ptr, status| unsafe {
+            sys::ffghadll(ptr, &mut head, &mut data, &mut end, status);
+        })?;
+        let hdu = usize::try_from(head).ok().zip(usize::try_from(end).ok());
+        let Some(hdu) = hdu.and_then(|(head, end)| bytes.get(head..end)) else {
+            return Err(self.error("cannot locate", format!("{name} lies outside the file")));
+        };
+        let mut part = bare_primary();
+        part.extend_from_slice(hdu);
+        let part = Arc::new(part);
+        if let Some(id) = identity(&self.path) {
+            let mut parts = PARTS.lock().unwrap_or_else(PoisonError::into_inner);
+            parts.retain(|(_, weak)| weak.strong_count() > 0);
+            parts.push(((id, name.to_string()), Arc::downgrade(&part)));
+        }
+        Ok(KeepAlive(Some(part)))
+    }
+
+    /// The file at `path` positioned at its HDU `name`: the part of it kept by
+    /// [`Fits::keep_part`] while there is one, else the file itself.
+    pub fn open_part(path: &Path, name: &str) -> Result<Self> {
+        let key = identity(path).map(|id| (id, name.to_string()));
+        let kept = key.and_then(|key| {
+            let parts = PARTS.lock().unwrap_or_else(PoisonError::into_inner);
+            parts
+                .iter()
+                .find(|(known, _)| *known == key)
+                .and_then(|(_, weak)| weak.upgrade())
+        });
+        let mut fits = match kept {
+            Some(part) => Fits::open_memory(path, part)?,
+            None => Fits::open(path)?,
+        };
+        fits.move_to(name)?;
+        Ok(fits)
+    }
+}
+
+/// HDUs of inflated files kept as files of their own ([`Fits::keep_part`]), by the file's
+/// identity and the HDU's name, while something holds them.
+type PartKey = (Identity, String);
+static PARTS: Mutex<Vec<(PartKey, Weak<Vec<u8>>)>> = Mutex::new(Vec::new());
+
+/// A primary HDU without data, which a FITS file must start with.
+fn bare_primary() -> Vec<u8> {
+    let cards = [
+        "SIMPLE  =                    T",
+        "BITPIX  =                    8",
+        "NAXIS   =                    0",
+        "EXTEND  =                    T",
+        "END",
+    ];
+    let mut block: Vec<u8> = cards
+        .iter()
+        .flat_map(|c| format!("{c:<80}").into_bytes())
+        .collect();
+    block.resize(2880, b' ');
+    block
 }
 
 #[cfg(test)]
@@ -413,6 +486,53 @@ mod tests {
             .and_then(|f| unsafe { memmap2::MmapOptions::new().map(&f) })
             .is_err());
         assert!(matches!(inflate_file(status), Ok(None)));
+    }
+
+    #[test]
+    fn a_kept_part_outlives_the_rest_of_its_file_and_reads_as_the_whole_did() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.fits.gz");
+        let mut f = Fits::create(&path).unwrap();
+        f.write_image("IMAGE", &[2, 2], &[1f32, 2.0, 3.0, 4.0])
+            .unwrap();
+        f.write_image("IVAR", &[1, 3], &[5f32, 6.0, 7.0]).unwrap();
+        f.close().unwrap();
+        let whole = inflate_gzip(&path).unwrap().expect("inflated");
+        let kept = {
+            let mut opened = Fits::open(&path).unwrap();
+            opened.keep_part("IVAR").unwrap()
+        };
+        let weak = Arc::downgrade(&whole);
+        drop(whole);
+        assert_eq!(weak.strong_count(), 0, "the rest of the file is let go");
+        let mut part = Fits::open_part(&path, "IVAR").unwrap();
+        assert_eq!(part.read_image::<f32>().unwrap().1, [5.0, 6.0, 7.0]);
+        let bytes = kept.0.as_ref().expect("a part");
+        assert_eq!(
+            bytes.len(),
+            3 * 2880,
+            "a bare primary HDU, IVAR's header and its data, a block each"
+        );
+        let id = identity(&path).unwrap();
+        assert!(
+            lookup(&id).is_none(),
+            "the part read without inflating the file again"
+        );
+        drop((part, kept));
+        // no part kept (or another HDU asked for): the file itself
+        let mut again = Fits::open_part(&path, "IMAGE").unwrap();
+        assert_eq!(again.read_image::<f32>().unwrap().1, [1.0, 2.0, 3.0, 4.0]);
+        // a file read from disk keeps nothing
+        let plain = dir.path().join("p.fits");
+        let mut f = Fits::create(&plain).unwrap();
+        f.write_image("IMAGE", &[1, 1], &[9f32]).unwrap();
+        f.close().unwrap();
+        assert!(Fits::open(&plain)
+            .unwrap()
+            .keep_part("IMAGE")
+            .unwrap()
+            .0
+            .is_none());
     }
 
     #[test]
