@@ -377,7 +377,11 @@ mod tests {
         f32s_odd[4] = f32::MAX;
         let f64s: Vec<f64> = (0..n).map(|i| -(i as f64).sqrt() * 1e300).collect();
         let i32s: Vec<i32> = (0..n)
-            .map(|i| i as i32 * 2_654_435 - 1_000_000_000)
+            .map(|i| {
+                (i as i32)
+                    .wrapping_mul(2_654_435)
+                    .wrapping_sub(1_000_000_000)
+            })
             .collect();
         let u32s: Vec<u32> = (0..n)
             .map(|i| (i as u32).wrapping_mul(0x9e37_79b9))
