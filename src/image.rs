@@ -407,6 +407,33 @@ mod tests {
         assert_eq!(b.pix.as_slice().unwrap(), &pix);
     }
 
+    #[test]
+    fn a_compressed_preproc_keeps_only_its_fibermap_once_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let gz = dir.path().join("f.fits.gz");
+        let pix = [1.0f32; 6];
+        let mut f = Fits::create(&gz).unwrap();
+        f.write_image("IMAGE", &[2, 3], &pix).unwrap();
+        f.write_image("IVAR", &[2, 3], &pix).unwrap();
+        f.write_image("MASK", &[2, 3], &[0i32; 6]).unwrap();
+        f.write_image("EXTRA", &[100, 100], &[2f32; 10_000])
+            .unwrap();
+        f.create_table("FIBERMAP", &[("FIBER", "1J")], 3).unwrap();
+        f.write_column("FIBER", &[7i32, 8, 9]).unwrap();
+        f.close().unwrap();
+        let image = Image::read(&gz, MaskRule::AnyBit).unwrap();
+        assert!(image.has_fibermap);
+        // a bare primary HDU and the table's header and data: three blocks of 2880 bytes
+        let kept = image.inflated.0.as_ref().expect("the FIBERMAP kept");
+        assert_eq!(kept.len(), 3 * 2880);
+        let mut fibermap = Fits::open_part(&gz, "FIBERMAP").unwrap();
+        assert_eq!(fibermap.column::<i64>("FIBER").unwrap().1, [7, 8, 9]);
+        // without a FIBERMAP, nothing is kept
+        write(&gz, &pix, &pix, &[0; 6]);
+        let image = Image::read(&gz, MaskRule::AnyBit).unwrap();
+        assert!(!image.has_fibermap && image.inflated.0.is_none());
+    }
+
     fn write(path: &Path, pix: &[f32], ivar: &[f32], mask: &[i32]) {
         let mut f = Fits::create(path).unwrap();
         f.write_image("IMAGE", &[2, 3], pix).unwrap();
