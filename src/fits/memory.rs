@@ -49,22 +49,36 @@ impl std::fmt::Debug for KeepAlive {
 /// A file as it was when inflated: path, length and modification time.
 type Identity = (PathBuf, u64, Option<SystemTime>);
 
-/// Files inflated and still held somewhere.
-static INFLATED: Mutex<Vec<(Identity, Weak<Vec<u8>>)>> = Mutex::new(Vec::new());
+/// Files inflated, and HDUs of them kept as files of their own ([`Fits::keep_part`]), by the
+/// file's identity and the HDU's name ([`WHOLE`] for the whole file), while something holds
+/// them.
+static INFLATED: Mutex<Vec<(Part, Weak<Vec<u8>>)>> = Mutex::new(Vec::new());
+
+/// A file's identity and the name of an HDU of it.
+type Part = (Identity, String);
+
+/// The name under which [`INFLATED`] keeps a whole file.
+const WHOLE: &str = "";
 
 fn identity(path: &Path) -> Option<Identity> {
     let meta = std::fs::metadata(path).ok()?;
     Some((path.into(), meta.len(), meta.modified().ok()))
 }
 
-/// The live inflated bytes of the file `id`, forgetting those nobody holds any more.
-fn lookup(id: &Identity) -> Option<Arc<Vec<u8>>> {
+/// The live bytes of `part` of the file `id`, forgetting those nobody holds any more.
+fn lookup(id: &Identity, part: &str) -> Option<Arc<Vec<u8>>> {
     let mut table = INFLATED.lock().unwrap_or_else(PoisonError::into_inner);
     table.retain(|(_, weak)| weak.strong_count() > 0);
     table
         .iter()
-        .find(|(known, _)| known == id)
+        .find(|((known, name), _)| known == id && name == part)
         .and_then(|(_, weak)| weak.upgrade())
+}
+
+/// Lets later opens of `part` of the file `id` find `bytes` while they are held.
+fn remember(id: Identity, part: &str, bytes: &Arc<Vec<u8>>) {
+    let mut table = INFLATED.lock().unwrap_or_else(PoisonError::into_inner);
+    table.push(((id, part.to_string()), Arc::downgrade(bytes)));
 }
 
 /// The contents of the gzip-compressed file at `path`, inflated (or as inflated before, while
@@ -73,13 +87,12 @@ fn lookup(id: &Identity) -> Option<Arc<Vec<u8>>> {
 /// stream is an error naming the file.
 pub fn inflate_gzip(path: &Path) -> Result<Option<Arc<Vec<u8>>>> {
     let id = identity(path);
-    if let Some(bytes) = id.as_ref().and_then(lookup) {
+    if let Some(bytes) = id.as_ref().and_then(|id| lookup(id, WHOLE)) {
         return Ok(Some(bytes));
     }
     let inflated = inflate_file(path)?.map(Arc::new);
     if let (Some(id), Some(bytes)) = (id, &inflated) {
-        let mut table = INFLATED.lock().unwrap_or_else(PoisonError::into_inner);
-        table.push((id, Arc::downgrade(bytes)));
+        remember(id, WHOLE, bytes);
     }
     Ok(inflated)
 }
@@ -390,22 +403,15 @@ impl Fits {
             return Ok(KeepAlive::default());
         };
         self.move_to(name)?;
-        let (mut head, mut data, mut end) = (0, 0, 0);
-        // SAFETY: a valid handle and three out-parameters that live through the call.
-        self.call("cannot locate", |ptr, status| unsafe {
-            sys::ffghadll(ptr, &mut head, &mut data, &mut end, status);
-        })?;
-        let hdu = usize::try_from(head).ok().zip(usize::try_from(end).ok());
-        let Some(hdu) = hdu.and_then(|(head, end)| bytes.get(head..end)) else {
+        let (head, _, end) = self.hdu_addresses()?;
+        let Some(hdu) = bytes.get(head..end) else {
             return Err(self.error("cannot locate", format!("{name} lies outside the file")));
         };
         let mut part = bare_primary();
         part.extend_from_slice(hdu);
         let part = Arc::new(part);
         if let Some(id) = identity(&self.path) {
-            let mut parts = PARTS.lock().unwrap_or_else(PoisonError::into_inner);
-            parts.retain(|(_, weak)| weak.strong_count() > 0);
-            parts.push(((id, name.to_string()), Arc::downgrade(&part)));
+            remember(id, name, &part);
         }
         Ok(KeepAlive(Some(part)))
     }
@@ -413,14 +419,7 @@ impl Fits {
     /// The file at `path` positioned at its HDU `name`: the part of it kept by
     /// [`Fits::keep_part`] while there is one, else the file itself.
     pub fn open_part(path: &Path, name: &str) -> Result<Self> {
-        let key = identity(path).map(|id| (id, name.to_string()));
-        let kept = key.and_then(|key| {
-            let parts = PARTS.lock().unwrap_or_else(PoisonError::into_inner);
-            parts
-                .iter()
-                .find(|(known, _)| *known == key)
-                .and_then(|(_, weak)| weak.upgrade())
-        });
+        let kept = identity(path).and_then(|id| lookup(&id, name));
         let mut fits = match kept {
             Some(part) => Fits::open_memory(path, part)?,
             None => Fits::open(path)?,
@@ -429,11 +428,6 @@ impl Fits {
         Ok(fits)
     }
 }
-
-/// HDUs of inflated files kept as files of their own ([`Fits::keep_part`]), by the file's
-/// identity and the HDU's name, while something holds them.
-type PartKey = (Identity, String);
-static PARTS: Mutex<Vec<(PartKey, Weak<Vec<u8>>)>> = Mutex::new(Vec::new());
 
 /// A primary HDU without data, which a FITS file must start with.
 fn bare_primary() -> Vec<u8> {
@@ -515,7 +509,7 @@ mod tests {
         );
         let id = identity(&path).unwrap();
         assert!(
-            lookup(&id).is_none(),
+            lookup(&id, WHOLE).is_none(),
             "the part read without inflating the file again"
         );
         drop((part, kept));
