@@ -30,7 +30,7 @@ fn bench_patch(c: &mut Criterion) {
         has_fibermap: false,
         nmasked: 0,
         nnonfinite: 0,
-        inflated: Default::default(),
+        kept_fibermap: Default::default(),
     };
     let cs = &spots.corners;
     for f in 0..25 {

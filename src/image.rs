@@ -56,7 +56,7 @@ pub struct Image {
     /// The FIBERMAP of a gzip-compressed file as a file of its own, held with the image so
     /// that the frame's later reads of it do not inflate the file again (`Fits::keep_part`).
     #[serde(skip)]
-    pub inflated: KeepAlive,
+    pub kept_fibermap: KeepAlive,
 }
 
 /// Rows of IMAGE, IVAR and MASK read and masked together: three bands of a preproc's 4114
@@ -238,7 +238,7 @@ impl Image {
             header: self.header.clone(),
             pix: Array2::default((0, 0)),
             ivar: Array2::default((0, 0)),
-            inflated: KeepAlive::default(),
+            kept_fibermap: KeepAlive::default(),
             ..*self
         }
     }
@@ -329,7 +329,7 @@ impl Image {
             has_fibermap,
             nmasked,
             nnonfinite,
-            inflated: kept,
+            kept_fibermap: kept,
         })
     }
 }
@@ -378,7 +378,7 @@ impl Image {
             has_fibermap: false,
             nmasked,
             nnonfinite,
-            inflated: KeepAlive::default(),
+            kept_fibermap: KeepAlive::default(),
         })
     }
 }
@@ -424,14 +424,14 @@ mod tests {
         let image = Image::read(&gz, MaskRule::AnyBit).unwrap();
         assert!(image.has_fibermap);
         // a bare primary HDU and the table's header and data: three blocks of 2880 bytes
-        let kept = image.inflated.0.as_ref().expect("the FIBERMAP kept");
+        let kept = image.kept_fibermap.0.as_ref().expect("the FIBERMAP kept");
         assert_eq!(kept.len(), 3 * 2880);
         let mut fibermap = Fits::open_part(&gz, "FIBERMAP").unwrap();
         assert_eq!(fibermap.column::<i64>("FIBER").unwrap().1, [7, 8, 9]);
         // without a FIBERMAP, nothing is kept
         write(&gz, &pix, &pix, &[0; 6]);
         let image = Image::read(&gz, MaskRule::AnyBit).unwrap();
-        assert!(!image.has_fibermap && image.inflated.0.is_none());
+        assert!(!image.has_fibermap && image.kept_fibermap.0.is_none());
     }
 
     fn write(path: &Path, pix: &[f32], ivar: &[f32], mask: &[i32]) {

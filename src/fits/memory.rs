@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 
 /// A file's bytes and the pointer and size through which cfitsio reads them.
 pub(super) struct Bytes {
-    _bytes: Arc<Vec<u8>>,
+    bytes: Arc<Vec<u8>>,
     ptr: *mut c_void,
     size: usize,
 }
@@ -373,7 +373,7 @@ impl Fits {
         let mut memory = Box::new(Bytes {
             ptr: bytes.as_ptr() as *mut c_void,
             size: bytes.len(),
-            _bytes: bytes,
+            bytes,
         });
         let name = cstring(&path.to_string_lossy());
         let mut ptr = std::ptr::null_mut();
@@ -409,7 +409,7 @@ impl Fits {
     /// preproc's FIBERMAP long after the pixels were read: holding the whole inflated preproc
     /// (272 MB) until then made up a third of a reading-ahead rank's peak memory.
     pub fn keep_part(&mut self, name: &str) -> Result<KeepAlive> {
-        let Some(bytes) = self.memory.as_ref().map(|m| Arc::clone(&m._bytes)) else {
+        let Some(bytes) = self.memory.as_ref().map(|m| Arc::clone(&m.bytes)) else {
             return Ok(KeepAlive::default());
         };
         self.move_to(name)?;

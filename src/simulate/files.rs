@@ -24,7 +24,7 @@ impl Simulation {
             has_fibermap: false,
             nmasked,
             nnonfinite: 0,
-            inflated: Default::default(),
+            kept_fibermap: Default::default(),
         }
     }
 

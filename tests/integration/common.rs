@@ -32,7 +32,7 @@ pub fn blank_image(psf: &GaussHermitePsf) -> Image {
         has_fibermap: false,
         nmasked: 0,
         nnonfinite: 0,
-        inflated: Default::default(),
+        kept_fibermap: Default::default(),
     }
 }
 

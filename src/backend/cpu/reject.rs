@@ -237,7 +237,7 @@ mod tests {
             has_fibermap: false,
             nmasked: 0,
             nnonfinite: 0,
-            inflated: Default::default(),
+            kept_fibermap: Default::default(),
         };
         let patch = &plan.patches[plan.patches.len() / 2];
         let geom = PatchGeometry::new(&plan, patch, &spots.corners, shape);
