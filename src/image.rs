@@ -144,10 +144,9 @@ fn read_rows(
 /// (when known), its last record's padding aside: a truncated preproc is said to be one before
 /// any of its HDUs is read.
 fn complete(fits: &mut Fits, path: &Path, name: &str, size: Option<usize>) -> Result<()> {
-    const RECORD: usize = 2880;
     let Some(size) = size else { return Ok(()) };
     let (_, _, end) = fits.hdu_addresses()?;
-    if size + RECORD > end {
+    if size + crate::fits::RECORD > end {
         return Ok(());
     }
     Err(Error::Image {

@@ -15,10 +15,10 @@ use std::io::{Read, Seek, SeekFrom};
 use std::ops::RangeInclusive;
 use std::path::Path;
 
+use super::RECORD;
 use crate::error::{Error, Result};
 
-/// FITS files are made of blocks of this many bytes, headers of 80-byte cards.
-const BLOCK: usize = 2880;
+/// Headers are made of 80-byte cards, in records of [`RECORD`] bytes.
 const CARD: usize = 80;
 /// A header longer than this many blocks (28 MB) is not followed: damage, not a header.
 const MAX_HEADER_BLOCKS: usize = 10_000;
@@ -152,7 +152,7 @@ impl Header {
     /// file or where no END card ends it.
     fn read(reader: &mut impl Read) -> Option<Header> {
         let mut cards = Vec::new();
-        let mut block = vec![0u8; BLOCK];
+        let mut block = vec![0u8; RECORD];
         for _ in 0..MAX_HEADER_BLOCKS {
             reader.read_exact(&mut block).ok()?;
             for card in block.chunks(CARD) {
@@ -225,7 +225,7 @@ impl Header {
         let bytes = (int("BITPIX")?.abs() / 8)
             .checked_mul(gcount)?
             .checked_mul(pcount.checked_add(elements)?)?;
-        let block = BLOCK as i64;
+        let block = RECORD as i64;
         (bytes >= 0).then_some(())?;
         Some(bytes.checked_add(block - 1)? / block * block)
     }

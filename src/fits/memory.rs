@@ -452,7 +452,7 @@ fn bare_primary() -> Vec<u8> {
         .iter()
         .flat_map(|c| format!("{c:<80}").into_bytes())
         .collect();
-    block.resize(2880, b' ');
+    block.resize(super::RECORD, b' ');
     block
 }
 

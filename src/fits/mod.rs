@@ -40,6 +40,10 @@ pub use keywords::is_structural_card;
 pub use memory::{inflate_gzip, inflate_in_chunks, is_gzip, KeepAlive};
 pub use written::prepare_block;
 
+/// FITS files are made of records of this many bytes: every header and data unit fills whole
+/// records.
+pub const RECORD: usize = 2880;
+
 const READONLY: c_int = 0;
 const ANY_HDU: c_int = -1;
 const KEY_NO_EXIST: c_int = 202;
