@@ -501,7 +501,10 @@ fn sources(a: &[u8], b: &[u8]) -> Option<Sources> {
             b: b[tail..].to_vec(),
         }));
     }
-    let mut few = Vec::new();
+    // Counted first: a list grown by pushes reallocated and faulted in fresh pages at every
+    // doubling, a fifth of a process's first chunked inflation.
+    let differ = |(x, y): (&[u8], &[u8])| x.iter().zip(y).filter(|(x, y)| x != y).count();
+    let mut few = Vec::with_capacity(runs().map(|(_, xy)| differ(xy)).sum());
     for (run, (x, y)) in runs() {
         for (i, (&x, &y)) in x.iter().zip(y).enumerate().filter(|(_, (x, y))| x != y) {
             few.push(((run * RUN + i) as u32, window_position(x, y)?));
