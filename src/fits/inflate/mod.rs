@@ -30,12 +30,12 @@
 //!    Anything else (a block start that was not one, a file of several members, damage) gives
 //!    `None`, and the caller inflates the file on one core, which also says what is wrong.
 //!
-//! On a full r preproc (272 MB from 98 MB) and 16 threads this takes 0.25-0.30 s against
-//! 0.43-0.46 s on one core where the process inflated before (a Python caller's), 0.32-0.40 s
-//! for its first inflation, whose decodes fill fresh memory; about three times the CPU time
-//! of one core, so the caller uses it only where a read is on the critical path. Freshly
-//! allocated memory costs more than a decode when many threads fault it in at once, hence the
-//! kept buffers and the third decode rather than a copy.
+//! On a full r preproc (272 MB from 98 MB) and 16 threads of an H200 machine this takes
+//! 0.16-0.19 s, a process's first inflation included, against 0.56 s on one of its cores;
+//! about three times the CPU time of one core, so the caller uses it only where a read is on
+//! the critical path. Freshly allocated memory costs more than a decode when many threads
+//! fault it in at once, hence the kept buffers, replaced rather than grown when too small, and
+//! the third decode rather than a copy.
 
 mod blocks;
 
