@@ -422,9 +422,9 @@ mod tests {
         f.close().unwrap();
         let image = Image::read(&gz, MaskRule::AnyBit).unwrap();
         assert!(image.has_fibermap);
-        // a bare primary HDU and the table's header and data: three blocks of 2880 bytes
+        // a bare primary HDU and the table's header and data: three FITS records
         let kept = image.kept_fibermap.0.as_ref().expect("the FIBERMAP kept");
-        assert_eq!(kept.len(), 3 * 2880);
+        assert_eq!(kept.len(), 3 * crate::fits::RECORD);
         let mut fibermap = Fits::open_part(&gz, "FIBERMAP").unwrap();
         assert_eq!(fibermap.column::<i64>("FIBER").unwrap().1, [7, 8, 9]);
         // without a FIBERMAP, nothing is kept

@@ -481,30 +481,6 @@ mod tests {
         pages.iter().filter(|&&p| p & 1 == 1).count()
     }
 
-    /// `len` bytes of fresh anonymous memory, none of its pages mapped yet.
-    #[cfg(target_os = "linux")]
-    fn fresh_pages(len: usize) -> &'static mut [u8] {
-        // SAFETY: a private anonymous mapping, never unmapped (the test's process ends).
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(
-            p,
-            libc::MAP_FAILED,
-            "mmap: {}",
-            std::io::Error::last_os_error()
-        );
-        // SAFETY: the mapping is `len` bytes, readable and writable, owned by the slice alone.
-        unsafe { std::slice::from_raw_parts_mut(p.cast::<u8>(), len) }
-    }
-
     #[cfg(target_os = "linux")]
     #[test]
     fn pages_are_mapped_ahead_on_a_pool_and_left_to_fault_on_a_thread_alone() {
@@ -515,17 +491,19 @@ mod tests {
                 .build()
                 .expect("pool")
         };
-        let alone = fresh_pages(len);
-        pool(1).install(|| populate(alone));
-        assert_eq!(resident(alone), 0);
-        let shared = fresh_pages(len);
-        pool(2).install(|| populate(shared));
+        // fresh anonymous memory, none of its pages mapped yet
+        let fresh = || memmap2::MmapMut::map_anon(len).expect("an anonymous mapping");
+        let mut alone = fresh();
+        pool(1).install(|| populate(&mut alone));
+        assert_eq!(resident(&alone), 0);
+        let mut shared = fresh();
+        pool(2).install(|| populate(&mut shared));
         // as many pages as the kernel's advice maps by itself (none before Linux 5.14)
-        let direct = fresh_pages(len);
+        let mut direct = fresh();
         // SAFETY: `direct` is a mapping of `len` bytes; the advice changes no byte.
         unsafe { libc::madvise(direct.as_mut_ptr().cast(), len, libc::MADV_POPULATE_WRITE) };
-        assert_eq!(resident(shared), resident(direct));
-        assert!(resident(direct) == 0 || resident(direct) == len / 4096);
+        assert_eq!(resident(&shared), resident(&direct));
+        assert!(resident(&direct) == 0 || resident(&direct) == len / 4096);
     }
 
     #[test]
@@ -572,7 +550,7 @@ mod tests {
         let bytes = kept.0.as_ref().expect("a part");
         assert_eq!(
             bytes.len(),
-            3 * 2880,
+            3 * crate::fits::RECORD,
             "a bare primary HDU, IVAR's header and its data, a block each"
         );
         let id = identity(&path).unwrap();
