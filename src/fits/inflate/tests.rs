@@ -264,3 +264,23 @@ fn the_screened_search_finds_the_blocks_the_parse_finds() {
         from += 997;
     }
 }
+
+#[test]
+fn a_decode_that_outgrows_its_room_is_made_whole_in_larger_buffers() {
+    let plain = sample();
+    let mut encoder = flate2::write::DeflateEncoder::new(Vec::new(), flate2::Compression::fast());
+    encoder.write_all(&plain).unwrap();
+    let raw = encoder.finish().unwrap();
+    let used = raw.len()..=raw.len();
+    let mut out = vec![1u8; 10];
+    let decoded = decompress_into(&raw, &mut out, 1000, usize::MAX, &used);
+    assert!(matches!(decoded, Decoded::Done));
+    assert!(out == plain, "{} bytes of {}", out.len(), plain.len());
+    let capped = decompress_into(&raw, &mut out, 1000, plain.len() / 2, &used);
+    assert!(matches!(capped, Decoded::OverLimit));
+    let cut = raw.len() - 1..=raw.len() - 1;
+    assert!(matches!(
+        decompress_into(&raw, &mut out, plain.len(), usize::MAX, &cut),
+        Decoded::Bad
+    ));
+}
