@@ -10,6 +10,7 @@ use cudarc::cusolver::sys as cusolver_sys;
 use cudarc::driver::{result as drv, sys as drv_sys, CudaContext, CudaEvent, CudaStream};
 
 use super::buffers::{DevBuf, MemStats};
+use super::busy::BusyLog;
 use super::error;
 use crate::error::{Error, Result};
 
@@ -124,6 +125,8 @@ pub(crate) struct Device {
     pub name: String,
     pub arch: (i32, i32),
     pub stats: Arc<MemStats>,
+    /// When the device's compute streams ran waves, shared with its siblings.
+    pub busy: Arc<BusyLog>,
 }
 
 /// The node's name of the GPU the driver numbers `ordinal` when `visible` is
@@ -198,17 +201,23 @@ impl Device {
         yield_while_waiting(ordinal);
         let ctx = CudaContext::new(ordinal)
             .map_err(error::driver(format!("cannot open CUDA device {ordinal}")))?;
-        Self::on_context(ctx, ordinal)
+        Self::on_context(ctx, ordinal, None)
     }
 
     /// Another stream with its own library handles on the same context, so that a second
     /// frame can be solved while this device's stream works on the first. Memory statistics
     /// are its own.
     pub(crate) fn sibling(&self) -> Result<Self> {
-        Self::on_context(self.ctx.clone(), self.ordinal)
+        Self::on_context(self.ctx.clone(), self.ordinal, Some(self.busy.clone()))
     }
 
-    fn on_context(ctx: Arc<CudaContext>, ordinal: usize) -> Result<Self> {
+    /// A device's streams on `ctx`, keeping the device's log of its waves with its siblings
+    /// (`busy`), or starting one.
+    fn on_context(
+        ctx: Arc<CudaContext>,
+        ordinal: usize,
+        busy: Option<Arc<BusyLog>>,
+    ) -> Result<Self> {
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
         let arch = ctx.compute_capability().map_err(error::driver(format!(
             "device {ordinal}: compute capability"
@@ -222,6 +231,14 @@ impl Device {
         let back = ctx
             .new_stream()
             .map_err(error::driver("cannot create a stream"))?;
+        let node_gpu = node_gpu(
+            std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref(),
+            ordinal,
+        );
+        let busy = match busy {
+            Some(busy) => busy,
+            None => Arc::new(BusyLog::start(&ctx, &stream, &node_gpu)?),
+        };
         Ok(Device {
             ctx,
             stream,
@@ -230,13 +247,11 @@ impl Device {
             libraries: std::cell::OnceCell::new(),
             retired: std::cell::RefCell::new(Vec::new()),
             ordinal,
-            node_gpu: node_gpu(
-                std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref(),
-                ordinal,
-            ),
+            node_gpu,
             name,
             arch,
             stats: Arc::new(MemStats::default()),
+            busy,
         })
     }
 

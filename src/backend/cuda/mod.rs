@@ -35,6 +35,7 @@
 //! `SPEX_GPU_JACOBI_THREADS`, `SPEX_GPU_JACOBI_TOL`).
 
 mod buffers;
+mod busy;
 mod decorrelate;
 mod dense;
 mod device;

@@ -516,6 +516,9 @@ pub(crate) fn finish_wave(
     let counts = Counts::new(polar, jacobi);
     let t = &mut *sink.timings;
     q.clock.collect(t)?;
+    if let (Some(from), Some(to)) = (q.clock.first_of("copies in"), q.clock.last()) {
+        g.dev.busy.record(from, to)?;
+    }
     t.add("copies out", copies_ms as f64);
     *sink.last_mark = q.clock.idle_since(sink.last_mark.take(), t)?;
     let (fact, coupled) = match q.steps {
