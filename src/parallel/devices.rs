@@ -2,6 +2,9 @@
 //! several, for frames in flight) on each, the fall-back to the CPU when a GPU was not
 //! required, and the log of the job's layout once every rank has started.
 
+use std::sync::mpsc::{channel, Receiver};
+use std::thread::JoinHandle;
+
 use super::layout::{device_for, devices_for, Layout, Roles};
 use super::visible;
 use super::Comm;
@@ -88,23 +91,56 @@ pub(super) fn devices_of(
     }
 }
 
-/// The backends of a worker: `per_device` on each of `devices` (opened at the same time),
-/// device by device, or for the CPU `per_device` backends that share the rank's threads. A
-/// GPU that fails to start and was not required gives way to the CPU, with a warning.
+/// A rank's backends as its frames get them: those ready now and, when its GPUs open one
+/// after another, the others as they open.
+pub(super) struct Opened {
+    pub now: Vec<Box<dyn Backend>>,
+    pub later: Option<Later>,
+}
+
+impl Opened {
+    /// No backend: a rank that holds none, or whose backends did not start.
+    pub fn none() -> Self {
+        Opened {
+            now: Vec::new(),
+            later: None,
+        }
+    }
+}
+
+/// A device's ordinal and its backends, or why they did not start.
+pub(super) type DeviceBackends = (usize, Result<Vec<Box<dyn Backend>>>);
+
+/// The backends of a rank's other GPUs, each device's as it opens, in order.
+pub(super) struct Later {
+    pub opening: Receiver<DeviceBackends>,
+    /// `--gpu`: a GPU that does not open fails the job instead of leaving its frames to the
+    /// others.
+    pub required: bool,
+    /// The thread that opens them, joined once they are all open.
+    pub opener: JoinHandle<()>,
+}
+
+/// The backends of a worker: `per_device` on each of `devices`, device by device, or for the
+/// CPU `per_device` backends that share the rank's threads. A GPU that fails to start and was
+/// not required gives way to the CPU, with a warning. A rank that solves whole frames on
+/// several GPUs gets the first GPU's backends as soon as they are ready and the others'
+/// through [`Later`] ([`open_one_by_one`]).
 pub(super) fn start_backends(
     request: &DeviceRequest,
     threads: usize,
     devices: Vec<usize>,
-) -> Result<Vec<Box<dyn Backend>>> {
+) -> Result<Opened> {
     // CPU backends in flight share the rank's threads rather than oversubscribe them.
     let cpu = || {
         let per_device = request.in_flight(0);
-        on(
+        let now = on(
             BackendKind::Cpu,
             (threads / per_device).max(1),
             0,
             per_device,
-        )
+        )?;
+        Ok(Opened { now, later: None })
     };
     let per_device = request.in_flight(devices.len());
     if devices.is_empty() {
@@ -112,8 +148,14 @@ pub(super) fn start_backends(
     }
     // So do a rank's GPU backends, for their host work.
     let host_threads = (threads / (devices.len() * per_device)).max(1);
-    match open_devices(&devices, host_threads, per_device) {
-        Err(e) if request.choice == (BackendChoice::Gpu { required: false }) => {
+    let required = request.choice == (BackendChoice::Gpu { required: true });
+    let opened = if request.whole_frames && devices.len() > 1 {
+        open_one_by_one(devices, host_threads, per_device, required)
+    } else {
+        open_devices(&devices, host_threads, per_device).map(|now| Opened { now, later: None })
+    };
+    match opened {
+        Err(e) if !required => {
             tracing::warn!("the GPU did not start ({e}); extracting on the CPU");
             cpu()
         }
@@ -137,7 +179,8 @@ fn on(
     Ok(backends)
 }
 
-/// Opens the CUDA backends of every device in parallel: a context takes tenths of a second.
+/// Opens the CUDA backends of every device in parallel (those of a rank's group of ranks):
+/// a context takes tenths of a second.
 fn open_devices(
     devices: &[usize],
     threads: usize,
@@ -162,6 +205,53 @@ fn open_devices(
         backends.extend(b?);
     }
     Ok(backends)
+}
+
+/// Opens `devices` one after another on a thread of their own and returns once the first
+/// one's backends are ready, with the others to follow. The driver makes one context at a
+/// time: on a 4 x H200 node four contexts opened together were all ready 0.44-0.47 s after
+/// `cuInit`, and opened in turn the first after 0.11-0.12 s, the next ones 0.12 s apart
+/// (docs/benchmarks.md), so the first GPUs solve frames while the last ones open.
+fn open_one_by_one(
+    devices: Vec<usize>,
+    threads: usize,
+    per_device: usize,
+    required: bool,
+) -> Result<Opened> {
+    let (tx, opening) = channel();
+    let opener = std::thread::Builder::new()
+        .name("spex-open".into())
+        .spawn(move || {
+            for d in devices {
+                if tx
+                    .send((d, on(BackendKind::Cuda, threads, d, per_device)))
+                    .is_err()
+                {
+                    break;
+                }
+            }
+        })
+        .map_err(|e| Error::Gpu(format!("cannot start the thread that opens the GPUs: {e}")))?;
+    let (_, first) = opening.recv().unwrap_or_else(|_| {
+        let stopped = Error::Internal("the thread opening the GPUs stopped".into());
+        (0, Err(stopped))
+    });
+    match first {
+        Ok(now) => Ok(Opened {
+            now,
+            later: Some(Later {
+                opening,
+                required,
+                opener,
+            }),
+        }),
+        Err(e) => {
+            // The opener stops at its next device, which nobody takes any more.
+            drop(opening);
+            let _ = opener.join();
+            Err(e)
+        }
+    }
 }
 
 /// Logs the layout once, on rank 0: ranks, nodes, ranks per node, threads, roles and which

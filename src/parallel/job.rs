@@ -16,7 +16,7 @@ use std::cell::Cell;
 use std::time::Instant;
 
 use super::collective::{timed_read, GroupContext};
-use super::devices::{devices_of, log_layout, start_backends, DeviceRequest};
+use super::devices::{devices_of, log_layout, start_backends, DeviceRequest, Opened};
 use super::layout::{self, Layout, Roles};
 use super::messages::{decode, encode};
 use super::phases::Outcome;
@@ -93,33 +93,37 @@ pub fn run(
         _ => 0,
     };
     let t_run = Cell::new(Instant::now());
-    let open = || -> Option<Vec<Box<dyn Backend>>> {
+    let open = || -> Option<Opened> {
         let started = devices.map(|d| d.and_then(|d| start_backends(&request, layout.threads, d)));
-        let mut backends = match started {
-            Some(Ok(b)) => b,
+        let mut opened = match started {
+            Some(Ok(opened)) => opened,
             Some(Err(e)) => {
                 print_line(&format!("{prefix} cannot start the backend: {e}"));
-                Vec::new()
+                Opened::none()
             }
-            None => Vec::new(),
+            None => Opened::none(),
         };
-        if world.all_max((worker.is_some() && backends.is_empty()) as u64) > 0 {
+        if world.all_max((worker.is_some() && opened.now.is_empty()) as u64) > 0 {
             return None;
         }
         // A group with one frame gives each backend one frame (or its share of one).
         if mine.len() <= 1 {
-            backends.iter_mut().for_each(|b| b.one_frame_only());
+            opened.now.iter_mut().for_each(|b| b.one_frame_only());
         }
-        log_layout(world, layout, roles, &backends);
+        log_layout(world, layout, roles, &opened.now);
         if me == 0 {
+            let others = match &opened.later {
+                Some(_) => "; the other GPUs open meanwhile",
+                None => "",
+            };
             tracing::info!(
-                "backends ready in {:.2} s ({})",
+                "backends ready in {:.2} s ({}{others})",
                 t_start.elapsed().as_secs_f64(),
                 age()
             );
         }
         t_run.set(Instant::now());
-        Some(backends)
+        Some(opened)
     };
 
     let outcome = if group.overlapped {
@@ -152,7 +156,8 @@ pub fn run(
             progress: hooks.progress,
             check: hooks.check,
         };
-        run_collective(&context, &mine, open)?
+        // a group of several ranks opens its GPUs together (no `later`)
+        run_collective(&context, &mine, || open().map(|o| o.now))?
     };
     Some(vote(
         world,

@@ -10,7 +10,8 @@
 //! faster than one thread reads or writes it. Nothing is sent between processes: no MPS, broadcasts or
 //! gathers. The readers start before the devices open (opening four GPUs in one process
 //! took 1.0-1.5 s on a 4 x H100 node, as long as a reader takes for its first two frames);
-//! those added for compressed preprocs start once they are open ([`later_readers`]).
+//! those added for compressed preprocs start once they are open ([`later_readers`]). A rank's
+//! GPUs open one after another, and each takes frames as soon as it is open.
 //!
 //! Errors follow the protocol of the collective loop: a frame that cannot be read or solved
 //! is reported on one line, counted and skipped, and the other frames go on.
@@ -20,6 +21,7 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
+use super::devices::{Later, Opened};
 use super::messages::Contribution;
 use super::phases::{commit_now, solve_share, write_frame, Outcome, Share};
 use super::{print_line, FrameCheck};
@@ -111,11 +113,11 @@ fn later_readers(lanes: &Lanes, frames: &[(usize, &ExtractRequest)], readers: us
 
 /// Reads, solves and writes `frames` (`(index in the list, request)`) on this rank alone.
 /// `open` starts the backends (collectively with the other ranks; `None` stops the run)
-/// while the readers read ahead. Returns what was written and what failed, or `None`
-/// when the backends did not open.
+/// while the readers read ahead; backends that open later join as they do. Returns what was
+/// written and what failed, or `None` when the backends did not open.
 pub(super) fn run(
     frames: &[(usize, &ExtractRequest)],
-    open: impl FnOnce() -> Option<Vec<Box<dyn Backend>>>,
+    open: impl FnOnce() -> Option<Opened>,
     lanes: Lanes,
     rank: usize,
     prefix: &str,
@@ -137,50 +139,30 @@ pub(super) fn run(
             }
         };
         spawn_readers(0..io_threads);
-        let Some(backends) = open() else {
+        let Some(Opened { now, later }) = open() else {
             drop(read_rx);
             return None;
         };
-        let later = later_readers(&lanes, frames, io_threads);
-        spawn_readers(io_threads..io_threads + later);
+        let later_readers = later_readers(&lanes, frames, io_threads);
+        spawn_readers(io_threads..io_threads + later_readers);
         drop(read_tx);
         tracing::info!(
             "rank {rank}: {} reader and {io_threads} writer threads",
-            io_threads + later
+            io_threads + later_readers
         );
 
-        let (solved_tx, solved_rx) = sync_channel::<Solved>(backends.len());
+        let (solved_tx, solved_rx) = sync_channel::<Solved>(lanes.first.max(now.len()));
+        let solvers = Solvers {
+            read_rx,
+            solved_tx,
+            rank,
+            prefix,
+        };
         // The progress display follows the first solver's frames.
-        let mut progress = Some(progress);
-        for (i, mut backend) in backends.into_iter().enumerate() {
-            let (read_rx, solved_tx) = (read_rx.clone(), solved_tx.clone());
-            let shown = progress.take().unwrap_or_else(Progress::silent);
-            spawn_named(scope, format!("spex-solve-{i}"), move || {
-                let mut idle_since = Instant::now();
-                while let Some(frame) = take(&read_rx) {
-                    let (k, taken) = (frame.k, Instant::now());
-                    let solved = solve(frame, backend.as_mut(), rank, prefix, &shown);
-                    let done = Instant::now();
-                    if solved_tx.send(solved).is_err() {
-                        break;
-                    }
-                    // Which lane bounds the rate: a solver that waits for readers, or for
-                    // writers, or neither.
-                    tracing::debug!(
-                        "frame {k}: its solver waited {:.1} ms for it, solved it in {:.1} ms \
-                         and handed it to a writer in {:.1} ms",
-                        ms(taken - idle_since),
-                        ms(done - taken),
-                        ms(done.elapsed())
-                    );
-                    idle_since = Instant::now();
-                }
-                let t0 = Instant::now();
-                drop(backend);
-                tracing::debug!("backend released in {:.3} s", t0.elapsed().as_secs_f64());
-            });
-        }
-        drop((read_rx, solved_tx));
+        let ready = now.len();
+        solvers.spawn(scope, now, 0, progress);
+        let unread =
+            scope.spawn(move || solvers.join_later(scope, later, ready, frames, next_frame));
 
         let solved_rx: Shared<Solved> = Arc::new(Mutex::new(solved_rx));
         let writers: Vec<_> = (0..io_threads)
@@ -199,8 +181,129 @@ pub(super) fn run(
                 outcome.add(o);
             }
         }
+        // Frames left unread because a GPU that had to open did not are failed frames.
+        outcome.failed += unread.join().unwrap_or(0);
         Some(outcome)
     })
+}
+
+/// What a solver thread takes frames from and hands them to.
+struct Solvers<'a> {
+    read_rx: Shared<Read<'a>>,
+    solved_tx: SyncSender<Solved<'a>>,
+    rank: usize,
+    prefix: &'a str,
+}
+
+impl<'a> Solvers<'a> {
+    /// Starts a solver thread for each of `backends`, numbered from `first`; the first one
+    /// shows `progress`.
+    fn spawn<'scope>(
+        &self,
+        scope: &'scope std::thread::Scope<'scope, '_>,
+        backends: Vec<Box<dyn Backend>>,
+        first: usize,
+        progress: Progress,
+    ) where
+        'a: 'scope,
+    {
+        let mut progress = Some(progress);
+        for (i, mut backend) in backends.into_iter().enumerate() {
+            let (read_rx, solved_tx) = (self.read_rx.clone(), self.solved_tx.clone());
+            let (rank, prefix) = (self.rank, self.prefix);
+            let shown = progress.take().unwrap_or_else(Progress::silent);
+            spawn_named(scope, format!("spex-solve-{}", first + i), move || {
+                solve_all(&read_rx, &solved_tx, backend.as_mut(), rank, prefix, &shown);
+                let t0 = Instant::now();
+                drop(backend);
+                tracing::debug!("backend released in {:.3} s", t0.elapsed().as_secs_f64());
+            });
+        }
+    }
+
+    /// Starts solvers for the backends of `later` as their GPUs open, until they all have,
+    /// numbered after the `ready` ones. A GPU that had to open and did not stops the readers: the frames not yet read are
+    /// not extracted, and their count is returned.
+    fn join_later<'scope>(
+        self,
+        scope: &'scope std::thread::Scope<'scope, '_>,
+        later: Option<Later>,
+        ready: usize,
+        frames: &[(usize, &ExtractRequest)],
+        next_frame: &AtomicUsize,
+    ) -> usize
+    where
+        'a: 'scope,
+    {
+        let Some(later) = later else {
+            return 0;
+        };
+        let t0 = Instant::now();
+        let mut numbered = ready;
+        let mut unread = 0;
+        for (device, opened) in later.opening {
+            match opened {
+                Ok(backends) => {
+                    tracing::debug!(
+                        "cuda:{device} takes frames {:.2} s after the first GPU",
+                        t0.elapsed().as_secs_f64()
+                    );
+                    let n = backends.len();
+                    self.spawn(scope, backends, numbered, Progress::silent());
+                    numbered += n;
+                }
+                Err(e) if later.required => {
+                    print_line(&format!(
+                        "{} cannot start the backend on CUDA device {device}: {e}; the frames \
+                         not yet read are not extracted",
+                        self.prefix
+                    ));
+                    let taken = next_frame.swap(STOPPED, Ordering::Relaxed);
+                    unread += frames.len().saturating_sub(taken);
+                }
+                Err(e) => tracing::warn!(
+                    "CUDA device {device} did not start ({e}); the other GPUs take its frames"
+                ),
+            }
+        }
+        let _ = later.opener.join();
+        unread
+    }
+}
+
+/// The readers' next index once the frames are no longer read: beyond any list, and far
+/// from overflowing however many readers still add to it.
+const STOPPED: usize = usize::MAX / 2;
+
+/// Solves the frames of `read_rx` on `backend` and hands them to the writers, until none
+/// are left or no writer takes them any more.
+fn solve_all<'a>(
+    read_rx: &Mutex<Receiver<Read<'a>>>,
+    solved_tx: &SyncSender<Solved<'a>>,
+    backend: &mut dyn Backend,
+    rank: usize,
+    prefix: &str,
+    shown: &Progress,
+) {
+    let mut idle_since = Instant::now();
+    while let Some(frame) = take(read_rx) {
+        let (k, taken) = (frame.k, Instant::now());
+        let solved = solve(frame, backend, rank, prefix, shown);
+        let done = Instant::now();
+        if solved_tx.send(solved).is_err() {
+            break;
+        }
+        // Which lane bounds the rate: a solver that waits for readers, or for writers, or
+        // neither.
+        tracing::debug!(
+            "frame {k}: its solver waited {:.1} ms for it, solved it in {:.1} ms and handed \
+             it to a writer in {:.1} ms",
+            ms(taken - idle_since),
+            ms(done - taken),
+            ms(done.elapsed())
+        );
+        idle_since = Instant::now();
+    }
 }
 
 /// Starts a thread of the scope under `name`, which the system's tools show (e.g. the CPU
@@ -395,8 +498,68 @@ fn solve<'a>(
 
 #[cfg(test)]
 mod tests {
-    use super::{default_io_threads, io_threads, later_readers, on_lane, one_thread, Lanes};
+    use super::{
+        default_io_threads, io_threads, later_readers, on_lane, one_thread, run, Lanes, Outcome,
+    };
+    use crate::backend::{self, Backend, BackendKind, Progress};
+    use crate::error::{Error, Result};
+    use crate::parallel::devices::{Later, Opened};
     use crate::pipeline::ExtractRequest;
+    use std::path::Path;
+
+    /// `n` extractions of fibers 0-24 of the bundled preproc 0 (a small grid), into `dir`.
+    fn bundle_frames(dir: &Path, n: usize) -> Vec<ExtractRequest> {
+        let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data");
+        (0..n)
+            .map(|k| {
+                let mut r = ExtractRequest::new(
+                    data.join("preproc-bundle0.fits"),
+                    data.join("psf-r0-00067784.fits"),
+                    dir.join(format!("frame-{k}.fits")),
+                );
+                r.wavelength = Some((6000.0, 6100.0, 0.8));
+                r.nspec = Some(25);
+                r
+            })
+            .collect()
+    }
+
+    fn cpu_backend() -> Vec<Box<dyn Backend>> {
+        vec![backend::create(BackendKind::Cpu, 1, 0).expect("a CPU backend")]
+    }
+
+    /// Runs `requests` with `now` backends and `later` ones, as a rank of one GPU would.
+    fn run_with(
+        requests: &[ExtractRequest],
+        now: Vec<Box<dyn Backend>>,
+        later: Vec<Result<Vec<Box<dyn Backend>>>>,
+        required: bool,
+    ) -> Outcome {
+        let (tx, opening) = std::sync::mpsc::channel();
+        for (d, opened) in later.into_iter().enumerate() {
+            tx.send((d + 1, opened)).expect("queued");
+        }
+        drop(tx);
+        let later = Later {
+            opening,
+            required,
+            opener: std::thread::spawn(|| ()),
+        };
+        let frames: Vec<_> = requests.iter().enumerate().collect();
+        let lanes = Lanes {
+            gpus: 1,
+            io_threads: Some(1),
+            cores: 2,
+            first: 1,
+        };
+        let open = || {
+            Some(Opened {
+                now,
+                later: Some(later),
+            })
+        };
+        run(&frames, open, lanes, 0, "test:", None, Progress::silent()).expect("backends")
+    }
 
     #[test]
     fn readers_follow_the_cores_of_a_gpu_rank() {
@@ -476,5 +639,46 @@ mod tests {
         // never more than the frames, never none
         assert_eq!(io_threads(&lanes(4, None), 5), 5);
         assert_eq!(io_threads(&lanes(1, None), 0), 1);
+    }
+
+    #[test]
+    fn backends_that_open_later_take_frames() {
+        // no backend at first: every frame waits for the one that opens later
+        let dir = tempfile::tempdir().expect("a directory");
+        let requests = bundle_frames(dir.path(), 3);
+        let outcome = run_with(&requests, Vec::new(), vec![Ok(cpu_backend())], true);
+        assert_eq!((outcome.written, outcome.failed), (3, 0));
+        assert!(requests.iter().all(|r| r.output.exists()));
+    }
+
+    #[test]
+    fn a_gpu_that_was_not_required_leaves_its_frames_to_the_others() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let requests = bundle_frames(dir.path(), 3);
+        let failed = Err(Error::Gpu("the device is lost".into()));
+        let outcome = run_with(&requests, cpu_backend(), vec![failed], false);
+        assert_eq!((outcome.written, outcome.failed), (3, 0));
+    }
+
+    #[test]
+    fn a_required_gpu_that_does_not_open_stops_the_reading() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let requests = bundle_frames(dir.path(), 8);
+        crate::parallel::capture_lines();
+        let failed = Err(Error::Gpu("the device is lost".into()));
+        let outcome = run_with(&requests, cpu_backend(), vec![failed], true);
+        let lines = crate::parallel::take_captured_lines();
+        // The frames read before it failed are written; one reader, one frame waiting and
+        // one being solved stop the reading within three frames, long before the eighth.
+        assert_eq!(outcome.written + outcome.failed, 8);
+        assert!(outcome.failed >= 1, "{outcome:?}");
+        let written = requests.iter().filter(|r| r.output.exists()).count();
+        assert_eq!(written, outcome.written);
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.contains("CUDA device 1") && l.contains("the device is lost")),
+            "{lines:?}"
+        );
     }
 }

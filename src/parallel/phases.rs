@@ -20,7 +20,7 @@ use crate::output::StagedSet;
 use crate::pipeline::{self, ExtractRequest, Inputs, Timings};
 
 /// What a writer counts.
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub(super) struct Outcome {
     pub written: usize,
     pub failed: usize,
