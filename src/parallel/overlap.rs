@@ -221,9 +221,10 @@ impl<'a> Solvers<'a> {
         }
     }
 
-    /// Starts solvers for the backends of `later` as their GPUs open, until they all have,
-    /// numbered after the `ready` ones. A GPU that had to open and did not stops the readers: the frames not yet read are
-    /// not extracted, and their count is returned.
+    /// Starts solvers for the backends of `later` as their GPUs open, until they all have
+    /// (so the run lasts until then), numbered after the `ready` ones. A GPU that had to
+    /// open and did not stops the readers: the frames not yet read are not extracted, and
+    /// their count is returned.
     fn join_later<'scope>(
         self,
         scope: &'scope std::thread::Scope<'scope, '_>,
