@@ -348,3 +348,35 @@ fn log_device_map(devices: &[u64]) {
         map.join(" ")
     );
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{start_backends, DeviceRequest};
+    use crate::config::BackendChoice;
+
+    /// A rank that solves whole frames on GPUs of ordinals no machine has, so that none opens.
+    fn on_missing_gpus(required: bool) -> (DeviceRequest, Vec<usize>) {
+        let request = DeviceRequest {
+            choice: BackendChoice::Gpu { required },
+            device: None,
+            per_device: Some(1),
+            whole_frames: true,
+            frames: 4,
+            narrow: false,
+        };
+        (request, vec![1000, 1001])
+    }
+
+    #[test]
+    fn gpus_opened_in_turn_that_fail_give_way_to_the_cpu_unless_required() {
+        // the first GPU fails: its opener stops and is joined, and the rank goes to the CPU
+        let (request, devices) = on_missing_gpus(false);
+        let opened = start_backends(&request, 2, devices).expect("the CPU instead");
+        assert!(opened.later.is_none());
+        let names: Vec<String> = opened.now.iter().map(|b| b.describe()).collect();
+        assert!(names.len() == 1 && names[0].starts_with("cpu"), "{names:?}");
+        // under --gpu it is the job's error
+        let (request, devices) = on_missing_gpus(true);
+        assert!(start_backends(&request, 2, devices).is_err());
+    }
+}
