@@ -179,8 +179,9 @@ fn on(
     Ok(backends)
 }
 
-/// Opens the CUDA backends of every device in parallel (those of a rank's group of ranks):
-/// a context takes tenths of a second.
+/// Opens the CUDA backends of every device at once and returns when all are open: a rank's
+/// only GPU, or those of a rank that shares its frames with other ranks, which cannot start
+/// before every GPU of its group is ready.
 fn open_devices(
     devices: &[usize],
     threads: usize,
