@@ -179,9 +179,8 @@ fn on(
     Ok(backends)
 }
 
-/// Opens the CUDA backends of every device at once and returns when all are open: a rank's
-/// only GPU, or those of a rank that shares its frames with other ranks, which cannot start
-/// before every GPU of its group is ready.
+/// Opens the CUDA backends of every device at once and returns when all are open: in practice
+/// a rank's only GPU (a rank that shares its frames with other ranks drives one).
 fn open_devices(
     devices: &[usize],
     threads: usize,
