@@ -246,9 +246,12 @@ fn open_one_by_one(
             }),
         }),
         Err(e) => {
-            // The opener stops at its next device, which nobody takes any more.
+            // The opener stops at its next device, which nobody takes any more; a panic there
+            // is raised here, as on any other thread of the rank.
             drop(opening);
-            let _ = opener.join();
+            if let Err(panic) = opener.join() {
+                std::panic::resume_unwind(panic);
+            }
             Err(e)
         }
     }

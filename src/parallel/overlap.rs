@@ -176,15 +176,20 @@ pub(super) fn run(
         drop(solved_rx);
         let mut outcome = Outcome::default();
         for w in writers {
-            // A writer that panicked has reported it; the scope re-raises the panic.
-            if let Ok(o) = w.join() {
-                outcome.add(o);
-            }
+            outcome.add(joined(w));
         }
         // Frames left unread because a GPU that had to open did not are failed frames.
-        outcome.failed += unread.join().unwrap_or(0);
+        outcome.failed += joined(unread);
         Some(outcome)
     })
+}
+
+/// What a thread of the scope returned; its panic, if it panicked, goes on in the caller
+/// (the scope raises only the panics of threads nobody joined).
+fn joined<T>(thread: std::thread::ScopedJoinHandle<'_, T>) -> T {
+    thread
+        .join()
+        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }
 
 /// What a solver thread takes frames from and hands them to.
@@ -267,7 +272,10 @@ impl<'a> Solvers<'a> {
                 ),
             }
         }
-        let _ = later.opener.join();
+        // a panic while opening a GPU is the run's, as on the rank's other threads
+        if let Err(panic) = later.opener.join() {
+            std::panic::resume_unwind(panic);
+        }
         unread
     }
 }
@@ -505,6 +513,7 @@ mod tests {
     use crate::backend::{self, Backend, BackendKind, Progress};
     use crate::error::{Error, Result};
     use crate::parallel::devices::{Later, Opened};
+    use crate::parallel::FrameCheck;
     use crate::pipeline::ExtractRequest;
     use std::path::Path;
 
@@ -536,6 +545,17 @@ mod tests {
         later: Vec<Result<Vec<Box<dyn Backend>>>>,
         required: bool,
     ) -> Outcome {
+        run_checked(requests, now, later, required, None)
+    }
+
+    /// [`run_with`], each frame written passed to `check`.
+    fn run_checked(
+        requests: &[ExtractRequest],
+        now: Vec<Box<dyn Backend>>,
+        later: Vec<Result<Vec<Box<dyn Backend>>>>,
+        required: bool,
+        check: Option<&FrameCheck<'_>>,
+    ) -> Outcome {
         let (tx, opening) = std::sync::mpsc::channel();
         for (d, opened) in later.into_iter().enumerate() {
             tx.send((d + 1, opened)).expect("queued");
@@ -559,7 +579,7 @@ mod tests {
                 later: Some(later),
             })
         };
-        run(&frames, open, lanes, 0, "test:", None, Progress::silent()).expect("backends")
+        run(&frames, open, lanes, 0, "test:", check, Progress::silent()).expect("backends")
     }
 
     #[test]
@@ -681,5 +701,17 @@ mod tests {
                 .any(|l| l.contains("CUDA device 1") && l.contains("the device is lost")),
             "{lines:?}"
         );
+    }
+
+    #[test]
+    #[should_panic(expected = "a writer's check panics")]
+    fn a_writer_that_panics_panics_the_run() {
+        // joined by the run, its panic would be lost if the run did not raise it again
+        let dir = tempfile::tempdir().expect("a directory");
+        let requests = bundle_frames(dir.path(), 2);
+        let check = |_: &ExtractRequest, _: &crate::frame::Frame| -> Result<bool> {
+            panic!("a writer's check panics")
+        };
+        run_checked(&requests, cpu_backend(), Vec::new(), true, Some(&check));
     }
 }
