@@ -112,9 +112,10 @@ pub fn run(
         }
         log_layout(world, layout, roles, &opened.now);
         if me == 0 {
-            let others = match &opened.later {
-                Some(_) => "; the other GPUs open meanwhile",
-                None => "",
+            let others = if opened.later.is_some() {
+                "; the other GPUs open meanwhile"
+            } else {
+                ""
             };
             tracing::info!(
                 "backends ready in {:.2} s ({}{others})",
