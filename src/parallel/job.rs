@@ -106,8 +106,10 @@ pub fn run(
         if world.all_max((worker.is_some() && opened.now.is_empty()) as u64) > 0 {
             return None;
         }
-        // A group with one frame gives each backend one frame (or its share of one).
+        // A group with one frame gives each backend one frame (or its share of one). Such a
+        // rank opens one GPU at most (`devices_for`), so no backend is still to come.
         if mine.len() <= 1 {
+            debug_assert!(opened.later.is_none(), "a one-frame rank opens one GPU");
             opened.now.iter_mut().for_each(|b| b.one_frame_only());
         }
         log_layout(world, layout, roles, &opened.now);
