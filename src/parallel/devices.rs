@@ -101,10 +101,12 @@ pub(super) struct Opened {
 impl Opened {
     /// No backend: a rank that holds none, or whose backends did not start.
     pub fn none() -> Self {
-        Opened {
-            now: Vec::new(),
-            later: None,
-        }
+        Self::ready(Vec::new())
+    }
+
+    /// Backends all ready now, none to follow.
+    fn ready(now: Vec<Box<dyn Backend>>) -> Self {
+        Opened { now, later: None }
     }
 }
 
@@ -134,13 +136,13 @@ pub(super) fn start_backends(
     // CPU backends in flight share the rank's threads rather than oversubscribe them.
     let cpu = || {
         let per_device = request.in_flight(0);
-        let now = on(
+        on(
             BackendKind::Cpu,
             (threads / per_device).max(1),
             0,
             per_device,
-        )?;
-        Ok(Opened { now, later: None })
+        )
+        .map(Opened::ready)
     };
     let per_device = request.in_flight(devices.len());
     if devices.is_empty() {
@@ -152,7 +154,7 @@ pub(super) fn start_backends(
     let opened = if request.whole_frames && devices.len() > 1 {
         open_one_by_one(devices, host_threads, per_device, required)
     } else {
-        open_devices(&devices, host_threads, per_device).map(|now| Opened { now, later: None })
+        open_devices(&devices, host_threads, per_device).map(Opened::ready)
     };
     match opened {
         Err(e) if !required => {
@@ -246,14 +248,19 @@ fn open_one_by_one(
             }),
         }),
         Err(e) => {
-            // The opener stops at its next device, which nobody takes any more; a panic there
-            // is raised here, as on any other thread of the rank.
+            // the opener stops at its next device, which nobody takes any more
             drop(opening);
-            if let Err(panic) = opener.join() {
-                std::panic::resume_unwind(panic);
-            }
+            join_opener(opener);
             Err(e)
         }
+    }
+}
+
+/// Joins the thread that opened a rank's GPUs; a panic there is the rank's, as on its other
+/// threads.
+pub(super) fn join_opener(opener: JoinHandle<()>) {
+    if let Err(panic) = opener.join() {
+        std::panic::resume_unwind(panic);
     }
 }
 

@@ -21,7 +21,7 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
-use super::devices::{Later, Opened};
+use super::devices::{join_opener, Later, Opened};
 use super::messages::Contribution;
 use super::phases::{commit_now, solve_share, write_frame, Outcome, Share};
 use super::{print_line, FrameCheck};
@@ -272,10 +272,7 @@ impl<'a> Solvers<'a> {
                 ),
             }
         }
-        // a panic while opening a GPU is the run's, as on the rank's other threads
-        if let Err(panic) = later.opener.join() {
-            std::panic::resume_unwind(panic);
-        }
+        join_opener(later.opener);
         unread
     }
 }
